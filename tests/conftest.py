@@ -1,0 +1,33 @@
+import os
+
+# The CPU suite runs Pallas kernels in interpret mode; several host devices let
+# mesh/sharding code run without GPUs. Set before jax initialises a backend.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("ci")
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if on_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the H200 machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def interpret() -> bool:
+    """Pallas interpret mode everywhere but on a GPU."""
+    return not on_gpu()

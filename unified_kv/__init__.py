@@ -1,0 +1,9 @@
+"""The unified target/draft paged KV cache: specs, pools, functional state."""
+
+from unified_kv.admission import (AdmissionController, AdmissionError, Reservation,
+                                  bytes_per_pool, bytes_per_request, pages_per_request)
+from unified_kv.spec import (BAD_PAGE_INDEX, KV_DTYPES, SUPPORTED_PAGE_SIZES, CacheSpec,
+                             CacheSpecError, LayerSpec, PoolSpec, max_live_pages)
+from unified_kv.state import (KVState, admit_slots, allocate_pages, grow, init_state,
+                              release_slots, retire_window_pages, row_extent,
+                              state_shardings, validate_slot_ids)
