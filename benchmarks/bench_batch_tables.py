@@ -1,0 +1,63 @@
+"""Batch-only tables vs full-capacity rebuilds, max_seq_len 4K..1M.
+
+    PYTHONPATH=. python benchmarks/bench_batch_tables.py [--out DIR]
+
+Fixed batch of 64 rows out of 256 slots, 3 pools (full fp8 target, windowed
+fp8 target, windowed bf16 draft), page size 16. For each max_seq_len:
+  * batch_4k: the kernel for the batch rows at 4K-token contexts (width 256)
+  * batch_widest: the kernel when the widest row is max_seq_len long
+  * full_rebuild: converting every pool's whole [slots + 1, max_pages] table
+    (what a system without batch-only tables does every step), jitted XLA.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import time_call, write_results
+from pallas_kernels.batch_tables import bucket_width, build_batch_tables
+
+NUM_SLOTS, BATCH, PAGE = 256, 64, 16
+SCALES = (8, 8, 4)
+
+
+def full_rebuild(tables):
+    return tuple(jnp.where(t < 0, -1, t * s) for t, s in zip(tables, SCALES))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    interpret = jax.default_backend() == "cpu"
+    rng = np.random.default_rng(0)
+    rows = []
+    for max_seq_len in (4096, 16384, 65536, 262144, 1048576):
+        max_pages = max_seq_len // PAGE + 1
+        tables = tuple(jnp.asarray(rng.integers(-1, 1 << 20, (NUM_SLOTS + 1, max_pages)),
+                                   jnp.int32) for _ in SCALES)
+        slot_ids = jnp.asarray(rng.permutation(NUM_SLOTS)[:BATCH], jnp.int32)
+        result = {"max_seq_len": max_seq_len, "max_pages_per_seq": max_pages}
+        for name, width in (("batch_4k", bucket_width(4096 // PAGE, max_pages)),
+                            ("batch_widest", bucket_width(max_pages, max_pages))):
+            fn = jax.jit(lambda ids, t, w=width: build_batch_tables(
+                ids, t, table_width=w, scales=SCALES, interpret=interpret))
+            result[f"{name}_us"] = time_call(fn, slot_ids, tables) * 1e6
+            result[f"{name}_width"] = width
+        result["full_rebuild_us"] = time_call(jax.jit(full_rebuild), tables) * 1e6
+        result["full_over_batch_4k"] = result["full_rebuild_us"] / result["batch_4k_us"]
+        rows.append(result)
+        print(f"max_seq_len={max_seq_len:>8}  batch_4k={result['batch_4k_us']:8.1f} us  "
+              f"batch_widest={result['batch_widest_us']:8.1f} us (w={result['batch_widest_width']})  "
+              f"full_rebuild={result['full_rebuild_us']:9.1f} us  "
+              f"ratio={result['full_over_batch_4k']:.1f}x", flush=True)
+    print("wrote", write_results("batch_tables", {"batch": BATCH, "num_slots": NUM_SLOTS,
+                                                 "page_size": PAGE, "rows": rows}, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Paged decode/verify attention vs its jnp reference on random pools."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from unified_kv import BAD_PAGE_INDEX
+
+POISON = 1e4
+
+
+def make_case(rng, *, batch, max_q, num_q_heads, num_kv_heads, head_dim=32, page_size=8,
+              num_layers=2, kv_dtype=jnp.bfloat16, window=None, kv_lens=None, q_lens=None,
+              table_width=None):
+    """Random pool and tables; windowed rows get BAD entries in front of their tail,
+    whose pages are filled with huge values so reading one would show."""
+    kv_lens = np.asarray(kv_lens if kv_lens is not None else
+                         rng.integers(1, 60, batch), np.int32)
+    q_lens = np.asarray(q_lens if q_lens is not None else
+                        np.minimum(rng.integers(1, max_q + 1, batch), kv_lens), np.int32)
+    pages_needed = [-(-int(n) // page_size) for n in kv_lens]
+    width = table_width or max(max(pages_needed), 1)
+    num_pages = sum(pages_needed) + 4
+    pool = rng.standard_normal((num_kv_heads, num_pages, num_layers, 2, page_size, head_dim))
+    if kv_dtype == jnp.float8_e4m3fn:
+        pool = pool * 2.0  # stored = value / scale with scales below
+    perm = rng.permutation(num_pages)
+    table = np.full((batch, width), BAD_PAGE_INDEX, np.int32)
+    used = 0
+    for b in range(batch):
+        first = 0
+        if window is not None:
+            first = max(int(kv_lens[b] - q_lens[b]) - window + 1, 0) // page_size
+        pages = perm[used:used + pages_needed[b]]
+        used += pages_needed[b]
+        table[b, first:pages_needed[b]] = pages[first:] * 2 * num_layers
+        pool[:, pages[:first]] = POISON  # retired pages: must never be read
+    q = rng.standard_normal((batch, max_q, num_q_heads, head_dim))
+    return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(pool, kv_dtype), jnp.asarray(table),
+            jnp.asarray(kv_lens), jnp.asarray(q_lens))
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), "non-finite output (an unwritten or poisoned read?)"
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-6)
+
+
+CASES = [
+    # name, kwargs
+    ("decode_gqa4", dict(batch=5, max_q=1, num_q_heads=8, num_kv_heads=2)),
+    ("decode_mha", dict(batch=3, max_q=1, num_q_heads=2, num_kv_heads=2)),
+    ("verify_gqa8", dict(batch=4, max_q=8, num_q_heads=8, num_kv_heads=1)),
+    ("verify_window", dict(batch=6, max_q=5, num_q_heads=4, num_kv_heads=1, window=16)),
+    ("window_page_edges", dict(batch=4, max_q=3, num_q_heads=4, num_kv_heads=2, window=8,
+                               kv_lens=[8, 9, 16, 17], q_lens=[1, 3, 3, 2])),
+    ("page_boundaries", dict(batch=5, max_q=2, num_q_heads=4, num_kv_heads=4,
+                             kv_lens=[7, 8, 9, 15, 16], q_lens=[2, 1, 2, 2, 1])),
+    ("fp8", dict(batch=4, max_q=4, num_q_heads=8, num_kv_heads=2,
+                 kv_dtype=jnp.float8_e4m3fn)),
+    ("fp8_window", dict(batch=4, max_q=1, num_q_heads=8, num_kv_heads=2, window=24,
+                        kv_dtype=jnp.float8_e4m3fn)),
+    ("padding_rows", dict(batch=4, max_q=3, num_q_heads=4, num_kv_heads=1,
+                          kv_lens=[20, 0, 33, 0], q_lens=[3, 0, 2, 0])),
+    ("wide_table", dict(batch=3, max_q=2, num_q_heads=4, num_kv_heads=2, table_width=32)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("soft_cap", [None, 20.0])
+def test_kernel_matches_reference(interpret, name, kwargs, soft_cap):
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    q, pool, table, kv_lens, q_lens = make_case(rng, **kwargs)
+    fp8 = pool.dtype == jnp.float8_e4m3fn
+    args = dict(layer_offset=1, sliding_window=kwargs.get("window"), soft_cap=soft_cap,
+                k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+    ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
+    for splits in (1, 3):
+        out = paged_attention(q, pool, table, kv_lens, q_lens, pages_per_block=2,
+                              num_splits=splits, interpret=interpret, **args)
+        assert out.shape == q.shape
+        assert rel_err(out, ref) < 2e-2, f"{name} splits={splits}"
+        # Query tokens past q_len (and padding rows) are zeros, not garbage.
+        mask = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
+        assert (np.asarray(out, np.float32)[mask] == 0).all()
+
+
+def test_verify_rows_are_causal_among_themselves(interpret):
+    """Query i of a verify row must not see keys of queries after it."""
+    rng = np.random.default_rng(7)
+    q, pool, table, kv_lens, q_lens = make_case(rng, batch=1, max_q=4, num_q_heads=2,
+                                                num_kv_heads=1, kv_lens=[12], q_lens=[4])
+    out = paged_attention(q, pool, table, kv_lens, q_lens, layer_offset=0, interpret=interpret)
+    # Same first query with the later three tokens' keys dropped (kv_len 9, q_len 1).
+    solo = paged_attention(q[:, :1], pool, table, jnp.array([9]), jnp.array([1]),
+                           layer_offset=0, interpret=interpret)
+    np.testing.assert_allclose(np.asarray(out[:, 0], np.float32),
+                               np.asarray(solo[:, 0], np.float32), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=jnp.zeros((2, 1, 3, 32), jnp.bfloat16)), "multiple of num_kv_heads"),
+    (dict(q=jnp.zeros((2, 1, 4, 16), jnp.bfloat16)), "head_dim"),
+    (dict(q=jnp.zeros((2, 1, 4, 32), jnp.int32)), "q must be bf16"),
+    (dict(batch_table=jnp.zeros((3, 4), jnp.int32)), "batch_table must be i32"),
+    (dict(kv_lens=jnp.zeros((2,), jnp.float32)), "kv_lens must be i32"),
+    (dict(layer_offset=2), "layer_offset=2 outside"),
+    (dict(pages_per_block=3), "pages_per_block must be a power of two"),
+])
+def test_invalid_inputs_raise_at_trace_time(change, match):
+    args = dict(q=jnp.zeros((2, 1, 4, 32), jnp.bfloat16),
+                pool=jnp.zeros((2, 6, 2, 2, 8, 32), jnp.bfloat16),
+                batch_table=jnp.zeros((2, 4), jnp.int32), kv_lens=jnp.ones((2,), jnp.int32),
+                q_lens=jnp.ones((2,), jnp.int32), layer_offset=0)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        paged_attention(interpret=True, **args)
