@@ -16,7 +16,8 @@ Pool layout and kernel page index (see unified_kv/spec.py):
 
 A windowed row's table has BAD (-1) entries in front of its live tail; the
 kernel starts at the first page the earliest query can see, so they are never
-read. Query rows past a row's `q_len` (and padding rows, q_len 0) get zeros.
+read. BAD entries padding a row's last block read the pool's null page (page
+0: reserved, never allocated, all zeros) and are masked. Query rows past a row's `q_len` (and padding rows, q_len 0) get zeros.
 
 Lowering: Pallas Triton (also runs in interpret mode on CPU).
 """
@@ -33,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from unified_kv.spec import BAD_PAGE_INDEX
+from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_ROWS = 16  # Triton's dot needs at least 16 rows
@@ -48,7 +49,7 @@ def paged_attention_kernel(
     q_lens_ref,     # i32[batch]
     # outputs
     o_ref,          # [rows, head_dim], normalised within this split
-    m_ref,          # f32[rows], running max (log-sum-exp parts for the split combine)
+    m_ref,          # f32[rows], running max of log2-scaled logits (split combine)
     l_ref,          # f32[rows], running denominator
     *,
     k_offset: int,
@@ -80,6 +81,7 @@ def paged_attention_kernel(
 
     q = q_ref[...]
     logit_scale = sm_scale * k_scale
+    log2e = math.log2(math.e)
 
     def body(i, carry):
         acc, m_prev, l_prev = carry
@@ -87,9 +89,9 @@ def paged_attention_kernel(
         entries = plgpu.load(table_ref.at[pl.ds(lo + i * pages_per_block, pages_per_block)],
                              mask=(page_ids < hi) & (page_ids < table_width),
                              other=BAD_PAGE_INDEX)
-        # Never index with BAD. Allocation keeps every page a query can see
-        # valid, so a BAD entry here only covers positions the masks drop.
-        safe = jnp.where(entries == BAD_PAGE_INDEX, 0, entries)
+        # Blocks start at the first live page, so BAD entries only pad the last
+        # block; they read the pool's all-zero null page and are masked below.
+        safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
         k = kv_pages_ref[safe + k_offset].reshape(block_k, head_dim).astype(q.dtype)
         v = kv_pages_ref[safe + k_offset + 1].reshape(block_k, head_dim).astype(q.dtype)
         logits = plgpu.dot(q, k, trans_b=True) * logit_scale   # f32[rows, block_k]
@@ -102,10 +104,13 @@ def paged_attention_kernel(
                    & row_valid[:, None])
         if sliding_window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        logits = jnp.where(visible, logits, MASK_VALUE)
+        logits = jnp.where(visible, logits * log2e, MASK_VALUE)  # base-2 softmax
         m_next = jnp.maximum(m_prev, logits.max(axis=1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp(logits - m_next[:, None]), 0.0)
+        # A row with nothing visible yet keeps m == MASK_VALUE: subtract 0 so its
+        # masked logits still underflow to p == 0.
+        m_sub = jnp.where(m_next == MASK_VALUE, 0.0, m_next)
+        correction = jnp.exp2(m_prev - m_sub)
+        p = jnp.exp2(logits - m_sub[:, None])
         l_next = l_prev * correction + p.sum(axis=1)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_next, l_next
@@ -219,7 +224,7 @@ def paged_attention(
 
 def _combine_splits(o, m, l):
     """Merge per-split softmax parts: o [S, B, H, R, D], m and l [S, B, H, R]."""
-    weight = jnp.exp(m - m.max(axis=0, keepdims=True)) * l
+    weight = jnp.exp2(m - m.max(axis=0, keepdims=True)) * l  # m is in log2 units
     total = weight.sum(axis=0)
     out = (o * weight[..., None]).sum(axis=0)
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)

@@ -89,11 +89,11 @@ class AdmissionController:
                 f"after a request finishes or raise num_slots")
         need = pages_per_request(spec, max_len)
         for pool, n, held in zip(spec.pools, need, self._reserved):
-            if held + n > pool.num_pages:
+            if held + n > pool.num_usable_pages:
                 raise AdmissionError(
                     f"request {request_id!r}: pool {pool.pool_id} "
                     f"({pool.kv_dtype}, window={pool.sliding_window}) needs {n} pages "
-                    f"but only {pool.num_pages - held} of {pool.num_pages} are "
+                    f"but only {pool.num_usable_pages - held} of {pool.num_usable_pages} are "
                     f"unreserved; retry later, shorten the request, or raise "
                     f"memory_budget_bytes")
         slot = self._free_slots.pop(0)

@@ -34,6 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 BAD_PAGE_INDEX = -1  # an unallocated page, or one retired behind a window
+# Page 0 of every pool is reserved: never allocated, never written, all zeros.
+# Kernels read it in place of BAD entries that pad a block, so a stray read
+# can never pull NaN/Inf garbage into a masked softmax.
+NULL_PAGE = 0
 # Kernels tile keys by whole pages; Triton/Mosaic need power-of-two tiles >= 8.
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 KV_DTYPES = {"bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
@@ -86,7 +90,7 @@ class PoolSpec:
       pool_id: index into `KVState.pools` / `KVState.page_tables`.
       layer_names: layers stored in this pool, in offset order.
       roles: the set of roles ("target", "draft") of those layers.
-      num_pages: physical pages in the pool.
+      num_pages: physical pages in the pool, the reserved NULL_PAGE included.
       max_pages_per_seq: page-table width (logical pages of one row).
       bytes_per_page: one page of every layer in the pool, K and V.
     """
@@ -109,6 +113,11 @@ class PoolSpec:
     @property
     def dtype(self):
         return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def num_usable_pages(self) -> int:
+        """Pages the allocator can hand out (all but NULL_PAGE)."""
+        return self.num_pages - 1
 
     @property
     def page_index_scale(self) -> int:
@@ -228,8 +237,8 @@ def validate_cache_spec(spec: CacheSpec) -> None:
         raise CacheSpecError("draft layers without target layers: the drafter "
                              "reads target features, add the target's LayerSpecs")
     pools = derive_pools(spec)
-    need = sum(max_live_pages(spec.page_size, p.sliding_window, spec.max_seq_len,
-                              spec.max_step_tokens) * p.bytes_per_page for p in pools)
+    need = sum((max_live_pages(spec.page_size, p.sliding_window, spec.max_seq_len,
+                               spec.max_step_tokens) + 1) * p.bytes_per_page for p in pools)
     if spec.memory_budget_bytes < need:
         raise CacheSpecError(
             f"CacheSpec.memory_budget_bytes={spec.memory_budget_bytes} is too small "
@@ -272,7 +281,7 @@ def derive_pools(spec: CacheSpec) -> tuple[PoolSpec, ...]:
     Pools are sized in proportion to one max-length request's worst case
     (`max_live_pages` per pool): the budget buys N such requests at once,
     N = min(num_slots, budget / bytes of one), possibly fractional, and pool i
-    gets floor(N * live_pages_i) pages. Windowed pools so stay small: their
+    gets floor(N * live_pages_i) usable pages plus the null page. Windowed pools so stay small: their
     per-request need is bounded by the window, not the sequence.
     """
     groups: dict[tuple, list[LayerSpec]] = {}
@@ -287,7 +296,9 @@ def derive_pools(spec: CacheSpec) -> tuple[PoolSpec, ...]:
                           * np.dtype(KV_DTYPES[kv_dtype]).itemsize)
         proto.append((layout, layers, per_row, bytes_per_page))
     one_request = sum(r * b for _, _, r, b in proto)
-    num_requests = min(spec.num_slots, spec.memory_budget_bytes / one_request)
+    null_pages = sum(b for _, _, _, b in proto)
+    num_requests = min(spec.num_slots,
+                       (spec.memory_budget_bytes - null_pages) / one_request)
     pools = []
     for pool_id, (layout, layers, per_row, _) in enumerate(proto):
         window, kv_dtype, heads, head_dim = layout
@@ -296,6 +307,6 @@ def derive_pools(spec: CacheSpec) -> tuple[PoolSpec, ...]:
             head_dim=head_dim, sliding_window=window, page_size=ps,
             layer_names=tuple(l.name for l in layers),
             roles=frozenset(l.role for l in layers),
-            num_pages=math.floor(num_requests * per_row),
+            num_pages=math.floor(num_requests * per_row) + 1,
             max_pages_per_seq=spec.max_pages_per_seq))
     return tuple(pools)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from unified_kv.spec import BAD_PAGE_INDEX, CacheSpec, PoolSpec
+from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, PoolSpec
 
 
 @flax.struct.dataclass
@@ -42,7 +42,8 @@ class KVState:
     """Attributes:
       pools: per pool, [num_kv_heads, num_pages, num_layers, 2, page_size, head_dim].
       page_tables: per pool, i32[num_slots + 1, max_pages_per_seq]; BAD = -1.
-      free_pages: per pool, i32[num_pages]; a stack, entries [:num_free] are free.
+      free_pages: per pool, i32[num_pages]; a stack, entries [:num_free] are free
+        (NULL_PAGE is never among them).
       num_free: i32[num_pools], free pages per pool.
       target_lens: i32[num_slots + 1], committed target KV positions per slot.
       draft_ctx_lens: i32[num_slots + 1], draft context KV positions per slot.
@@ -68,14 +69,15 @@ def init_state(spec: CacheSpec, *, mesh: Mesh | None = None,
         pools.append(jnp.zeros(pool.shape, pool.dtype))
         tables.append(jnp.full((spec.num_slots + 1, pool.max_pages_per_seq),
                                BAD_PAGE_INDEX, jnp.int32))
-        # Reversed so pops hand out pages 0, 1, 2, ... (easier to read in tests).
-        free.append(jnp.arange(pool.num_pages, dtype=jnp.int32)[::-1])
+        # Every page but NULL_PAGE (0), reversed so pops hand out 1, 2, 3, ...
+        free.append(jnp.concatenate([jnp.arange(pool.num_pages - 1, 0, -1, dtype=jnp.int32),
+                                     jnp.full((1,), NULL_PAGE, jnp.int32)]))
     def lens():  # distinct buffers: both are donated
         return jnp.zeros((spec.num_slots + 1,), jnp.int32)
 
     state = KVState(
         pools=tuple(pools), page_tables=tuple(tables), free_pages=tuple(free),
-        num_free=jnp.asarray([p.num_pages for p in spec.pools], jnp.int32),
+        num_free=jnp.asarray([p.num_usable_pages for p in spec.pools], jnp.int32),
         target_lens=lens(), draft_ctx_lens=lens())
     if mesh is not None:
         state = jax.device_put(state, state_shardings(spec, mesh, kv_head_axis))

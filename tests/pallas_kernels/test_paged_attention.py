@@ -7,14 +7,16 @@ import pytest
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from unified_kv import BAD_PAGE_INDEX
 
-POISON = 1e4
+POISON = float("nan")  # in every page no live position uses: one read shows
+NULL_PAGE = 0
 
 
 def make_case(rng, *, batch, max_q, num_q_heads, num_kv_heads, head_dim=32, page_size=8,
               num_layers=2, kv_dtype=jnp.bfloat16, window=None, kv_lens=None, q_lens=None,
               table_width=None):
-    """Random pool and tables; windowed rows get BAD entries in front of their tail,
-    whose pages are filled with huge values so reading one would show."""
+    """Random pool and tables; windowed rows get BAD entries in front of their tail.
+    Pages no live position uses (retired, spare) are NaN, so reading one poisons
+    the output; page 0 is the pool's null page (zeros), as in the real cache."""
     kv_lens = np.asarray(kv_lens if kv_lens is not None else
                          rng.integers(1, 60, batch), np.int32)
     q_lens = np.asarray(q_lens if q_lens is not None else
@@ -25,7 +27,8 @@ def make_case(rng, *, batch, max_q, num_q_heads, num_kv_heads, head_dim=32, page
     pool = rng.standard_normal((num_kv_heads, num_pages, num_layers, 2, page_size, head_dim))
     if kv_dtype == jnp.float8_e4m3fn:
         pool = pool * 2.0  # stored = value / scale with scales below
-    perm = rng.permutation(num_pages)
+    perm = 1 + rng.permutation(num_pages - 1)  # page 0 is never live
+    live = np.zeros(num_pages, bool)
     table = np.full((batch, width), BAD_PAGE_INDEX, np.int32)
     used = 0
     for b in range(batch):
@@ -35,7 +38,9 @@ def make_case(rng, *, batch, max_q, num_q_heads, num_kv_heads, head_dim=32, page
         pages = perm[used:used + pages_needed[b]]
         used += pages_needed[b]
         table[b, first:pages_needed[b]] = pages[first:] * 2 * num_layers
-        pool[:, pages[:first]] = POISON  # retired pages: must never be read
+        live[pages[first:]] = True
+    pool[:, ~live] = POISON
+    pool[:, NULL_PAGE] = 0.0
     q = rng.standard_normal((batch, max_q, num_q_heads, head_dim))
     return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(pool, kv_dtype), jnp.asarray(table),
             jnp.asarray(kv_lens), jnp.asarray(q_lens))

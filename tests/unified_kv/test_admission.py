@@ -13,6 +13,7 @@ def make_spec(num_slots=4, budget_rows=2.0):
               LayerSpec("d0", "draft", 2, 16, "bf16", 32))
     probe = CacheSpec(16, layers, num_slots, 256, 1 << 40, 9)
     one = sum(n * p.bytes_per_page for p, n in zip(probe.pools, pages_per_request(probe, 256)))
+    one += sum(p.bytes_per_page for p in probe.pools)  # each pool's reserved null page
     return CacheSpec(16, layers, num_slots, 256, int(one * budget_rows), 9)
 
 

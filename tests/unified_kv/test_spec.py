@@ -53,12 +53,13 @@ def test_budget_is_split_by_a_max_length_request_and_respected():
     live = [max_live_pages(16, w, 512, 16) for w in (None, 64, 64)]
     assert live == [33, 6, 6]
     one_request = sum(n * p.bytes_per_page for n, p in zip(live, spec.pools))
-    num_requests = spec.memory_budget_bytes / one_request
+    null_pages = sum(p.bytes_per_page for p in spec.pools)
+    num_requests = (spec.memory_budget_bytes - null_pages) / one_request
     assert 1 < num_requests < spec.num_slots
-    assert [p.num_pages for p in spec.pools] == [int(num_requests * n) for n in live]
+    assert [p.num_usable_pages for p in spec.pools] == [int(num_requests * n) for n in live]
     # Never more than every slot holding a max-length request.
     roomy = make_spec(memory_budget_bytes=1 << 30)
-    assert [p.num_pages for p in roomy.pools] == [spec.num_slots * n for n in live]
+    assert [p.num_usable_pages for p in roomy.pools] == [spec.num_slots * n for n in live]
     # A bigger budget never shrinks a pool.
     bigger = make_spec(memory_budget_bytes=16 << 20)
     assert all(b.num_pages >= a.num_pages for a, b in zip(spec.pools, bigger.pools))

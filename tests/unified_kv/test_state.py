@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from unified_kv import (BAD_PAGE_INDEX, CacheSpec, LayerSpec, admit_slots, grow,
-                        init_state, release_slots, retire_window_pages, row_extent,
+from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, LayerSpec, admit_slots, grow,
+                        init_state, max_live_pages, release_slots, retire_window_pages, row_extent,
                         validate_slot_ids)
 from unified_kv.state import owned_pages
 
@@ -29,7 +29,9 @@ def random_spec(rng: np.random.Generator, budget_factor: float) -> CacheSpec:
     step = int(rng.choice([1, 4, 9]))
     probe = CacheSpec(page_size, tuple(layers), num_slots, max_seq_len, 1 << 40, step)
     full = sum(p.nbytes for p in probe.pools)
-    budget = max(int(full * budget_factor), -(-full // num_slots))
+    one_request = sum((max_live_pages(page_size, p.sliding_window, max_seq_len, step) + 1)
+                      * p.bytes_per_page for p in probe.pools)  # + the null page
+    budget = max(int(full * budget_factor), one_request)
     return CacheSpec(page_size, tuple(layers), num_slots, max_seq_len, budget, step)
 
 
@@ -50,7 +52,8 @@ def check_invariants(spec, state, lens_model=None):
         assert len(set(owned.tolist())) == owned.size, "a page is owned twice"
         assert len(set(free_list.tolist())) == free_list.size, "a page is free twice"
         assert not set(owned.tolist()) & set(free_list.tolist()), "owned page is free"
-        assert owned.size + n_free == pool.num_pages, "pages not conserved"
+        assert owned.size + n_free == pool.num_usable_pages, "pages not conserved"
+        assert NULL_PAGE not in owned and NULL_PAGE not in free_list, "null page handed out"
         assert (table[spec.dummy_slot] == BAD_PAGE_INDEX).all(), "dummy slot owns pages"
         extent = np.asarray(row_extent(jnp.asarray(table)))
         if lens_model is None:
@@ -160,8 +163,7 @@ def one_pool_spec(window, num_pages_budget_rows=1, page_size=8, max_seq_len=400,
     layers = (LayerSpec("t0", "target", 1, 8, "bf16", window),)
     probe = CacheSpec(page_size, layers, 2, max_seq_len, 1 << 40, step)
     per_row = probe.pools[0].bytes_per_page
-    from unified_kv import max_live_pages
-    pages = max_live_pages(page_size, window, max_seq_len, step) * num_pages_budget_rows
+    pages = max_live_pages(page_size, window, max_seq_len, step) * num_pages_budget_rows + 1
     return CacheSpec(page_size, layers, 2, max_seq_len, pages * per_row, step)
 
 
@@ -184,14 +186,14 @@ def test_retired_pages_are_reused_so_a_window_runs_forever_in_its_bound():
         for logical in np.flatnonzero(row >= 0):
             homes.setdefault(int(row[logical]), set()).add(int(logical))
         check_invariants(spec, state, {0: (length, length), 1: (0, 0)})
-    assert set(homes) <= set(range(pool.num_pages))
+    assert set(homes) <= set(range(1, pool.num_pages))  # never the null page
     assert sum(len(h) for h in homes.values()) == -(-396 // spec.page_size)
     assert all(len(h) > 5 for h in homes.values()), "retired pages were not reused"
 
 
 def test_overflowing_row_is_left_untouched_and_others_proceed():
     spec = one_pool_spec(window=None, max_seq_len=64)
-    total = spec.pools[0].num_pages  # one max-length request's worth
+    total = spec.pools[0].num_usable_pages  # one max-length request's worth
     state = admit_slots(spec, init_state(spec), jnp.array([0, 1]))
     state, ok = grow(spec, state, jnp.array([0]), jnp.array([40]), jnp.array([40]))
     assert bool(ok[0])

@@ -1,0 +1,165 @@
+"""Paged decode/verify attention on the H200, each figure beside same-run baselines.
+
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py [--out DIR] [--quick]
+
+Decode: batch 64, 32 query / 8 kv heads, head dim 128, page 16, contexts 4K
+and 32K; KV bytes read per second vs the device copy bandwidth; vs
+`jax.experimental.pallas.ops.gpu.paged_attention` on the same K/V; vs cuDNN
+dense attention on the same K/V laid out contiguously. fp8 vs bf16 at 32K.
+Verify (8 queries per row) vs decode (1 query). Error norms vs the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import device_copy_bandwidth, time_call, write_results
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
+
+
+def make_pool(key, num_pages, dtype, num_layers=1):
+    x = jax.random.normal(key, (HKV, num_pages, num_layers, 2, PAGE, D), jnp.bfloat16)
+    return x.astype(dtype)
+
+
+def setup(ctx, dtype, max_q=1, seed=0):
+    pages_per_seq = ctx // PAGE
+    num_pages = BATCH * pages_per_seq
+    key = jax.random.key(seed)
+    pool = make_pool(key, num_pages, dtype)
+    perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+    table = jnp.asarray(perm.reshape(BATCH, pages_per_seq) * 2)  # page * 2L, L = 1
+    q = jax.random.normal(jax.random.fold_in(key, 1), (BATCH, max_q, HQ, D), jnp.bfloat16)
+    kv_lens = jnp.full((BATCH,), ctx, jnp.int32)
+    q_lens = jnp.full((BATCH,), max_q, jnp.int32)
+    return q, pool, table, kv_lens, q_lens
+
+
+def kv_bytes(ctx, dtype):
+    return BATCH * ctx * HKV * D * 2 * jnp.dtype(dtype).itemsize
+
+
+def ours(q, pool, table, kv_lens, q_lens, **kw):
+    interpret = jax.default_backend() == "cpu"  # lets the script be smoke-tested on CPU
+    return jax.jit(lambda *a: paged_attention(*a, layer_offset=0, interpret=interpret, **kw))
+
+
+def bench_decode(ctx, copy_bw, configs):
+    q, pool, table, kv_lens, q_lens = setup(ctx, jnp.bfloat16)
+    row = {"ctx": ctx, "kv_bytes": kv_bytes(ctx, jnp.bfloat16)}
+    best = None
+    for ppb, warps, stages in configs:
+        try:
+            fn = ours(q, pool, table, kv_lens, q_lens, pages_per_block=ppb, num_warps=warps,
+                      num_stages=stages)
+            t = time_call(fn, q, pool, table, kv_lens, q_lens)
+        except Exception as e:  # a config Triton cannot compile: report, keep going
+            print(f"  config ppb={ppb} warps={warps} stages={stages} failed: {e!s:.200}")
+            continue
+        print(f"  ctx={ctx} ppb={ppb} warps={warps} stages={stages}: {t*1e3:.3f} ms "
+              f"{row['kv_bytes']/t/1e12:.2f} TB/s", flush=True)
+        if best is None or t < best[0]:
+            best = (t, dict(pages_per_block=ppb, num_warps=warps, num_stages=stages))
+    t, cfg = best
+    row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TBps=row["kv_bytes"] / t / 1e12,
+               frac_of_copy_bw=row["kv_bytes"] / t / copy_bw)
+    # jax's Pallas paged attention on the same K/V (separate K and V page arrays).
+    k_pages, v_pages = pool[:, :, 0, 0], pool[:, :, 0, 1]
+    block_tables = table // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_op
+    jfn = jax.jit(lambda q1, kp, vp, bt, l: jax_op.paged_attention(q1, kp, vp, bt, l))
+    try:
+        tj = time_call(jfn, q[:, 0], k_pages, v_pages, block_tables, kv_lens)
+        row.update(jax_op_ms=tj * 1e3, speedup_vs_jax_op=tj / t)
+    except Exception as e:
+        row["jax_op_error"] = f"{e!s:.300}"
+    # cuDNN dense attention on contiguous K/V: [B, T, Hkv, D].
+    k_dense = k_pages[:, block_tables].transpose(1, 2, 3, 0, 4).reshape(BATCH, ctx, HKV, D)
+    v_dense = v_pages[:, block_tables].transpose(1, 2, 3, 0, 4).reshape(BATCH, ctx, HKV, D)
+    del k_pages, v_pages
+    for impl in ("cudnn", "xla"):
+        try:
+            dfn = jax.jit(lambda q1, k, v, impl=impl: jax.nn.dot_product_attention(
+                q1, k, v, implementation=impl))
+            td = time_call(dfn, q, k_dense, v_dense)
+            row.update({f"{impl}_dense_ms": td * 1e3, f"speedup_vs_{impl}_dense": td / t})
+        except Exception as e:
+            row[f"{impl}_dense_error"] = f"{e!s:.300}"
+    return row, cfg
+
+
+def bench_fp8_and_verify(ctx, cfg):
+    out = {"ctx": ctx}
+    for dtype, name in ((jnp.bfloat16, "bf16"), (jnp.float8_e4m3fn, "fp8")):
+        for max_q in (1, 8):
+            args = setup(ctx, dtype, max_q=max_q)
+            fn = ours(*args, **cfg)
+            out[f"{name}_q{max_q}_ms"] = time_call(fn, *args) * 1e3
+            del args
+    out["fp8_speedup"] = out["bf16_q1_ms"] / out["fp8_q1_ms"]
+    out["verify8_over_decode_bf16"] = out["bf16_q8_ms"] / out["bf16_q1_ms"]
+    out["verify8_over_decode_fp8"] = out["fp8_q8_ms"] / out["fp8_q1_ms"]
+    return out
+
+
+def error_norms():
+    """Relative L2 error vs the f32 reference, compiled on the device."""
+    from tests.pallas_kernels.test_paged_attention import make_case, rel_err
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype, window, cap, max_q in itertools.product(
+            (jnp.bfloat16, jnp.float8_e4m3fn), (None, 256), (None, 30.0), (1, 8)):
+        q, pool, table, kv_lens, q_lens = make_case(
+            rng, batch=8, max_q=max_q, num_q_heads=32, num_kv_heads=8, head_dim=128,
+            page_size=16, kv_dtype=dtype, window=window,
+            kv_lens=rng.integers(max_q, 3000, 8))
+        kw = dict(layer_offset=1, sliding_window=window, soft_cap=cap,
+                  k_scale=0.5 if dtype != jnp.bfloat16 else 1.0,
+                  v_scale=0.25 if dtype != jnp.bfloat16 else 1.0)
+        out = paged_attention(q, pool, table, kv_lens, q_lens,
+                              interpret=jax.default_backend() == "cpu", **kw)
+        ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)
+        rows.append({"dtype": jnp.dtype(dtype).name, "window": window, "soft_cap": cap,
+                     "max_q": max_q, "rel_err": float(rel_err(out, ref))})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="one config, fewer cases")
+    args = parser.parse_args()
+    copy_bw = device_copy_bandwidth()
+    print(f"device copy bandwidth (read + write): {copy_bw/1e12:.2f} TB/s", flush=True)
+    configs = [(8, 4, 2)] if args.quick else list(itertools.product((4, 8, 16), (4, 8), (2, 3)))
+    decode, cfg = [], None
+    for ctx in (4096, 32768):
+        row, cfg_ctx = bench_decode(ctx, copy_bw, configs)
+        decode.append(row)
+        cfg = cfg_ctx
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+              flush=True)
+    fp8_verify = [bench_fp8_and_verify(ctx, cfg) for ctx in (4096, 32768)]
+    for r in fp8_verify:
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+    errors = error_norms()
+    for r in errors:
+        print(r)
+    print("wrote", write_results("paged_attention", {
+        "copy_bandwidth_Bps": copy_bw, "decode": decode, "fp8_and_verify": fp8_verify,
+        "error_norms": errors, "shape": dict(batch=BATCH, num_q_heads=HQ, num_kv_heads=HKV,
+                                             head_dim=D, page_size=PAGE)}, args.out))
+
+
+if __name__ == "__main__":
+    main()
