@@ -56,18 +56,20 @@ def bench_decode(ctx, copy_bw, configs):
     q, pool, table, kv_lens, q_lens = setup(ctx, jnp.bfloat16)
     row = {"ctx": ctx, "kv_bytes": kv_bytes(ctx, jnp.bfloat16)}
     best = None
-    for ppb, warps, stages in configs:
+    for ppb, warps, stages, splits in configs:
         try:
             fn = ours(q, pool, table, kv_lens, q_lens, pages_per_block=ppb, num_warps=warps,
-                      num_stages=stages)
+                      num_stages=stages, num_splits=splits)
             t = time_call(fn, q, pool, table, kv_lens, q_lens)
         except Exception as e:  # a config Triton cannot compile: report, keep going
             print(f"  config ppb={ppb} warps={warps} stages={stages} failed: {e!s:.200}")
             continue
-        print(f"  ctx={ctx} ppb={ppb} warps={warps} stages={stages}: {t*1e3:.3f} ms "
+        print(f"  ctx={ctx} ppb={ppb} warps={warps} stages={stages} splits={splits}: "
+              f"{t*1e3:.3f} ms "
               f"{row['kv_bytes']/t/1e12:.2f} TB/s", flush=True)
         if best is None or t < best[0]:
-            best = (t, dict(pages_per_block=ppb, num_warps=warps, num_stages=stages))
+            best = (t, dict(pages_per_block=ppb, num_warps=warps, num_stages=stages,
+                            num_splits=splits))
     t, cfg = best
     row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TBps=row["kv_bytes"] / t / 1e12,
                frac_of_copy_bw=row["kv_bytes"] / t / copy_bw)
@@ -141,7 +143,8 @@ def main():
     args = parser.parse_args()
     copy_bw = device_copy_bandwidth()
     print(f"device copy bandwidth (read + write): {copy_bw/1e12:.2f} TB/s", flush=True)
-    configs = [(8, 4, 2)] if args.quick else list(itertools.product((4, 8, 16), (4, 8), (2, 3)))
+    configs = ([(4, 4, 2, None)] if args.quick else
+               list(itertools.product((2, 4, 8), (4,), (2, 3), (1, 2, 4))) + [(4, 8, 2, 2)])
     decode, cfg = [], None
     for ctx in (4096, 32768):
         row, cfg_ctx = bench_decode(ctx, copy_bw, configs)
