@@ -42,69 +42,65 @@ MIN_ROWS = 16  # Triton's dot needs at least 16 rows
 
 def paged_attention_kernel(
     # inputs
-    q_ref,          # [rows, head_dim]: row = query token * q_per_kv + head in group
+    q_ref,          # [rows, head_dim]: row = token-in-block * q_per_kv + head in group
     kv_pages_ref,   # [num_kernel_pages, page_size, head_dim] of this kv head
     table_ref,      # i32[table_width]: this batch row's entries (page * 2L), BAD = -1
-    kv_lens_ref,    # i32[batch]
-    q_lens_ref,     # i32[batch]
-    # outputs
-    o_ref,          # [rows, head_dim], normalised within this split
-    m_ref,          # f32[rows], running max of log2-scaled logits (split combine)
-    l_ref,          # f32[rows], running denominator
-    *,
+    kv_lens_ref,    # i32[batch]: cached positions
+    q_starts_ref,   # i32[batch]: position of the row's first query token
+    q_lens_ref,     # i32[batch]: query tokens of the row
+    *refs,          # [block_k_ref, block_v_ref: [block_pad, head_dim]] if has_block;
+                    # then outputs o_ref [rows, head_dim], m_ref, l_ref f32[rows]
     k_offset: int,
     q_per_kv: int,
+    tokens_per_block: int,
     pages_per_block: int,
     pages_per_split: int,
+    num_splits: int,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     k_scale: float,
     v_scale: float,
+    has_block: bool,
+    block_causal: bool,
 ):
-    b, split = pl.program_id(0), pl.program_id(2)
+    if has_block:
+        block_k_ref, block_v_ref, o_ref, m_ref, l_ref = refs
+    else:
+        o_ref, m_ref, l_ref = refs
+    b, program = pl.program_id(0), pl.program_id(2)
+    q_block, split = program // num_splits, program % num_splits
     rows, head_dim = q_ref.shape
     page_size = kv_pages_ref.shape[1]
     table_width = table_ref.shape[0]
     block_k = pages_per_block * page_size
-    kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
+    kv_len, q_start, q_len = kv_lens_ref[b], q_starts_ref[b], q_lens_ref[b]
 
-    q_tok = lax.broadcasted_iota(jnp.int32, (rows,), 0) // q_per_kv
-    q_pos = kv_len - q_len + q_tok                     # i32[rows]
-    row_valid = q_tok < q_len
-    first_page = 0  # the first page the earliest query can see
-    if sliding_window is not None:
-        first_page = jnp.maximum(kv_len - q_len - sliding_window + 1, 0) // page_size
+    row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    q_tok = q_block * tokens_per_block + row // q_per_kv  # query token index in the row
+    q_pos = q_start + q_tok                                # i32[rows]
+    row_valid = (row < tokens_per_block * q_per_kv) & (q_tok < q_len)
+    first_tok = q_block * tokens_per_block
+    last_tok = jnp.minimum(q_len, first_tok + tokens_per_block) - 1
+    # Cached keys this block can see: before its last query, and before kv_len.
+    key_end = jnp.minimum(kv_len, q_start + last_tok + 1)
+    first_page = 0
+    if sliding_window is not None:  # the earliest query's window start
+        first_page = jnp.maximum(q_start + first_tok - sliding_window + 1, 0) // page_size
     lo = jnp.maximum(first_page, split * pages_per_split)
-    hi = jnp.minimum(pl.cdiv(kv_len, page_size), (split + 1) * pages_per_split)
-    num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), pages_per_block)
+    hi = jnp.minimum(pl.cdiv(key_end, page_size), (split + 1) * pages_per_split)
+    num_blocks = jnp.where(last_tok >= first_tok,
+                           pl.cdiv(jnp.maximum(hi - lo, 0), pages_per_block), 0)
 
     q = q_ref[...]
-    logit_scale = sm_scale * k_scale
-    log2e = math.log2(math.e)
+    log2e = math.log2(math.e)  # base-2 softmax
 
-    def body(i, carry):
+    def softmax_step(carry, logits, visible, v, v_scale):
+        """One online-softmax update with scaled logits f32[rows, keys]."""
         acc, m_prev, l_prev = carry
-        page_ids = lo + i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-        entries = plgpu.load(table_ref.at[pl.ds(lo + i * pages_per_block, pages_per_block)],
-                             mask=(page_ids < hi) & (page_ids < table_width),
-                             other=BAD_PAGE_INDEX)
-        # Blocks start at the first live page, so BAD entries only pad the last
-        # block; they read the pool's all-zero null page and are masked below.
-        safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
-        k = kv_pages_ref[safe + k_offset].reshape(block_k, head_dim).astype(q.dtype)
-        v = kv_pages_ref[safe + k_offset + 1].reshape(block_k, head_dim).astype(q.dtype)
-        logits = plgpu.dot(q, k, trans_b=True) * logit_scale   # f32[rows, block_k]
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
-        k_pos = (lo + i * pages_per_block) * page_size + lax.broadcasted_iota(
-            jnp.int32, (block_k,), 0)
-        # Keys past this split's last page belong to the next split.
-        visible = ((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < hi * page_size)
-                   & row_valid[:, None])
-        if sliding_window is not None:
-            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        logits = jnp.where(visible, logits * log2e, MASK_VALUE)  # base-2 softmax
+        logits = jnp.where(visible, logits * log2e, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=1))
         # A row with nothing visible yet keeps m == MASK_VALUE: subtract 0 so its
         # masked logits still underflow to p == 0.
@@ -112,25 +108,57 @@ def paged_attention_kernel(
         correction = jnp.exp2(m_prev - m_sub)
         p = jnp.exp2(logits - m_sub[:, None])
         l_next = l_prev * correction + p.sum(axis=1)
-        acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        pv = p * v_scale if v_scale != 1.0 else p  # fp8 V dequantisation
+        acc = acc * correction[:, None] + plgpu.dot(pv.astype(v.dtype), v)
         return acc, m_next, l_next
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    def body(i, carry):
+        first = lo + i * pages_per_block
+        page_ids = first + jnp.arange(pages_per_block, dtype=jnp.int32)
+        entries = plgpu.load(table_ref.at[pl.ds(first, pages_per_block)],
+                             mask=(page_ids < hi) & (page_ids < table_width),
+                             other=BAD_PAGE_INDEX)
+        # Blocks start at the first live page, so BAD entries only pad the last
+        # block; they read the pool's all-zero null page and are masked below.
+        safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
+        k = kv_pages_ref[safe + k_offset].reshape(block_k, head_dim).astype(q.dtype)
+        v = kv_pages_ref[safe + k_offset + 1].reshape(block_k, head_dim).astype(q.dtype)
+        logits = plgpu.dot(q, k, trans_b=True) * (sm_scale * k_scale)  # f32[rows, block_k]
+        k_pos = first * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        # Keys past this split's last page belong to the next split.
+        visible = ((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
+                   & (k_pos[None, :] < hi * page_size) & row_valid[:, None])
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        return softmax_step(carry, logits, visible, v, v_scale)
+
+    carry = (jnp.zeros((rows, head_dim), jnp.float32),
+             jnp.full((rows,), MASK_VALUE, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    carry = lax.fori_loop(0, num_blocks, body, carry)
+    if has_block:  # the draft block's own K/V, not in the cache; split 0 owns it
+        block_pad = block_k_ref.shape[0]
+        bk = block_k_ref[...].astype(q.dtype)
+        bv = block_v_ref[...].astype(q.dtype)
+        j = lax.broadcasted_iota(jnp.int32, (block_pad,), 0)
+        visible = (j[None, :] < q_len) & row_valid[:, None] & (split == 0)
+        if block_causal:
+            visible &= j[None, :] <= q_tok[:, None]
+        if sliding_window is not None:
+            visible &= j[None, :] > q_tok[:, None] - sliding_window
+        carry = softmax_step(carry, plgpu.dot(q, bk, trans_b=True) * sm_scale, visible, bv, 1.0)
+    acc, m, l = carry
     # Rows that saw no key (past q_len, padding, empty split) have l == 0 -> 0.
     has_keys = l > 0
     out = jnp.where(has_keys[:, None], acc / jnp.where(has_keys, l, 1.0)[:, None], 0.0)
-    o_ref[...] = (out * v_scale).astype(o_ref.dtype)
+    o_ref[...] = out.astype(o_ref.dtype)
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _num_splits(batch: int, num_kv_heads: int, table_width: int, pages_per_block: int,
+def _num_splits(programs: int, table_width: int, pages_per_block: int,
                 num_sms: int = 132) -> int:
-    """Split the keys when rows x heads alone cannot fill the GPU twice over."""
-    programs = batch * num_kv_heads
+    """Split the keys when rows x heads x query blocks cannot fill the GPU twice."""
     max_splits = max(table_width // (4 * pages_per_block), 1)
     splits = 1
     while programs * splits < 2 * num_sms and splits * 2 <= max_splits:
@@ -138,9 +166,101 @@ def _num_splits(batch: int, num_kv_heads: int, table_width: int, pages_per_block
     return splits
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
-    "pages_per_block", "num_splits", "num_warps", "num_stages", "interpret"))
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
+                    layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
+                    block_causal, rows_per_block, pages_per_block, num_splits, num_warps,
+                    num_stages, interpret):
+    """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
+    batch, max_q, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
+    table_width = batch_table.shape[1]
+    q_per_kv = num_q_heads // num_kv_heads
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    pages_per_block = min(pages_per_block, _pow2_at_least(table_width))
+
+    # Query blocks: tokens_per_block tokens x q_per_kv heads, padded to a power of 2.
+    tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
+    num_q_blocks = pl.cdiv(max_q, tokens_per_block)
+    rows = max(MIN_ROWS, _pow2_at_least(tokens_per_block * q_per_kv))
+    if num_splits is None:
+        num_splits = _num_splits(batch * num_kv_heads * num_q_blocks, table_width,
+                                 pages_per_block)
+    pages_per_split = pl.cdiv(pl.cdiv(table_width, num_splits), pages_per_block) * pages_per_block
+
+    # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
+    q_pad = jnp.pad(q, ((0, 0), (0, num_q_blocks * tokens_per_block - max_q), (0, 0), (0, 0)))
+    q_rows = q_pad.reshape(batch, num_q_blocks, tokens_per_block, num_kv_heads, q_per_kv,
+                           head_dim).transpose(0, 3, 1, 2, 4, 5)
+    q_rows = q_rows.reshape(batch, num_kv_heads, num_q_blocks, tokens_per_block * q_per_kv,
+                            head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0),
+                              (0, rows - tokens_per_block * q_per_kv), (0, 0)))
+    q_rows = q_rows.reshape(batch, num_kv_heads, num_q_blocks * rows, head_dim)
+    kv_pages = pool.reshape(num_kv_heads, num_pages * num_layers * 2, page_size, head_dim)
+
+    has_block = block_kv is not None
+    kernel = functools.partial(
+        paged_attention_kernel, k_offset=2 * layer_offset, q_per_kv=q_per_kv,
+        tokens_per_block=tokens_per_block, pages_per_block=pages_per_block,
+        pages_per_split=pages_per_split, num_splits=num_splits, sm_scale=sm_scale,
+        soft_cap=soft_cap, sliding_window=sliding_window, k_scale=k_scale,
+        v_scale=v_scale, has_block=has_block, block_causal=block_causal)
+    whole = pl.BlockSpec(memory_space=None)
+    in_specs = [
+        pl.BlockSpec((None, None, rows, head_dim),
+                     lambda b, h, p: (b, h, p // num_splits, 0)),             # q rows
+        pl.BlockSpec((None, kv_pages.shape[1], page_size, head_dim),
+                     lambda b, h, p: (h, 0, 0, 0)),                           # kv pages
+        pl.BlockSpec((None, table_width), lambda b, h, p: (b, 0)),           # batch table
+        whole, whole, whole,                                                 # kv_lens, q_starts, q_lens
+    ]
+    inputs = [q_rows, kv_pages, batch_table, kv_lens, q_starts, q_lens]
+    if has_block:
+        block_pad = max(MIN_ROWS, _pow2_at_least(max_q))
+        for x in block_kv:                                                   # block K, V
+            x = jnp.pad(x, ((0, 0), (0, block_pad - max_q), (0, 0), (0, 0)))
+            inputs.append(x.transpose(0, 2, 1, 3))                           # [B, Hkv, pad, D]
+            in_specs.append(pl.BlockSpec((None, None, block_pad, head_dim),
+                                         lambda b, h, p: (b, h, 0, 0)))
+    out_rows = (num_splits, batch, num_kv_heads, num_q_blocks * rows)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_q_blocks * num_splits),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim),
+                         lambda b, h, p: (p % num_splits, b, h, p // num_splits, 0)),  # o
+            pl.BlockSpec((None, None, None, rows),
+                         lambda b, h, p: (p % num_splits, b, h, p // num_splits)),     # m
+            pl.BlockSpec((None, None, None, rows),
+                         lambda b, h, p: (p % num_splits, b, h, p // num_splits)),     # l
+        ],
+        out_shape=[jax.ShapeDtypeStruct(out_rows + (head_dim,), jnp.float32),
+                   jax.ShapeDtypeStruct(out_rows, jnp.float32),
+                   jax.ShapeDtypeStruct(out_rows, jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=(f"paged_attention_q{max_q}_g{q_per_kv}_r{rows}_ppb{pages_per_block}"
+              f"_s{num_splits}{'_block' if has_block else ''}"),
+    )(*inputs)
+    out = o[0] if num_splits == 1 else _combine_splits(o, m, l)
+    out = out.reshape(batch, num_kv_heads, num_q_blocks, rows, head_dim)
+    out = out[:, :, :, :tokens_per_block * q_per_kv].reshape(
+        batch, num_kv_heads, num_q_blocks * tokens_per_block, q_per_kv, head_dim)
+    out = out[:, :, :max_q].transpose(0, 2, 1, 3, 4).reshape(q.shape)
+    return out.astype(q.dtype)
+
+
+_STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
+           "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
+           "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention(
     q: jax.Array,            # [batch, max_q, num_q_heads, head_dim]
     pool: jax.Array,         # [num_kv_heads, num_pages, num_layers, 2, page_size, head_dim]
@@ -154,72 +274,75 @@ def paged_attention(
     soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    pages_per_block: int = 8,
+    rows_per_block: int = 64,
+    pages_per_block: int = 4,
     num_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     interpret: bool = False,
 ) -> jax.Array:
-    """Paged GQA attention for decode (max_q = 1) and verify (max_q = K+1).
+    """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
 
+    The queries' own K/V are already in the cache (store first, then attend):
+    query i of row b sits at position kv_lens[b] - q_lens[b] + i and sees
+    cached keys at positions <= its own (and > position - sliding_window).
     Returns [batch, max_q, num_q_heads, head_dim] in q's dtype; entries of
     query tokens past a row's q_len are zero.
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, pages_per_block)
-    batch, max_q, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
-    table_width = batch_table.shape[1]
-    q_per_kv = num_q_heads // num_kv_heads
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    pages_per_block = min(pages_per_block, table_width)
-    if num_splits is None:
-        num_splits = _num_splits(batch, num_kv_heads, table_width, pages_per_block)
-    pages_per_split = pl.cdiv(pl.cdiv(table_width, num_splits), pages_per_block) * pages_per_block
+    return _attention_call(
+        q, pool, batch_table, kv_lens, kv_lens - q_lens, q_lens, None,
+        layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
+        rows_per_block=rows_per_block, pages_per_block=pages_per_block,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret)
 
-    # [B, Q, Hkv*G, D] -> [B, Hkv, Q*G, D]: one program owns a kv head's whole group.
-    rows = max_q * q_per_kv
-    rows_padded = max(MIN_ROWS, 1 << (rows - 1).bit_length())
-    q_rows = q.reshape(batch, max_q, num_kv_heads, q_per_kv, head_dim)
-    q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
-    kv_pages = pool.reshape(num_kv_heads, num_pages * num_layers * 2, page_size, head_dim)
 
-    kernel = functools.partial(
-        paged_attention_kernel, k_offset=2 * layer_offset, q_per_kv=q_per_kv,
-        pages_per_block=pages_per_block, pages_per_split=pages_per_split,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        k_scale=k_scale, v_scale=v_scale)
-    whole = pl.BlockSpec(memory_space=None)
-    split_shape = (num_splits, batch, num_kv_heads, rows_padded)
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(batch, num_kv_heads, num_splits),
-        in_specs=[
-            pl.BlockSpec((None, None, rows_padded, head_dim),
-                         lambda b, h, s: (b, h, 0, 0)),                       # q rows
-            pl.BlockSpec((None, kv_pages.shape[1], page_size, head_dim),
-                         lambda b, h, s: (h, 0, 0, 0)),                       # kv pages
-            pl.BlockSpec((None, table_width), lambda b, h, s: (b, 0)),       # batch table
-            whole,                                                           # kv_lens
-            whole,                                                           # q_lens
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows_padded, head_dim),
-                         lambda b, h, s: (s, b, h, 0, 0)),                    # o
-            pl.BlockSpec((None, None, None, rows_padded), lambda b, h, s: (s, b, h, 0)),
-            pl.BlockSpec((None, None, None, rows_padded), lambda b, h, s: (s, b, h, 0)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct(split_shape + (head_dim,), jnp.float32),
-                   jax.ShapeDtypeStruct(split_shape, jnp.float32),
-                   jax.ShapeDtypeStruct(split_shape, jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"paged_attention_q{max_q}_g{q_per_kv}_ppb{pages_per_block}_s{num_splits}",
-    )(q_rows, kv_pages, batch_table, kv_lens, q_lens)
-    out = o[0] if num_splits == 1 else _combine_splits(o, m, l)
-    out = out[:, :, :rows].reshape(batch, num_kv_heads, max_q, q_per_kv, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
+def draft_block_attention(
+    q: jax.Array,            # [batch, block_size, num_q_heads, head_dim]
+    pool: jax.Array,         # [num_kv_heads, num_pages, num_layers, 2, page_size, head_dim]
+    batch_table: jax.Array,  # i32[batch, table_width]
+    ctx_lens: jax.Array,     # i32[batch]: draft context positions (= the anchor position)
+    block_lens: jax.Array,   # i32[batch]: block_size for real rows, 0 for padding rows
+    block_k: jax.Array,      # [batch, block_size, num_kv_heads, head_dim]: block's own K
+    block_v: jax.Array,      # [batch, block_size, num_kv_heads, head_dim]: block's own V
+    *,
+    layer_offset: int,
+    causal_in_block: bool = False,
+    sliding_window: int | None = None,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    rows_per_block: int = 64,
+    pages_per_block: int = 4,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+) -> jax.Array:
+    """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
+    attend to the row's cached context (positions < ctx_len, windowed for
+    sliding layers) and to the block's temporary K/V, bidirectionally or
+    causally within the block. Block K/V stay out of the cache.
+    """
+    static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
+                           sliding_window, pages_per_block)
+    if block_k.shape != block_v.shape or block_k.shape != (
+            q.shape[0], q.shape[1], pool.shape[0], q.shape[3]):
+        raise ValueError("block_k and block_v must be [batch, block_size, num_kv_heads, "
+                         f"head_dim] = {(q.shape[0], q.shape[1], pool.shape[0], q.shape[3])}, "
+                         f"got {block_k.shape=} {block_v.shape=}")
+    return _attention_call(
+        q, pool, batch_table, ctx_lens, ctx_lens, block_lens, (block_k, block_v),
+        layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,
+        rows_per_block=rows_per_block, pages_per_block=pages_per_block,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret)
 
 
 def _combine_splits(o, m, l):
@@ -270,35 +393,66 @@ def dequantized_kv(pool, layer_offset, k_scale=1.0, v_scale=1.0):
     return layer[:, :, 0] * k_scale, layer[:, :, 1] * v_scale
 
 
-def paged_attention_reference(q, pool, batch_table, kv_lens, q_lens, *, layer_offset,
-                              sliding_window=None, sm_scale=None, soft_cap=None,
-                              k_scale=1.0, v_scale=1.0, **_):
-    """Plain-jnp reference in f32: gather the row's pages densely, mask, softmax."""
+def _attention_reference(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv=None, *,
+                         layer_offset, causal_in_block=False, sliding_window=None,
+                         sm_scale=None, soft_cap=None, k_scale=1.0, v_scale=1.0):
+    """Plain-jnp f32: gather the rows' pages densely, append the block, mask, softmax."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, _, num_layers, _, page_size, _ = pool.shape
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     k_all, v_all = dequantized_kv(pool, layer_offset, k_scale, v_scale)
-    pages = batch_table // (2 * num_layers)                   # back to page ids
     ok_page = batch_table != BAD_PAGE_INDEX
-    safe = jnp.where(ok_page, pages, 0)
-    k = k_all[:, safe].reshape(num_kv_heads, batch, -1, head_dim)  # [H, B, T, D]
-    v = v_all[:, safe].reshape(num_kv_heads, batch, -1, head_dim)
-    num_keys = k.shape[2]
-    k_pos = jnp.arange(num_keys)
-    key_ok = jnp.repeat(ok_page, page_size, axis=1)              # [B, T]
-    q_pos = kv_lens[:, None] - q_lens[:, None] + jnp.arange(max_q)[None]  # [B, Q]
-    visible = key_ok[:, None, :] & (k_pos[None, None, :] <= q_pos[..., None])
-    visible &= (k_pos[None, None, :] < kv_lens[:, None, None])
+    safe = jnp.where(ok_page, batch_table // (2 * num_layers), 0)  # back to page ids
+    k = k_all[:, safe].reshape(num_kv_heads, batch, -1, head_dim).transpose(1, 2, 0, 3)
+    v = v_all[:, safe].reshape(num_kv_heads, batch, -1, head_dim).transpose(1, 2, 0, 3)
+    k_pos = jnp.arange(k.shape[1])
+    q_tok = jnp.arange(max_q)
+    q_pos = q_starts[:, None] + q_tok[None]                                  # [B, Q]
+    visible = (jnp.repeat(ok_page, page_size, axis=1)[:, None, :]
+               & (k_pos[None, None, :] <= q_pos[..., None])
+               & (k_pos[None, None, :] < kv_lens[:, None, None]))            # [B, Q, T]
     if sliding_window is not None:
         visible &= k_pos[None, None, :] > q_pos[..., None] - sliding_window
-    visible &= (jnp.arange(max_q)[None, :] < q_lens[:, None])[..., None]
-    qh = q.astype(jnp.float32).reshape(batch, max_q, num_kv_heads, num_q_heads // num_kv_heads,
-                                       head_dim)
-    logits = jnp.einsum("bqhgd,hbtd->bqhgt", qh, k) * sm_scale
+    if block_kv is not None:  # the draft block's own keys, at positions q_start + j
+        k = jnp.concatenate([k, block_kv[0].astype(jnp.float32)], axis=1)
+        v = jnp.concatenate([v, block_kv[1].astype(jnp.float32)], axis=1)
+        in_block = jnp.broadcast_to(q_tok[None, None, :] < q_lens[:, None, None],
+                                    (batch, max_q, max_q))
+        if causal_in_block:
+            in_block &= q_tok[None, None, :] <= q_tok[None, :, None]
+        if sliding_window is not None:
+            in_block &= q_tok[None, None, :] > q_tok[None, :, None] - sliding_window
+        visible = jnp.concatenate([visible, in_block], axis=2)
+    visible &= (q_tok[None, :] < q_lens[:, None])[..., None]
+    qh = q.astype(jnp.float32).reshape(batch, max_q, num_kv_heads,
+                                       num_q_heads // num_kv_heads, head_dim)
+    logits = jnp.einsum("bqhgd,bthd->bqhgt", qh, k) * sm_scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
-    probs = jnp.where(visible[:, :, None, None, :], probs, 0.0)  # rows with no keys -> 0
-    out = jnp.einsum("bqhgt,hbtd->bqhgd", probs, v)
+    mask = visible[:, :, None, None, :]
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    probs = jnp.where(mask, probs, 0.0)  # rows with no visible key -> zeros
+    out = jnp.einsum("bqhgt,bthd->bqhgd", probs, v)
     return out.reshape(q.shape).astype(q.dtype)
+
+
+def paged_attention_reference(q, pool, batch_table, kv_lens, q_lens, *, layer_offset,
+                              sliding_window=None, sm_scale=None, soft_cap=None,
+                              k_scale=1.0, v_scale=1.0, **_):
+    """Reference for `paged_attention` (same arguments; tuning knobs ignored)."""
+    return _attention_reference(
+        q, pool, batch_table, kv_lens, kv_lens - q_lens, q_lens, layer_offset=layer_offset,
+        sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale)
+
+
+def draft_block_attention_reference(q, pool, batch_table, ctx_lens, block_lens, block_k,
+                                    block_v, *, layer_offset, causal_in_block=False,
+                                    sliding_window=None, sm_scale=None, soft_cap=None,
+                                    k_scale=1.0, v_scale=1.0, **_):
+    """Reference for `draft_block_attention` (same arguments; tuning knobs ignored)."""
+    return _attention_reference(
+        q, pool, batch_table, ctx_lens, ctx_lens, block_lens, (block_k, block_v),
+        layer_offset=layer_offset, causal_in_block=causal_in_block,
+        sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale)

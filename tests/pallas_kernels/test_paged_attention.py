@@ -121,3 +121,68 @@ def test_invalid_inputs_raise_at_trace_time(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         paged_attention(interpret=True, **args)
+
+
+PREFILL_CASES = [
+    ("prefill_full", dict(batch=3, max_q=40, num_q_heads=8, num_kv_heads=2,
+                          kv_lens=[40, 70, 23], q_lens=[40, 33, 7])),
+    ("prefill_window", dict(batch=3, max_q=40, num_q_heads=4, num_kv_heads=1, window=16,
+                            kv_lens=[40, 95, 17], q_lens=[40, 37, 16])),
+    ("prefill_fp8_gqa1", dict(batch=2, max_q=24, num_q_heads=2, num_kv_heads=2,
+                              kv_dtype=jnp.float8_e4m3fn, kv_lens=[30, 24], q_lens=[24, 0])),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
+def test_chunked_prefill_matches_reference(interpret, name, kwargs):
+    """Chunks longer than one query block: several query blocks per row, ragged."""
+    rng = np.random.default_rng(len(name))
+    q, pool, table, kv_lens, q_lens = make_case(rng, **kwargs)
+    fp8 = pool.dtype == jnp.float8_e4m3fn
+    args = dict(layer_offset=0, sliding_window=kwargs.get("window"),
+                k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+    ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
+    out = paged_attention(q, pool, table, kv_lens, q_lens, rows_per_block=16,
+                          pages_per_block=2, interpret=interpret, **args)
+    assert rel_err(out, ref) < 2e-2
+    mask = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
+    assert (np.asarray(out, np.float32)[mask] == 0).all()
+
+
+DRAFT_CASES = [
+    ("draft_full", dict(num_q_heads=8, num_kv_heads=2, window=None)),
+    ("draft_window", dict(num_q_heads=4, num_kv_heads=1, window=16)),
+    ("draft_fp8_window", dict(num_q_heads=8, num_kv_heads=2, window=24,
+                              kv_dtype=jnp.float8_e4m3fn)),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name,kwargs", DRAFT_CASES, ids=[c[0] for c in DRAFT_CASES])
+def test_draft_block_matches_reference(interpret, name, kwargs, causal):
+    from pallas_kernels.paged_attention import (draft_block_attention,
+                                                draft_block_attention_reference)
+    rng = np.random.default_rng(len(name) + causal)
+    block = 8
+    ctx = [0, 9, 16, 41, 57]  # ctx 0: a row drafting with no context yet
+    batch = len(ctx) + 1      # plus a padding row
+    _, pool, table, ctx_lens, _ = make_case(
+        rng, batch=batch, max_q=block, num_q_heads=kwargs["num_q_heads"],
+        num_kv_heads=kwargs["num_kv_heads"], kv_dtype=kwargs.get("kv_dtype", jnp.bfloat16),
+        window=kwargs["window"], kv_lens=ctx + [0], q_lens=[0] * batch)
+    block_lens = jnp.asarray([block] * len(ctx) + [0], jnp.int32)
+    shape_q = (batch, block, kwargs["num_q_heads"], 32)
+    shape_kv = (batch, block, kwargs["num_kv_heads"], 32)
+    q = jnp.asarray(rng.standard_normal(shape_q), jnp.bfloat16)
+    bk = jnp.asarray(rng.standard_normal(shape_kv), jnp.bfloat16)
+    bv = jnp.asarray(rng.standard_normal(shape_kv), jnp.bfloat16)
+    fp8 = pool.dtype == jnp.float8_e4m3fn
+    args = dict(layer_offset=1, causal_in_block=causal, sliding_window=kwargs["window"],
+                k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+    ref = draft_block_attention_reference(q, pool, table, ctx_lens, block_lens, bk, bv, **args)
+    for splits in (1, 2):
+        out = draft_block_attention(q, pool, table, ctx_lens, block_lens, bk, bv,
+                                    pages_per_block=2, num_splits=splits,
+                                    interpret=interpret, **args)
+        assert rel_err(out, ref) < 2e-2, f"splits={splits}"
+        assert (np.asarray(out[-1], np.float32) == 0).all()  # padding row
