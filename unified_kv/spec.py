@@ -40,7 +40,8 @@ BAD_PAGE_INDEX = -1  # an unallocated page, or one retired behind a window
 NULL_PAGE = 0
 # Kernels tile keys by whole pages; Triton/Mosaic need power-of-two tiles >= 8.
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128, 256)
-KV_DTYPES = {"bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
+# "f32" is for exact reference runs and tests (lossless checks without bf16 rounding).
+KV_DTYPES = {"bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn, "f32": jnp.float32}
 ROLES = ("target", "draft")
 
 

@@ -1,0 +1,188 @@
+"""The DFlash drafter: context KV from fused target features, and the draft block.
+
+    target features  f_t = concat(out of target layers target_layer_ids)  [B, T, n*H]
+    fused context    c_t = RMSNorm_hidden(fc(f_t))                        [B, T, H]
+    context KV of draft layer l at position t (what lives in the draft pages):
+        K = RoPE(k_norm(W_k c_t), t),  V = W_v c_t
+
+    draft block at anchor position p (block size B):
+        ids  = [x_p, MASK, ..., MASK]          positions p .. p+B-1
+        x    = target.embed[ids]
+        each draft layer: x += attn(norm(x)) over context (< p, windowed for
+                          sliding layers) + the block itself (bidirectional, or
+                          causal for sliding layers when so trained); x += mlp
+        drafts = argmax(target.lm_head(norm(x)))[1 : B]
+
+The drafter shares the target's embedding and lm_head; its own params are fc,
+hidden_norm, the draft layers and the final norm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from models.attention import attend_draft_block, write_layer_kv
+from models.qwen3 import Qwen3Config, init_layer_params, mlp, qkv, rms_norm
+from unified_kv import CacheSpec, LayerSpec
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """DFlash's default feature layers: spread over the target's depth."""
+    if n == 1:
+        return (num_target_layers // 2,)
+    return tuple(round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    causal_in_sliding_block: bool = False  # how the sliding layers were trained
+
+    def __post_init__(self):
+        ids = self.target_layer_ids or default_target_layer_ids(self.num_target_layers,
+                                                                self.num_layers)
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in ids))
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        object.__setattr__(self, "layer_types", tuple(types))
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"num_layers={self.num_layers}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention draft layers need sliding_window")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + drafts), got {self.block_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} outside the target's "
+                             f"{self.num_target_layers} layers")
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def causal(self, layer: int) -> bool:
+        return self.causal_in_sliding_block and self.window(layer) is not None
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DFlashConfig":
+        """From the z-lab DFlash drafter `config.json`."""
+        dflash = hf.get("dflash_config", {})
+        types = hf.get("layer_types")
+        return cls(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                   intermediate_size=hf["intermediate_size"],
+                   num_heads=hf["num_attention_heads"],
+                   num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                   head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+                   block_size=hf["block_size"], mask_token_id=dflash["mask_token_id"],
+                   num_target_layers=hf["num_target_layers"],
+                   target_layer_ids=tuple(dflash.get("target_layer_ids") or ()),
+                   layer_types=tuple(types) if types else None,
+                   sliding_window=hf.get("sliding_window") if types and
+                   "sliding_attention" in types else None,
+                   rope_theta=hf.get("rope_theta", 1_000_000.0),
+                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                   causal_in_sliding_block=bool(dflash.get("causal_in_sliding_block", False)))
+
+    def to_hf(self) -> dict:
+        return {"model_type": "dflash", "num_hidden_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "block_size": self.block_size,
+                "num_target_layers": self.num_target_layers,
+                "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+                "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+                "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
+                                  "mask_token_id": self.mask_token_id,
+                                  "causal_in_sliding_block": self.causal_in_sliding_block}}
+
+    def layer_specs(self, kv_dtype: str = "bf16") -> list[LayerSpec]:
+        """The draft layers for a CacheSpec: `draft.{i}`."""
+        return [LayerSpec(f"draft.{i}", "draft", self.num_kv_heads, self.head_dim, kv_dtype,
+                          self.window(i)) for i in range(self.num_layers)]
+
+
+def init_params(cfg: DFlashConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    def dense(key, n_in, n_out):
+        return (jax.random.normal(key, (n_in, n_out), jnp.float32) / math.sqrt(n_in)).astype(dtype)
+
+    def norm(key, n):
+        return (1.0 + 0.1 * jax.random.normal(key, (n,), jnp.float32)).astype(dtype)
+
+    keys = iter(jax.random.split(key, 4 + 11 * cfg.num_layers))
+    h = cfg.hidden_size
+    return {"fc": dense(next(keys), len(cfg.target_layer_ids) * h, h),
+            "hidden_norm": norm(next(keys), h), "norm": norm(next(keys), h),
+            "layers": [init_layer_params(keys, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                         cfg.intermediate_size, dense, norm)
+                       for _ in range(cfg.num_layers)]}
+
+
+def context_kv(params, cfg: DFlashConfig, features, positions):
+    """Per draft layer, (K, V) [B, T, Hkv, D] of context positions from target features."""
+    c = rms_norm(features @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
+    out = []
+    for p in params["layers"]:
+        _, k, v = qkv(p, c, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.rope_theta, cfg.rms_norm_eps)
+        out.append((k, v))
+    return out
+
+
+def write_context(params, cfg: DFlashConfig, spec: CacheSpec, pools, tables, features, starts,
+                  num_tokens):
+    """Store draft context KV for positions starts .. starts + num_tokens - 1."""
+    pools = list(pools)
+    positions = starts[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None]
+    for i, (k, v) in enumerate(context_kv(params, cfg, features, positions)):
+        layer = spec.layer(f"draft.{i}")
+        pool_id, offset = spec.layer_location(layer.name)
+        pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts, num_tokens,
+                                        k, v, layer, offset)
+    return tuple(pools)
+
+
+def draft_block(params, cfg: DFlashConfig, target_params, target_cfg: Qwen3Config,
+                spec: CacheSpec, pools, tables, anchors, ctx_lens, active, *, impl: str):
+    """Draft B-1 tokens after each row's anchor token.
+
+    Args:
+      anchors: i32[batch] token at position ctx_lens (committed, not yet in any cache).
+      ctx_lens: i32[batch] draft context positions; active: bool[batch] (padding False).
+    Returns:
+      (drafts i32[batch, B-1], logits f32[batch, B-1, vocab]).
+    """
+    batch, block = anchors.shape[0], cfg.block_size
+    ids = jnp.full((batch, block), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchors)
+    positions = ctx_lens[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
+    block_lens = jnp.where(active, block, 0).astype(jnp.int32)
+    x = target_params["embed"][ids]
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+        q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.rope_theta, cfg.rms_norm_eps)
+        layer = spec.layer(f"draft.{i}")
+        pool_id, offset = spec.layer_location(layer.name)
+        attn = attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens, k, v,
+                                  layer, offset, causal_in_block=cfg.causal(i), impl=impl)
+        x = x + attn.reshape(batch, block, -1) @ p["o"]
+        x = x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
+    w = (target_params["embed"].T if target_cfg.tie_word_embeddings
+         else target_params["lm_head"])
+    logits = (rms_norm(x[:, 1:], params["norm"], cfg.rms_norm_eps) @ w).astype(jnp.float32)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits

@@ -1,0 +1,214 @@
+"""`Engine.generate`: continuous batching over the jitted steps.
+
+The host loop owns requests and admission only; the device state (cache,
+anchors, drafts) is one pytree threaded through donated jitted steps.
+
+    loop:
+      admit waiting requests while a slot and worst-case pages are free
+        -> prefill each (bucketed length), first token + first draft block
+      one decode step over every slot (fixed batch shape; free slots ride as
+        the dummy padding slot)
+      finished requests release their pages and slots
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from drafter.steps import (StepConfig, decode_step, init_spec_state, plain_decode_step,
+                           prefill_step)
+from pallas_kernels.batch_tables import bucket_width
+from unified_kv import AdmissionController, AdmissionError, admit_slots, init_state, release_slots
+
+
+@dataclasses.dataclass
+class Result:
+    """One finished request."""
+
+    request_id: str
+    prompt: list[int]
+    tokens: list[int]                 # generated tokens (first token included)
+    acceptance: list[int]             # tokens committed per decode step (AL = mean)
+    time_to_first_token_s: float
+    decode_time_s: float
+
+    @property
+    def acceptance_length(self) -> float:
+        return float(np.mean(self.acceptance)) if self.acceptance else 0.0
+
+
+@dataclasses.dataclass
+class _Active:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    slot: int
+    submitted: float
+    tokens: list = dataclasses.field(default_factory=list)
+    acceptance: list = dataclasses.field(default_factory=list)
+    first_token_at: float = 0.0
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+class Engine:
+    """Speculative (DFlash) or plain greedy/sampled generation over one cache.
+
+    Args:
+      params: {"target": target params, "draft": drafter params (speculative only)}.
+      cfg: the static StepConfig (target config, cache spec, drafter config or None).
+      speculative: use the drafter; False runs the plain decode step.
+    """
+
+    def __init__(self, params, cfg: StepConfig, *, speculative: bool = True, seed: int = 0):
+        if speculative and cfg.draft is None:
+            raise ValueError("speculative=True needs StepConfig.draft (a DFlash config)")
+        self.params, self.cfg, self.speculative = params, cfg, speculative
+        self.spec = cfg.spec
+        self.admission = AdmissionController(cfg.spec)
+        self.state = init_spec_state(cfg, init_state(cfg.spec))
+        self._key = jax.random.key(seed)
+        self._active: dict[int, _Active] = {}
+        self._lens = np.zeros(cfg.spec.num_slots, np.int64)  # host upper bound per slot
+        statics = ("cfg", "table_width", "temperature")
+        self._prefill = jax.jit(prefill_step, static_argnames=statics, donate_argnums=1)
+        step = decode_step if speculative else plain_decode_step
+        self._decode = jax.jit(step, static_argnames=statics, donate_argnums=1)
+        self._admit = jax.jit(admit_slots, static_argnums=0, donate_argnums=1)
+        self._release = jax.jit(release_slots, static_argnums=0, donate_argnums=1)
+
+    # ------------------------------------------------------------ requests
+
+    def validate_prompt(self, prompt, max_new_tokens: int) -> list[int]:
+        vocab = self.cfg.target.vocab_size
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt: give at least one token")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        need = len(prompt) + max_new_tokens + self.cfg.block_size
+        if need > self.spec.max_seq_len:
+            raise AdmissionError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} + "
+                f"{self.cfg.block_size} verify tokens = {need} exceeds max_seq_len="
+                f"{self.spec.max_seq_len}; shorten the prompt or build a larger cache")
+        return prompt
+
+    def add_request(self, request_id: str, prompt, max_new_tokens: int, *,
+                    temperature: float = 0.0) -> None:
+        """Admit and prefill one request now; AdmissionError if it cannot fit
+        (nothing else changes)."""
+        prompt = self.validate_prompt(prompt, max_new_tokens)
+        max_len = len(prompt) + max_new_tokens + self.cfg.block_size
+        res = self.admission.admit(request_id, max_len)
+        submitted = time.perf_counter()
+        slot = res.slot
+        ids = jnp.array([slot], jnp.int32)
+        self.state = self.state.replace(kv=self._admit(self.spec, self.state.kv, ids))
+        length = _pow2(len(prompt))
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, :len(prompt)] = prompt
+        width = self._table_width(len(prompt) + self.cfg.block_size)
+        self.state, first, ok = self._prefill(
+            self.params, self.state, ids, jnp.asarray(tokens), jnp.array([len(prompt)], jnp.int32),
+            jnp.array([True]), self._next_key(), cfg=self.cfg, table_width=width,
+            temperature=temperature)
+        if not bool(ok[0]):
+            self._drop(slot, request_id)
+            raise RuntimeError(f"request {request_id!r}: prefill could not allocate pages "
+                               f"although admission reserved them (a bug in page accounting)")
+        act = _Active(request_id, prompt, max_new_tokens, slot, submitted)
+        act.tokens.append(int(first[0]))
+        act.first_token_at = time.perf_counter()
+        self._active[slot] = act
+        self._lens[slot] = len(prompt)
+
+    def _drop(self, slot: int, request_id: str) -> None:
+        self.state = self.state.replace(
+            kv=self._release(self.spec, self.state.kv, jnp.array([slot], jnp.int32)))
+        self.admission.release(request_id)
+        self._active.pop(slot, None)
+        self._lens[slot] = 0
+
+    def _next_key(self):
+        self._key, key = jax.random.split(self._key)
+        return key
+
+    def _table_width(self, max_len: int) -> int:
+        pages = -(-max_len // self.spec.page_size)
+        return bucket_width(pages, self.spec.max_pages_per_seq, block_pages=16)
+
+    # -------------------------------------------------------------- stepping
+
+    def step(self, temperature: float = 0.0) -> list[Result]:
+        """One decode step over all active requests; returns those that finished."""
+        if not self._active:
+            return []
+        slots = np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)
+        for slot in self._active:
+            slots[slot] = slot
+        width = self._table_width(int(self._lens.max()) + 2 * self.cfg.block_size)
+        self.state, *outs = self._decode(self.params, self.state, jnp.asarray(slots),
+                                         self._next_key(), cfg=self.cfg, table_width=width,
+                                         temperature=temperature)
+        if self.speculative:
+            out_tokens, num_out, ok = (np.asarray(o) for o in outs)
+        else:
+            token, ok = (np.asarray(o) for o in outs)
+            out_tokens, num_out = token[:, None], np.where(ok, 1, 0)
+        finished = []
+        for slot, act in list(self._active.items()):
+            if not ok[slot]:
+                raise RuntimeError(f"request {act.request_id!r}: decode step could not "
+                                   f"allocate pages (a bug in admission accounting)")
+            n = int(num_out[slot])
+            act.tokens.extend(int(t) for t in out_tokens[slot, :n])
+            act.acceptance.append(n)
+            self._lens[slot] += n
+            if len(act.tokens) >= act.max_new_tokens:
+                now = time.perf_counter()
+                finished.append(Result(act.request_id, act.prompt,
+                                       act.tokens[:act.max_new_tokens], act.acceptance,
+                                       act.first_token_at - act.submitted,
+                                       now - act.first_token_at))
+                self._drop(slot, act.request_id)
+        return finished
+
+    def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0,
+                 arrival_steps=None) -> list[Result]:
+        """Generate for every prompt with continuous batching; results in prompt order.
+
+        `arrival_steps[i]` (optional) is the decode step at which prompt i
+        arrives, to exercise requests joining mid-run.
+        """
+        prompts = [self.validate_prompt(p, max_new_tokens) for p in prompts]
+        arrival = list(arrival_steps) if arrival_steps is not None else [0] * len(prompts)
+        waiting = deque(sorted(range(len(prompts)), key=lambda i: arrival[i]))
+        results: dict[str, Result] = {}
+        step = 0
+        while waiting or self._active:
+            while waiting and arrival[waiting[0]] <= step:
+                i = waiting[0]
+                try:
+                    self.add_request(f"req{i}", prompts[i], max_new_tokens,
+                                     temperature=temperature)
+                except AdmissionError:
+                    if not self._active:
+                        raise  # nothing will free room: this request can never run
+                    break      # full for now; retry after some request finishes
+                waiting.popleft()
+            for r in self.step(temperature):
+                results[r.request_id] = r
+            step += 1
+        return [results[f"req{i}"] for i in range(len(prompts))]

@@ -1,0 +1,63 @@
+"""Glue between model layers and the paged kernels: one place picks the kernel path.
+
+`impl`:
+  "pallas"     compiled Pallas kernels (GPU)
+  "interpret"  the same kernels in Pallas interpret mode (CPU; slow, exact)
+  "reference"  the kernels' plain-jnp references (CPU tests of whole models)
+  "auto"       "pallas" on GPU, "reference" elsewhere
+The choice is explicit and static; nothing falls back silently at run time.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.kv_store import write_kv
+from pallas_kernels.paged_attention import (draft_block_attention,
+                                            draft_block_attention_reference, paged_attention,
+                                            paged_attention_reference)
+from unified_kv import LayerSpec
+
+IMPLS = ("auto", "pallas", "interpret", "reference")
+
+
+def resolve_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is unknown; use one of {IMPLS}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return impl
+
+
+def _kernel_args(layer: LayerSpec, offset: int) -> dict:
+    return dict(layer_offset=offset, sliding_window=layer.sliding_window,
+                k_scale=layer.k_scale, v_scale=layer.v_scale)
+
+
+def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offset: int):
+    """Store new K/V of one layer; returns the pool. Rows the step could not
+    allocate for were already reported by `allocate_pages`; their writes drop."""
+    pool, _ = write_kv(pool, table, starts, num_tokens, k, v, layer_offset=offset,
+                       k_scale=layer.k_scale, v_scale=layer.v_scale)
+    return pool
+
+
+def attend(q, pool, table, kv_lens, q_lens, layer: LayerSpec, offset: int, *, impl: str):
+    """Decode / verify / prefill attention of one layer (queries' K/V already stored)."""
+    impl = resolve_impl(impl)
+    args = _kernel_args(layer, offset)
+    if impl == "reference":
+        return paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
+    return paged_attention(q, pool, table, kv_lens, q_lens, interpret=impl == "interpret", **args)
+
+
+def attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k, block_v, layer: LayerSpec,
+                       offset: int, *, causal_in_block: bool, impl: str):
+    """DFlash draft-block attention of one draft layer."""
+    impl = resolve_impl(impl)
+    args = dict(_kernel_args(layer, offset), causal_in_block=causal_in_block)
+    if impl == "reference":
+        return draft_block_attention_reference(q, pool, table, ctx_lens, block_lens, block_k,
+                                               block_v, **args)
+    return draft_block_attention(q, pool, table, ctx_lens, block_lens, block_k, block_v,
+                                 interpret=impl == "interpret", **args)

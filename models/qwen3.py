@@ -1,0 +1,202 @@
+"""A Qwen3-architecture decoder over the unified paged KV cache, in plain JAX.
+
+Read top to bottom: config -> init -> norm/rope -> attention -> MLP -> layer ->
+forward. Params are a plain pytree (dicts of arrays) so steps can be jitted
+with params as an argument and the cache state donated.
+
+    x = embed[tokens]
+    for each layer:   x = x + attn(rmsnorm(x));  x = x + mlp(rmsnorm(x))
+    logits = rmsnorm(x) @ lm_head        (lm_head = embed.T when tied)
+
+Attention per layer: q/k/v projections, per-head RMSNorm on q and k, NeoX
+RoPE, new K/V stored into the layer's pool pages (`write_kv`), then paged
+attention over the row's pages (`paged_attention`), windowed for
+"sliding_attention" layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from unified_kv import CacheSpec, LayerSpec
+from models.attention import attend, write_layer_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    layer_types: tuple[str, ...] | None = None  # "full_attention" | "sliding_attention"
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        object.__setattr__(self, "layer_types", tuple(types))
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"num_layers={self.num_layers}")
+        bad = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if bad:
+            raise ValueError(f"unknown layer_types {sorted(bad)}; use full_attention or "
+                             f"sliding_attention")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need sliding_window in the config")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "Qwen3Config":
+        """From an HF Qwen3 `config.json` dict."""
+        n = hf["num_hidden_layers"]
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        types = hf.get("layer_types")
+        return cls(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                   intermediate_size=hf["intermediate_size"], num_layers=n,
+                   num_heads=hf["num_attention_heads"],
+                   num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                   head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+                   rope_theta=hf.get("rope_theta", 1_000_000.0),
+                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                   tie_word_embeddings=hf.get("tie_word_embeddings", True),
+                   layer_types=tuple(types) if types else None,
+                   sliding_window=window if types and "sliding_attention" in types else None)
+
+    def to_hf(self) -> dict:
+        return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
+
+    def layer_specs(self, kv_dtype: str = "bf16", k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> list[LayerSpec]:
+        """The target's layers for a CacheSpec: `target.{i}`."""
+        return [LayerSpec(f"target.{i}", "target", self.num_kv_heads, self.head_dim, kv_dtype,
+                          self.window(i), k_scale, v_scale) for i in range(self.num_layers)]
+
+
+def init_params(cfg: Qwen3Config, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params (normal, std 0.02; norms 1 + small noise so they matter)."""
+    def dense(key, n_in, n_out):
+        return (jax.random.normal(key, (n_in, n_out), jnp.float32) / math.sqrt(n_in)).astype(dtype)
+
+    def norm(key, n):
+        return (1.0 + 0.1 * jax.random.normal(key, (n,), jnp.float32)).astype(dtype)
+
+    keys = iter(jax.random.split(key, 4 + 11 * cfg.num_layers))
+    h, d = cfg.hidden_size, cfg.head_dim
+    params = {"embed": (jax.random.normal(next(keys), (cfg.vocab_size, h)) * 0.5).astype(dtype),
+              "norm": norm(next(keys), h), "layers": []}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = dense(next(keys), h, cfg.vocab_size)
+    for _ in range(cfg.num_layers):
+        params["layers"].append(init_layer_params(keys, h, cfg.num_heads, cfg.num_kv_heads, d,
+                                                  cfg.intermediate_size, dense, norm))
+    return params
+
+
+def init_layer_params(keys, hidden, num_heads, num_kv_heads, head_dim, intermediate, dense, norm):
+    """One decoder layer's params (shared by the target and the DFlash drafter)."""
+    return {"input_norm": norm(next(keys), hidden),
+            "q": dense(next(keys), hidden, num_heads * head_dim),
+            "k": dense(next(keys), hidden, num_kv_heads * head_dim),
+            "v": dense(next(keys), hidden, num_kv_heads * head_dim),
+            "o": dense(next(keys), num_heads * head_dim, hidden),
+            "q_norm": norm(next(keys), head_dim), "k_norm": norm(next(keys), head_dim),
+            "post_norm": norm(next(keys), hidden),
+            "gate": dense(next(keys), hidden, intermediate),
+            "up": dense(next(keys), hidden, intermediate),
+            "down": dense(next(keys), intermediate, hidden)}
+
+
+# ---------------------------------------------------------------- blocks
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta):
+    """NeoX-style rotary embedding. x: [B, T, heads, D]; positions: i32[B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    angles = positions[..., None].astype(jnp.float32) * inv_freq    # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def mlp(p, x):
+    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+
+
+def qkv(p, x, positions, num_heads, num_kv_heads, head_dim, theta, eps):
+    """Projections, per-head q/k RMSNorm, RoPE. x: [B, T, H] -> q [B,T,Hq,D], k, v [B,T,Hkv,D]."""
+    b, t, _ = x.shape
+    q = (x @ p["q"]).reshape(b, t, num_heads, head_dim)
+    k = (x @ p["k"]).reshape(b, t, num_kv_heads, head_dim)
+    v = (x @ p["v"]).reshape(b, t, num_kv_heads, head_dim)
+    q = rope(rms_norm(q, p["q_norm"], eps), positions, theta)
+    k = rope(rms_norm(k, p["k_norm"], eps), positions, theta)
+    return q, k, v
+
+
+def lm_head(params, cfg, x):
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (rms_norm(x, params["norm"], cfg.rms_norm_eps) @ w).astype(jnp.float32)
+
+
+def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, starts,
+            num_tokens, *, feature_layers: tuple[int, ...] = (), impl: str = "auto"):
+    """Run `tokens` through the target, storing their K/V into the cache.
+
+    Args:
+      pools: KVState.pools; tables: per pool, batch tables i32[B, W] (page * 2L).
+      tokens: i32[B, T]; starts: i32[B] position of tokens[:, 0] (= cached
+        length before this call); num_tokens: i32[B] valid tokens (0: padding).
+    Returns:
+      (logits f32[B, T, vocab], pools, features [B, T, len(feature_layers) * H]):
+      features are the residual stream after each requested layer.
+    """
+    pools = list(pools)
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    x = params["embed"][tokens]
+    features = []
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+        q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.rope_theta, cfg.rms_norm_eps)
+        layer = spec.layer(f"target.{i}")
+        pool_id, offset = spec.layer_location(layer.name)
+        pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts, num_tokens,
+                                        k, v, layer, offset)
+        attn = attend(q, pools[pool_id], tables[pool_id], starts + num_tokens, num_tokens,
+                      layer, offset, impl=impl)
+        x = x + attn.reshape(x.shape[0], x.shape[1], -1) @ p["o"]
+        x = x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
+        features.append(x)
+    feats = (jnp.concatenate([features[i] for i in feature_layers], axis=-1)
+             if feature_layers else None)
+    return lm_head(params, cfg, x), tuple(pools), feats
