@@ -5,7 +5,8 @@ anchors, drafts) is one pytree threaded through donated jitted steps.
 
     loop:
       admit waiting requests while a slot and worst-case pages are free
-        -> prefill each (bucketed length), first token + first draft block
+        -> chunked prefill of each (chunks of max_step_tokens), first token
+           and first draft block
       one decode step over every slot (fixed batch shape; free slots ride as
         the dummy padding slot)
       finished requests release their pages and slots
@@ -53,10 +54,6 @@ class _Active:
     tokens: list = dataclasses.field(default_factory=list)
     acceptance: list = dataclasses.field(default_factory=list)
     first_token_at: float = 0.0
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
 class Engine:
@@ -116,18 +113,24 @@ class Engine:
         slot = res.slot
         ids = jnp.array([slot], jnp.int32)
         self.state = self.state.replace(kv=self._admit(self.spec, self.state.kv, ids))
-        length = _pow2(len(prompt))
-        tokens = np.zeros((1, length), np.int32)
-        tokens[0, :len(prompt)] = prompt
-        width = self._table_width(len(prompt) + self.cfg.block_size)
-        self.state, first, ok = self._prefill(
-            self.params, self.state, ids, jnp.asarray(tokens), jnp.array([len(prompt)], jnp.int32),
-            jnp.array([True]), self._next_key(), cfg=self.cfg, table_width=width,
-            temperature=temperature)
-        if not bool(ok[0]):
-            self._drop(slot, request_id)
-            raise RuntimeError(f"request {request_id!r}: prefill could not allocate pages "
-                               f"although admission reserved them (a bug in page accounting)")
+        # Chunked prefill: a chunk never exceeds the cache's max_step_tokens,
+        # which is what admission reserved windowed-pool headroom for.
+        chunk = self.spec.max_step_tokens
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start:start + chunk]
+            tokens = np.zeros((1, chunk), np.int32)
+            tokens[0, :len(piece)] = piece
+            is_last = start + chunk >= len(prompt)
+            self.state, first, ok = self._prefill(
+                self.params, self.state, ids, jnp.asarray(tokens),
+                jnp.array([len(piece)], jnp.int32), jnp.array([is_last]), self._next_key(),
+                cfg=self.cfg, table_width=self._table_width(start + chunk + self.cfg.block_size),
+                temperature=temperature)
+            if not bool(ok[0]):
+                self._drop(slot, request_id)
+                raise RuntimeError(f"request {request_id!r}: prefill could not allocate pages "
+                                   f"although admission reserved them (a bug in page "
+                                   f"accounting)")
         act = _Active(request_id, prompt, max_new_tokens, slot, submitted)
         act.tokens.append(int(first[0]))
         act.first_token_at = time.perf_counter()
