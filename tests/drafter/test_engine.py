@@ -1,0 +1,69 @@
+"""Engine bad input: clear errors, and nothing else disturbed."""
+
+import jax
+import numpy as np
+import pytest
+
+from drafter.engine import Engine
+from tests.drafter.tiny import tiny_pair
+from unified_kv import AdmissionError
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair(num_slots=2, max_seq_len=64)
+
+
+def snapshot(engine):
+    return jax.tree.map(np.asarray, engine.state)
+
+
+def assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("prompt,max_new,err,match", [
+    ([], 4, ValueError, "empty prompt"),
+    ([1, 2, 64], 4, ValueError, r"token ids \[64\] are outside the vocabulary \[0, 64\)"),
+    ([1, -1], 4, ValueError, r"token ids \[-1\]"),
+    ([1] * 60, 4, AdmissionError, "exceeds max_seq_len=64"),
+    ([1, 2], 0, ValueError, "max_new_tokens must be >= 1"),
+])
+def test_bad_requests_are_refused_and_leave_others_intact(pair, prompt, max_new, err, match):
+    params, spec_cfg, _ = pair
+    engine = Engine(params, spec_cfg)
+    engine.add_request("ok", [5, 6, 7, 8, 9, 10, 11, 12, 13], 6)
+    before = snapshot(engine)
+    with pytest.raises(err, match=match):
+        engine.add_request("bad", prompt, max_new)
+    assert_same(before, snapshot(engine))
+    # The admitted request still decodes exactly as it would alone.
+    done = []
+    while not done:
+        done = engine.step()
+    alone = Engine(params, spec_cfg).generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]], 6)[0]
+    assert done[0].tokens == alone.tokens
+
+
+def test_more_requests_than_slots(pair):
+    params, spec_cfg, _ = pair
+    engine = Engine(params, spec_cfg)
+    engine.add_request("a", [1, 2, 3], 5)
+    engine.add_request("b", [4, 5, 6], 5)
+    before = snapshot(engine)
+    with pytest.raises(AdmissionError, match="all 2 slots are busy"):
+        engine.add_request("c", [7, 8, 9], 5)
+    assert_same(before, snapshot(engine))
+    # generate() queues instead: 5 requests through 2 slots, all complete.
+    results = Engine(params, spec_cfg).generate([[i + 1, i + 2] for i in range(5)], 5)
+    assert [len(r.tokens) for r in results] == [5] * 5
+
+
+def test_pages_return_to_the_free_lists_after_generate(pair):
+    params, spec_cfg, _ = pair
+    engine = Engine(params, spec_cfg)
+    engine.generate([[3] * 20, [4] * 9, [5] * 33], 7)
+    free = np.asarray(engine.state.kv.num_free).tolist()
+    assert free == [p.num_usable_pages for p in spec_cfg.spec.pools]
+    assert engine.admission.reserved_pages == (0,) * len(spec_cfg.spec.pools)
