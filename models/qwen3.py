@@ -200,3 +200,43 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
     feats = (jnp.concatenate([features[i] for i in feature_layers], axis=-1)
              if feature_layers else None)
     return lm_head(params, cfg, x), tuple(pools), feats
+
+
+def dense_attention(q, k, v, allowed):
+    """Masked softmax attention without a cache. q [N,T,Hq,D]; k, v [N,S,Hkv,D];
+    allowed bool[N or 1, T, S]."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("nthd,nshd->nhts", q.astype(jnp.float32), k.astype(jnp.float32))
+    logits = jnp.where(allowed[:, None], logits / math.sqrt(q.shape[-1]), -1e30)
+    return jnp.einsum("nhts,nshd->nthd", jax.nn.softmax(logits, axis=-1),
+                      v.astype(jnp.float32)).astype(q.dtype)
+
+
+def causal_mask(t: int, window: int | None):
+    pos = jnp.arange(t)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window
+    return allowed[None]
+
+
+def dense_forward(params, cfg: Qwen3Config, tokens):
+    """Whole sequences without a cache (training and feature extraction).
+
+    tokens: i32[N, T]. Returns (logits f32[N, T, vocab], hidden: list of the
+    residual stream after each layer, [N, T, H] each).
+    """
+    n, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    x = params["embed"][tokens]
+    hidden = []
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+        q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.rope_theta, cfg.rms_norm_eps)
+        attn = dense_attention(q, k, v, causal_mask(t, cfg.window(i)))
+        x = x + attn.reshape(n, t, -1) @ p["o"]
+        x = x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
+        hidden.append(x)
+    return lm_head(params, cfg, x), hidden

@@ -1,0 +1,110 @@
+"""Training a DFlash drafter for a target, by the DFlash recipe.
+
+For each training sequence (target features computed by the frozen target):
+  * sample random anchors a;
+  * block input [x_a, MASK * (B-1)] at positions a .. a+B-1, embedded with the
+    target's (frozen) embedding;
+  * context visible strictly before the anchor (windowed for sliding layers),
+    bidirectional inside the block (causal for sliding layers if so configured);
+  * block slot k (1..B-1) predicts x_{a+k} through the target's frozen lm_head,
+    cross-entropy weighted by exp(-(k-1) / gamma).
+
+The dense block forward here mirrors `drafter.dflash.draft_block` over the
+paged cache; a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from drafter.dflash import DFlashConfig
+from models.qwen3 import (Qwen3Config, dense_attention, dense_forward, mlp, qkv, rms_norm)
+from models.training import train_loop
+
+
+def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwen3Config,
+                 tokens, features, anchors):
+    """Draft-block logits without a cache.
+
+    Args:
+      tokens: i32[N, T]; features: [N, T, n*H] target features; anchors: i32[N, A].
+    Returns:
+      f32[N * A, B - 1, vocab]: slot k predicts the token at anchor + k.
+    """
+    n, t = tokens.shape
+    num_anchors, block = anchors.shape[1], cfg.block_size
+    rows = jnp.repeat(jnp.arange(n), num_anchors)                     # block -> sequence
+    anchor = anchors.reshape(-1)                                       # [R]
+    ids = jnp.full((rows.shape[0], block), cfg.mask_token_id, jnp.int32)
+    ids = ids.at[:, 0].set(tokens[rows, anchor])
+    positions = anchor[:, None] + jnp.arange(block)[None]              # [R, B]
+    ctx_positions = jnp.broadcast_to(jnp.arange(t), (n, t))
+    c = rms_norm(features @ draft_params["fc"], draft_params["hidden_norm"], cfg.rms_norm_eps)
+    x = jax.lax.stop_gradient(target_params["embed"])[ids]
+    k_pos = jnp.arange(t)[None, None, :]
+    q_pos = positions[:, :, None]
+    j = jnp.arange(block)
+    for i, p in enumerate(draft_params["layers"]):
+        _, k_ctx, v_ctx = qkv(p, c, ctx_positions, cfg.num_heads, cfg.num_kv_heads,
+                              cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps)
+        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+        q, k_blk, v_blk = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              cfg.rope_theta, cfg.rms_norm_eps)
+        ctx_ok = jnp.broadcast_to(k_pos < anchor[:, None, None],        # strictly before a
+                                  (anchor.shape[0], block, t))
+        blk_ok = jnp.ones((1, block, block), bool)
+        if cfg.causal(i):
+            blk_ok &= j[None, None, :] <= j[None, :, None]
+        if cfg.window(i) is not None:
+            ctx_ok &= k_pos > q_pos - cfg.window(i)
+            blk_ok &= j[None, None, :] > j[None, :, None] - cfg.window(i)
+        allowed = jnp.concatenate(
+            [ctx_ok, jnp.broadcast_to(blk_ok, (anchor.shape[0], block, block))], axis=2)
+        keys = jnp.concatenate([k_ctx[rows], k_blk], axis=1)
+        values = jnp.concatenate([v_ctx[rows], v_blk], axis=1)
+        attn = dense_attention(q, keys, values, allowed)
+        x = x + attn.reshape(x.shape[0], block, -1) @ p["o"]
+        x = x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
+    w = target_params["embed"].T if target_cfg.tie_word_embeddings else target_params["lm_head"]
+    x = rms_norm(x[:, 1:], draft_params["norm"], cfg.rms_norm_eps)
+    return (x @ jax.lax.stop_gradient(w)).astype(jnp.float32)
+
+
+def target_features(target_params, target_cfg, cfg: DFlashConfig, tokens):
+    """Frozen target features the drafter reads: [N, T, n*H]."""
+    _, hidden = dense_forward(target_params, target_cfg, tokens)
+    feats = jnp.concatenate([hidden[i] for i in cfg.target_layer_ids], axis=-1)
+    return jax.lax.stop_gradient(feats)
+
+
+def dflash_loss(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, *,
+                anchors_per_seq: int = 8, gamma: float = 4.0):
+    """loss(draft_params, tokens i32[N, T], key) by the DFlash recipe."""
+    weights = jnp.exp(-jnp.arange(cfg.block_size - 1) / gamma)          # slot k=1.. -> k-1
+
+    def loss(draft_params, tokens, key):
+        n, t = tokens.shape
+        feats = target_features(target_params, target_cfg, cfg, tokens)
+        anchors = jax.random.randint(key, (n, anchors_per_seq), 0, t - 1)
+        logits = block_logits(draft_params, cfg, target_params, target_cfg, tokens, feats,
+                              anchors)
+        rows = jnp.repeat(jnp.arange(n), anchors_per_seq)
+        label_pos = anchors.reshape(-1)[:, None] + jnp.arange(1, cfg.block_size)[None]
+        valid = label_pos < t
+        labels = tokens[rows[:, None], jnp.minimum(label_pos, t - 1)]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        w = weights[None] * valid
+        return (ce * w).sum() / w.sum()
+    return loss
+
+
+def train_drafter(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, draft_params,
+                  batches, *, steps: int, lr: float = 3e-3, anchors_per_seq: int = 8,
+                  gamma: float = 4.0, **kw):
+    """Train `draft_params` for the frozen target; see `train_loop` for
+    checkpointing (orbax), resuming and the saved loss curve."""
+    loss = dflash_loss(target_params, target_cfg, cfg, anchors_per_seq=anchors_per_seq,
+                       gamma=gamma)
+    return train_loop(loss, draft_params, batches, steps=steps, lr=lr, desc="drafter", **kw)

@@ -1,0 +1,85 @@
+"""A small, resumable training loop (optax + orbax + tqdm) and target LM training.
+
+`train_loop` is shared by target training and drafter training: it jits one
+update, shows progress, saves a loss curve and orbax checkpoints of
+(params, optimizer state, step), and resumes from the newest checkpoint in
+`ckpt_dir` when one exists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from models.qwen3 import Qwen3Config, dense_forward
+
+
+def train_loop(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: float,
+               ckpt_dir: str | Path | None = None, save_every: int = 500,
+               desc: str = "train", warmup: int = 50, seed: int = 0):
+    """Minimise `loss_fn(params, batch, key)` over `steps` AdamW updates.
+
+    Returns (params, losses) where losses has one float per step run (a
+    resumed run returns the whole curve, from the checkpoint's loss.json).
+    """
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, steps), steps, lr * 0.1)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
+    losses: list[float] = []
+    manager = None
+    if ckpt_dir is not None:
+        import orbax.checkpoint as ocp
+        ckpt_dir = Path(ckpt_dir).absolute()
+        manager = ocp.CheckpointManager(ckpt_dir / "state",
+                                        options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        if manager.latest_step() is not None:
+            state = manager.restore(manager.latest_step(),
+                                    args=ocp.args.StandardRestore(state))
+            curve = ckpt_dir / "loss.json"
+            losses = json.loads(curve.read_text())[:int(state["step"])] if curve.exists() else []
+
+    @jax.jit
+    def update(state, batch, key):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, key)
+        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state, "step": state["step"] + 1}, loss
+
+    key = jax.random.key(seed)
+    start = int(state["step"])
+    bar = tqdm(range(start, steps), desc=desc, initial=start, total=steps, leave=False)
+    for step in bar:
+        state, loss = update(state, next(batches), jax.random.fold_in(key, step))
+        losses.append(float(loss))
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.4f}")
+        if manager is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
+            import orbax.checkpoint as ocp
+            manager.save(step + 1, args=ocp.args.StandardSave(state))
+            (ckpt_dir / "loss.json").write_text(json.dumps(losses))
+    if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
+    return state["params"], losses
+
+
+def lm_loss(cfg: Qwen3Config):
+    """Next-token cross-entropy of the target on batches i32[N, T]."""
+    def loss(params, tokens, key):
+        del key
+        logits, _ = dense_forward(params, cfg, tokens[:, :-1])
+        labels = tokens[:, 1:]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss
+
+
+def train_target(cfg: Qwen3Config, params, batches, *, steps: int, lr: float = 3e-3, **kw):
+    """Train a target LM; see `train_loop` for checkpointing and resuming."""
+    return train_loop(lm_loss(cfg), params, batches, steps=steps, lr=lr, desc="target", **kw)
