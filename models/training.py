@@ -29,7 +29,9 @@ def train_loop(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: 
     Returns (params, losses) where losses has one float per step run (a
     resumed run returns the whole curve, from the checkpoint's loss.json).
     """
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, steps), steps, lr * 0.1)
+    warmup = min(warmup, steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
+                                                  lr * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
     losses: list[float] = []
