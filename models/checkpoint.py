@@ -105,7 +105,7 @@ def params_from_tensors(tensors, key_map, template, dtype=jnp.float32):
 def tensors_from_params(params, key_map) -> dict[str, np.ndarray]:
     out = {}
     for key, path, transposed in key_map:
-        value = np.asarray(_get(params, path), np.float32)
+        value = np.asarray(_get(params, path))  # keeps bf16 (ml_dtypes) as bf16
         out[key] = np.ascontiguousarray(value.T if transposed else value)
     return out
 

@@ -23,12 +23,17 @@ from models.qwen3 import Qwen3Config, dense_forward
 
 def train_loop(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: float,
                ckpt_dir: str | Path | None = None, save_every: int = 500,
-               desc: str = "train", warmup: int = 50, seed: int = 0):
+               desc: str = "train", warmup: int = 50, seed: int = 0,
+               time_budget_s: float | None = None):
     """Minimise `loss_fn(params, batch, key)` over `steps` AdamW updates.
 
     Returns (params, losses) where losses has one float per step run (a
     resumed run returns the whole curve, from the checkpoint's loss.json).
+    With `time_budget_s`, training stops early (saying so) when the budget is
+    spent, so a run on a lent machine always ends with a checkpoint.
     """
+    import time
+    started = time.monotonic()
     warmup = min(warmup, steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
                                                   lr * 0.1)
@@ -62,10 +67,17 @@ def train_loop(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: 
         losses.append(float(loss))
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-10:]):.4f}")
-        if manager is not None and ((step + 1) % save_every == 0 or step + 1 == steps):
+        out_of_time = (time_budget_s is not None
+                       and time.monotonic() - started > time_budget_s)
+        if manager is not None and ((step + 1) % save_every == 0 or step + 1 == steps
+                                    or out_of_time):
             import orbax.checkpoint as ocp
             manager.save(step + 1, args=ocp.args.StandardSave(state))
             (ckpt_dir / "loss.json").write_text(json.dumps(losses))
+        if out_of_time:
+            print(f"{desc}: time budget {time_budget_s:.0f}s spent, stopping at step "
+                  f"{step + 1} of {steps}", flush=True)
+            break
     if manager is not None:
         manager.wait_until_finished()
         manager.close()

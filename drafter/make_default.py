@@ -1,0 +1,88 @@
+"""Train the embedded default pair: a byte-level Qwen3 code model and its DFlash drafter.
+
+    PYTHONPATH=. python -m drafter.make_default --out DIR [--target-steps N] [--draft-steps N]
+
+Corpus: the Python standard library (drafter/corpus.py), held-out split by file.
+Writes DIR/target and DIR/draft as safetensors checkpoints (HF / DFlash layouts,
+bf16 to stay small) plus loss curves; `drafter.default.import_pair` turns them
+into the orbax checkpoints the package ships.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from drafter.corpus import MASK, VOCAB_SIZE, load_split, random_windows
+from drafter.dflash import DFlashConfig, init_params as init_draft
+from drafter.train import train_drafter
+from models.checkpoint import save_dflash, save_qwen3
+from models.qwen3 import Qwen3Config, init_params as init_target
+from models.training import train_target
+
+
+def target_config() -> Qwen3Config:
+    return Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768,
+                       num_layers=6, num_heads=8, num_kv_heads=2, head_dim=32,
+                       rope_theta=100_000.0,
+                       layer_types=("sliding_attention", "sliding_attention", "full_attention") * 2,
+                       sliding_window=256, tie_word_embeddings=True)
+
+
+def draft_config() -> DFlashConfig:
+    return DFlashConfig(num_layers=2, hidden_size=256, intermediate_size=768, num_heads=8,
+                        num_kv_heads=2, head_dim=32, block_size=8, mask_token_id=MASK,
+                        num_target_layers=6, target_layer_ids=(1, 4),
+                        layer_types=("sliding_attention", "sliding_attention"),
+                        sliding_window=256, rope_theta=100_000.0)
+
+
+def batches(docs, batch, length, seed):
+    for x in random_windows(docs, batch, length, seed):
+        yield jnp.asarray(x)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--target-steps", type=int, default=3000)
+    ap.add_argument("--draft-steps", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--stdlib", default=None, help="stdlib root (default: this Python's)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget per model; training stops early when spent")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    train_docs = load_split("train", args.stdlib)
+    print(f"train corpus: {len(train_docs)} files, {sum(map(len, train_docs)) / 1e6:.1f}M bytes",
+          flush=True)
+    tcfg, dcfg = target_config(), draft_config()
+    t0 = time.time()
+    target, t_losses = train_target(tcfg, init_target(tcfg, jax.random.key(0)),
+                                    batches(train_docs, args.batch, args.length, 0),
+                                    steps=args.target_steps, lr=2e-3,
+                                    time_budget_s=args.budget_s)
+    print(f"target: {len(t_losses)} steps in {time.time() - t0:.0f}s, loss "
+          f"{np.mean(t_losses[:20]):.3f} -> {np.mean(t_losses[-50:]):.3f}", flush=True)
+    t0 = time.time()
+    draft, d_losses = train_drafter(target, tcfg, dcfg, init_draft(dcfg, jax.random.key(1)),
+                                    batches(train_docs, args.batch // 2, args.length, 1),
+                                    steps=args.draft_steps, lr=2e-3, anchors_per_seq=32,
+                                    gamma=4.0, time_budget_s=args.budget_s)
+    print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "
+          f"{np.mean(d_losses[:20]):.3f} -> {np.mean(d_losses[-50:]):.3f}", flush=True)
+    bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
+    save_qwen3(out / "target", tcfg, bf16(target))
+    save_dflash(out / "draft", dcfg, bf16(draft))
+    (out / "losses.json").write_text(json.dumps({"target": t_losses, "draft": d_losses}))
+
+
+if __name__ == "__main__":
+    main()
