@@ -22,7 +22,7 @@ import numpy as np
 from drafter.corpus import MASK, VOCAB_SIZE, load_split, random_windows
 from drafter.dflash import DFlashConfig, init_params as init_draft
 from drafter.train import train_drafter
-from models.checkpoint import save_dflash, save_qwen3
+from models.checkpoint import load_qwen3, save_dflash, save_qwen3
 from models.qwen3 import Qwen3Config, init_params as init_target
 from models.training import train_target
 
@@ -54,8 +54,11 @@ def main(argv=None):
     ap.add_argument("--target-steps", type=int, default=3000)
     ap.add_argument("--draft-steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--draft-batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--stdlib", default=None, help="stdlib root (default: this Python's)")
+    ap.add_argument("--target-from", default=None,
+                    help="load a trained target checkpoint (HF layout) instead of training one")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
     args = ap.parse_args(argv)
@@ -65,15 +68,19 @@ def main(argv=None):
           flush=True)
     tcfg, dcfg = target_config(), draft_config()
     t0 = time.time()
-    target, t_losses = train_target(tcfg, init_target(tcfg, jax.random.key(0)),
-                                    batches(train_docs, args.batch, args.length, 0),
-                                    steps=args.target_steps, lr=2e-3,
-                                    time_budget_s=args.budget_s)
-    print(f"target: {len(t_losses)} steps in {time.time() - t0:.0f}s, loss "
-          f"{np.mean(t_losses[:20]):.3f} -> {np.mean(t_losses[-50:]):.3f}", flush=True)
+    if args.target_from:
+        tcfg, target = load_qwen3(args.target_from)
+        t_losses = []
+    else:
+        target, t_losses = train_target(tcfg, init_target(tcfg, jax.random.key(0)),
+                                        batches(train_docs, args.batch, args.length, 0),
+                                        steps=args.target_steps, lr=2e-3,
+                                        time_budget_s=args.budget_s)
+        print(f"target: {len(t_losses)} steps in {time.time() - t0:.0f}s, loss "
+              f"{np.mean(t_losses[:20]):.3f} -> {np.mean(t_losses[-50:]):.3f}", flush=True)
     t0 = time.time()
     draft, d_losses = train_drafter(target, tcfg, dcfg, init_draft(dcfg, jax.random.key(1)),
-                                    batches(train_docs, args.batch // 2, args.length, 1),
+                                    batches(train_docs, args.draft_batch, args.length, 1),
                                     steps=args.draft_steps, lr=2e-3, anchors_per_seq=32,
                                     gamma=4.0, time_budget_s=args.budget_s)
     print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "

@@ -1,0 +1,61 @@
+"""The embedded default pair: a byte-level Qwen3 code model and its DFlash drafter.
+
+Trained on the H200 by `python -m drafter.make_default` (see README, "The
+embedded default") and shipped as orbax checkpoints in drafter/default_pair/.
+`load_default()` is what the demo, the evaluation and the notebooks use.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from drafter.dflash import DFlashConfig, init_params as init_draft
+from drafter.steps import StepConfig
+from models.checkpoint import load_dflash, load_qwen3, restore_orbax, save_orbax
+from models.qwen3 import Qwen3Config, init_params as init_target
+from unified_kv import CacheSpec
+
+PAIR_DIR = Path(__file__).parent / "default_pair"
+PROMPTS_FILE = Path(__file__).parent / "data" / "eval_prompts.json"
+
+
+def import_pair(target_dir, draft_dir, out_dir=PAIR_DIR) -> None:
+    """Turn make_default's safetensors checkpoints into the shipped orbax ones (bf16)."""
+    tcfg, target = load_qwen3(target_dir, jnp.bfloat16)
+    dcfg, draft = load_dflash(draft_dir, jnp.bfloat16)
+    save_orbax(Path(out_dir) / "target", target, tcfg.to_hf())
+    save_orbax(Path(out_dir) / "draft", draft, dcfg.to_hf())
+
+
+def load_default(dtype=jnp.float32):
+    """(params {"target", "draft"}, Qwen3Config, DFlashConfig) of the shipped pair."""
+    tcfg = Qwen3Config.from_hf(json.loads((PAIR_DIR / "target" / "config.json").read_text()))
+    dcfg = DFlashConfig.from_hf(json.loads((PAIR_DIR / "draft" / "config.json").read_text()))
+    params = {}
+    for name, init, cfg in (("target", init_target, tcfg), ("draft", init_draft, dcfg)):
+        template = jax.eval_shape(lambda: init(cfg, jax.random.key(0), jnp.bfloat16))
+        _, tree = restore_orbax(PAIR_DIR / name, template)
+        params[name] = jax.tree.map(lambda a: a.astype(dtype), tree)
+    return params, tcfg, dcfg
+
+
+def default_step_config(tcfg: Qwen3Config, dcfg: DFlashConfig | None, *, num_slots: int = 16,
+                        max_seq_len: int = 9216, impl: str = "auto",
+                        memory_budget_bytes: int = 1 << 30) -> StepConfig:
+    """The default cache: fp8 target KV (window and full pools), bf16 draft KV."""
+    layers = tcfg.layer_specs("fp8_e4m3")
+    if dcfg is not None:
+        layers += dcfg.layer_specs("bf16")
+    spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=num_slots,
+                     max_seq_len=max_seq_len, memory_budget_bytes=memory_budget_bytes,
+                     max_step_tokens=256)
+    return StepConfig(tcfg, spec, dcfg, impl)
+
+
+def load_prompts() -> list[dict]:
+    """The shipped held-out prompt set: [{"length", "tokens"}, ...]."""
+    return json.loads(PROMPTS_FILE.read_text())["prompts"]
