@@ -170,6 +170,11 @@ def restore_orbax(path, template) -> tuple[dict, dict]:
     import orbax.checkpoint as ocp
     path = Path(path).absolute()
     config = json.loads((path / "config.json").read_text())
+    # Restore onto this machine's default device: a checkpoint written on a CPU
+    # host must load on a GPU one (orbax refuses a topology it cannot map).
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                            template)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(path / "params", template)
     return config, params

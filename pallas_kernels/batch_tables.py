@@ -78,11 +78,16 @@ def build_batch_tables(
     table_width: int,
     scales: tuple[int, ...] | None = None,
     offsets: tuple[int, ...] | None = None,
-    block_pages: int = DEFAULT_BLOCK_PAGES,
+    block_pages: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """Per pool, i32[batch, table_width]: the batch rows, converted (BAD stays BAD)."""
+    """Per pool, i32[batch, table_width]: the batch rows, converted (BAD stays BAD).
+
+    `block_pages` defaults to the largest power of two <= 128 dividing table_width.
+    """
     num_pools = len(page_tables)
+    if block_pages is None:
+        block_pages = min(DEFAULT_BLOCK_PAGES, table_width & -table_width)
     scales = scales or (1,) * num_pools
     offsets = offsets or (0,) * num_pools
     static_validate_inputs(slot_ids, page_tables, table_width, scales, offsets, block_pages)
