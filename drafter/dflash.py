@@ -20,13 +20,12 @@ hidden_norm, the draft layers and the final norm.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
 from models.attention import attend_draft_block, write_layer_kv
-from models.qwen3 import Qwen3Config, init_layer_params, mlp, qkv, rms_norm
+from models.qwen3 import ParamInit, Qwen3Config, mlp, qkv, rms_norm
 from unified_kv import CacheSpec, LayerSpec
 
 
@@ -118,19 +117,12 @@ class DFlashConfig:
 
 
 def init_params(cfg: DFlashConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    def dense(key, n_in, n_out):
-        return (jax.random.normal(key, (n_in, n_out), jnp.float32) / math.sqrt(n_in)).astype(dtype)
-
-    def norm(key, n):
-        return (1.0 + 0.1 * jax.random.normal(key, (n,), jnp.float32)).astype(dtype)
-
-    keys = iter(jax.random.split(key, 4 + 11 * cfg.num_layers))
+    init = ParamInit(key, 3 + 11 * cfg.num_layers, dtype)
     h = cfg.hidden_size
-    return {"fc": dense(next(keys), len(cfg.target_layer_ids) * h, h),
-            "hidden_norm": norm(next(keys), h), "norm": norm(next(keys), h),
-            "layers": [init_layer_params(keys, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                         cfg.intermediate_size, dense, norm)
-                       for _ in range(cfg.num_layers)]}
+    return {"fc": init.dense(len(cfg.target_layer_ids) * h, h),
+            "hidden_norm": init.norm(h), "norm": init.norm(h),
+            "layers": [init.layer(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  cfg.intermediate_size) for _ in range(cfg.num_layers)]}
 
 
 def context_kv(params, cfg: DFlashConfig, features, positions):

@@ -95,38 +95,47 @@ class Qwen3Config:
                           self.window(i), k_scale, v_scale) for i in range(self.num_layers)]
 
 
+class ParamInit:
+    """Random init for the tests and for training from scratch: dense weights
+    ~ N(0, 1/n_in), norms 1 + small noise (so they matter in tests)."""
+
+    def __init__(self, key: jax.Array, num_keys: int, dtype=jnp.float32):
+        self._keys = iter(jax.random.split(key, num_keys))
+        self.dtype = dtype
+
+    def dense(self, n_in: int, n_out: int):
+        w = jax.random.normal(next(self._keys), (n_in, n_out), jnp.float32) / math.sqrt(n_in)
+        return w.astype(self.dtype)
+
+    def embedding(self, vocab: int, hidden: int):
+        return (0.5 * jax.random.normal(next(self._keys), (vocab, hidden))).astype(self.dtype)
+
+    def norm(self, n: int):
+        return (1.0 + 0.1 * jax.random.normal(next(self._keys), (n,), jnp.float32)).astype(self.dtype)
+
+    def layer(self, hidden, num_heads, num_kv_heads, head_dim, intermediate) -> dict:
+        """One decoder layer (shared by the target and the DFlash drafter)."""
+        return {"input_norm": self.norm(hidden),
+                "q": self.dense(hidden, num_heads * head_dim),
+                "k": self.dense(hidden, num_kv_heads * head_dim),
+                "v": self.dense(hidden, num_kv_heads * head_dim),
+                "o": self.dense(num_heads * head_dim, hidden),
+                "q_norm": self.norm(head_dim), "k_norm": self.norm(head_dim),
+                "post_norm": self.norm(hidden),
+                "gate": self.dense(hidden, intermediate),
+                "up": self.dense(hidden, intermediate),
+                "down": self.dense(intermediate, hidden)}
+
+
 def init_params(cfg: Qwen3Config, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random params (normal, std 0.02; norms 1 + small noise so they matter)."""
-    def dense(key, n_in, n_out):
-        return (jax.random.normal(key, (n_in, n_out), jnp.float32) / math.sqrt(n_in)).astype(dtype)
-
-    def norm(key, n):
-        return (1.0 + 0.1 * jax.random.normal(key, (n,), jnp.float32)).astype(dtype)
-
-    keys = iter(jax.random.split(key, 4 + 11 * cfg.num_layers))
-    h, d = cfg.hidden_size, cfg.head_dim
-    params = {"embed": (jax.random.normal(next(keys), (cfg.vocab_size, h)) * 0.5).astype(dtype),
-              "norm": norm(next(keys), h), "layers": []}
+    init = ParamInit(key, 4 + 11 * cfg.num_layers, dtype)
+    h = cfg.hidden_size
+    params = {"embed": init.embedding(cfg.vocab_size, h), "norm": init.norm(h),
+              "layers": [init.layer(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.intermediate_size) for _ in range(cfg.num_layers)]}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = dense(next(keys), h, cfg.vocab_size)
-    for _ in range(cfg.num_layers):
-        params["layers"].append(init_layer_params(keys, h, cfg.num_heads, cfg.num_kv_heads, d,
-                                                  cfg.intermediate_size, dense, norm))
+        params["lm_head"] = init.dense(h, cfg.vocab_size)
     return params
-
-
-def init_layer_params(keys, hidden, num_heads, num_kv_heads, head_dim, intermediate, dense, norm):
-    """One decoder layer's params (shared by the target and the DFlash drafter)."""
-    return {"input_norm": norm(next(keys), hidden),
-            "q": dense(next(keys), hidden, num_heads * head_dim),
-            "k": dense(next(keys), hidden, num_kv_heads * head_dim),
-            "v": dense(next(keys), hidden, num_kv_heads * head_dim),
-            "o": dense(next(keys), num_heads * head_dim, hidden),
-            "q_norm": norm(next(keys), head_dim), "k_norm": norm(next(keys), head_dim),
-            "post_norm": norm(next(keys), hidden),
-            "gate": dense(next(keys), hidden, intermediate),
-            "up": dense(next(keys), hidden, intermediate),
-            "down": dense(next(keys), intermediate, hidden)}
 
 
 # ---------------------------------------------------------------- blocks
