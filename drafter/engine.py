@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.steps import (StepConfig, decode_step, init_spec_state, plain_decode_step,
-                           prefill_step)
+                           prefill_step, redraft_step)
 from pallas_kernels.batch_tables import bucket_width
 from unified_kv import AdmissionController, AdmissionError, admit_slots, init_state, release_slots
 
@@ -65,13 +65,19 @@ class Engine:
       speculative: use the drafter; False runs the plain decode step.
     """
 
-    def __init__(self, params, cfg: StepConfig, *, speculative: bool = True, seed: int = 0):
+    def __init__(self, params, cfg: StepConfig, *, speculative: bool = True, seed: int = 0,
+                 mesh=None):
         if speculative and cfg.draft is None:
             raise ValueError("speculative=True needs StepConfig.draft (a DFlash config)")
         self.params, self.cfg, self.speculative = params, cfg, speculative
         self.spec = cfg.spec
         self.admission = AdmissionController(cfg.spec)
-        self.state = init_spec_state(cfg, init_state(cfg.spec))
+        self.mesh = mesh
+        if mesh is not None:  # params replicated on this worker's mesh, KV split by kv heads
+            params = jax.device_put(params, jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec()))
+            self.params = params
+        self.state = init_spec_state(cfg, init_state(cfg.spec, mesh=mesh))
         self._key = jax.random.key(seed)
         self._active: dict[int, _Active] = {}
         self._lens = np.zeros(cfg.spec.num_slots, np.int64)  # host upper bound per slot
@@ -80,6 +86,8 @@ class Engine:
         step = decode_step if speculative else plain_decode_step
         self._decode = jax.jit(step, static_argnames=statics, donate_argnums=1)
         self._admit = jax.jit(admit_slots, static_argnums=0, donate_argnums=1)
+        self._redraft = jax.jit(redraft_step, static_argnames=("cfg", "table_width"),
+                                donate_argnums=1)
         self._release = jax.jit(release_slots, static_argnums=0, donate_argnums=1)
 
     # ------------------------------------------------------------ requests
@@ -102,17 +110,32 @@ class Engine:
                 f"{self.spec.max_seq_len}; shorten the prompt or build a larger cache")
         return prompt
 
-    def add_request(self, request_id: str, prompt, max_new_tokens: int, *,
-                    temperature: float = 0.0) -> None:
-        """Admit and prefill one request now; AdmissionError if it cannot fit
-        (nothing else changes)."""
+    def reserve(self, request_id: str, prompt, max_new_tokens: int) -> tuple[int, list[int]]:
+        """Validate and admit a request, giving it a fresh slot (no KV yet).
+        Returns (slot, prompt); AdmissionError/ValueError change nothing."""
         prompt = self.validate_prompt(prompt, max_new_tokens)
         max_len = len(prompt) + max_new_tokens + self.cfg.block_size
-        res = self.admission.admit(request_id, max_len)
-        submitted = time.perf_counter()
-        slot = res.slot
+        slot = self.admission.admit(request_id, max_len).slot
         ids = jnp.array([slot], jnp.int32)
         self.state = self.state.replace(kv=self._admit(self.spec, self.state.kv, ids))
+        return slot, prompt
+
+    def activate(self, slot: int, request_id: str, prompt: list[int], max_new_tokens: int,
+                 first_token: int, submitted: float) -> None:
+        """Start decoding a reserved slot whose prompt KV, anchor and drafts are in place."""
+        act = _Active(request_id, prompt, max_new_tokens, slot, submitted)
+        act.tokens.append(int(first_token))
+        act.first_token_at = time.perf_counter()
+        self._active[slot] = act
+        self._lens[slot] = len(prompt)
+
+    def add_request(self, request_id: str, prompt, max_new_tokens: int, *,
+                    temperature: float = 0.0) -> int:
+        """Admit and prefill one request now; returns its slot. AdmissionError if
+        it cannot fit (nothing else changes)."""
+        submitted = time.perf_counter()
+        slot, prompt = self.reserve(request_id, prompt, max_new_tokens)
+        ids = jnp.array([slot], jnp.int32)
         # Chunked prefill: a chunk never exceeds the cache's max_step_tokens,
         # which is what admission reserved windowed-pool headroom for.
         chunk = self.spec.max_step_tokens
@@ -127,15 +150,25 @@ class Engine:
                 cfg=self.cfg, table_width=self._table_width(start + chunk + self.cfg.block_size),
                 temperature=temperature)
             if not bool(ok[0]):
-                self._drop(slot, request_id)
+                self.release(request_id)
                 raise RuntimeError(f"request {request_id!r}: prefill could not allocate pages "
                                    f"although admission reserved them (a bug in page "
                                    f"accounting)")
-        act = _Active(request_id, prompt, max_new_tokens, slot, submitted)
-        act.tokens.append(int(first[0]))
-        act.first_token_at = time.perf_counter()
-        self._active[slot] = act
-        self._lens[slot] = len(prompt)
+        self.activate(slot, request_id, prompt, max_new_tokens, int(first[0]), submitted)
+        return slot
+
+    def redraft(self, slot: int) -> None:
+        """Recompute a slot's draft block from its cache (after KV arrived)."""
+        if not self.speculative:
+            return
+        self.state = self._redraft(self.params, self.state, jnp.array([slot], jnp.int32),
+                                   cfg=self.cfg,
+                                   table_width=self._table_width(int(self._lens[slot])
+                                                                 + self.cfg.block_size))
+
+    def release(self, request_id: str) -> None:
+        """Free a request's pages and slot (finished, failed or handed off)."""
+        self._drop(self.admission.reservation(request_id).slot, request_id)
 
     def _drop(self, slot: int, request_id: str) -> None:
         self.state = self.state.replace(

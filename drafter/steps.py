@@ -218,3 +218,15 @@ def plain_decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfi
     kv = retire_window_pages(spec, kv.replace(pools=pools), slot_ids)
     anchors = state.anchors.at[slot_ids].set(jnp.where(live, token, state.anchors[slot_ids]))
     return state.replace(kv=kv, anchors=anchors), token, ok
+
+
+def redraft_step(params, state: SpecState, slot_ids, *, cfg: StepConfig, table_width: int):
+    """Draft a fresh block after each row's anchor from the cache as it stands
+    (a generation worker does this after receiving a request's KV)."""
+    kv = state.kv
+    active = slot_ids != cfg.spec.dummy_slot
+    tables = batch_tables(cfg, kv, slot_ids, table_width)
+    new = _draft(params, cfg, kv, tables, state.anchors[slot_ids], kv.draft_ctx_lens[slot_ids],
+                 active)
+    return state.replace(drafts=state.drafts.at[slot_ids].set(
+        jnp.where(active[:, None], new, state.drafts[slot_ids])))
