@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from unified_kv import BAD_PAGE_INDEX, CacheSpec, KVState, grow, retire_window_pages
+from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, KVState, grow,
+                        retire_window_pages)
 
 MOVE_PATHS = ("coalesced", "host", "fragments")
 
@@ -37,7 +38,7 @@ class TransferError(RuntimeError):
 @dataclasses.dataclass
 class PoolPayload:
     logical_pages: np.ndarray   # i32[n]: logical page indices of the row's live pages
-    buffer: jax.Array           # [H, n, L, 2, page_size, D]
+    buffer: jax.Array           # [H, n padded to a power of two, L, 2, page_size, D]
     checksum: int
 
 
@@ -68,6 +69,11 @@ def checksum(buffer: jax.Array) -> jax.Array:
     return jnp.sum(raw * weights, dtype=jnp.uint32)
 
 
+def _bucket(n: int) -> int:
+    """Page counts are padded to powers of two so gather/scatter compile a few times."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @jax.jit
 def _gather(pool, pages):
     return jnp.take(pool, pages, axis=1)
@@ -75,13 +81,20 @@ def _gather(pool, pages):
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _scatter(pool, pages, buffer):
-    return pool.at[:, pages].set(buffer.astype(pool.dtype))
+    # Padding entries point past the pool and are dropped.
+    return pool.at[:, pages].set(buffer.astype(pool.dtype), mode="drop")
+
+
+def _padded(pages: np.ndarray, fill: int) -> jax.Array:
+    out = np.full(_bucket(len(pages)), fill, np.int32)
+    out[:len(pages)] = pages
+    return jnp.asarray(out)
 
 
 @functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
 def _zero_layers(pool, pages, layer_offsets: tuple[int, ...]):
     for offset in layer_offsets:
-        pool = pool.at[:, pages, offset].set(0)
+        pool = pool.at[:, pages, offset].set(0, mode="drop")
     return pool
 
 
@@ -100,7 +113,8 @@ def export_kv(spec: CacheSpec, kv: KVState, slot: int, *, mode: str) -> dict[int
         if mode == "private" and pool.roles == {"draft"}:
             continue
         logical, pages = live_pages(kv, pool.pool_id, slot)
-        buffer = _gather(kv.pools[pool.pool_id], jnp.asarray(pages))
+        # Padding rows gather the all-zero null page; the receiver drops them.
+        buffer = _gather(kv.pools[pool.pool_id], _padded(pages, NULL_PAGE))
         out[pool.pool_id] = PoolPayload(logical, buffer, int(checksum(buffer)))
     return out
 
@@ -169,9 +183,9 @@ def import_kv(spec: CacheSpec, kv: KVState, slot: int, handoff: Handoff, *,
                 raise TransferError(f"request {handoff.request_id!r}: pool {pool.pool_id} "
                                     f"buffer checksum {got:#010x} != {payload.checksum:#010x} "
                                     f"sent: the KV was corrupted in transit")
-            pools[pool.pool_id] = _scatter(pools[pool.pool_id], jnp.asarray(pages),
-                                           payload.buffer)
+            pools[pool.pool_id] = _scatter(pools[pool.pool_id],
+                                           _padded(pages, pool.num_pages), payload.buffer)
         if mode == "private" and draft_offsets:
-            pools[pool.pool_id] = _zero_layers(pools[pool.pool_id], jnp.asarray(pages),
-                                               draft_offsets)
+            pools[pool.pool_id] = _zero_layers(pools[pool.pool_id],
+                                               _padded(pages, pool.num_pages), draft_offsets)
     return kv.replace(pools=tuple(pools))
