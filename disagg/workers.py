@@ -15,6 +15,7 @@ starts without the prompt context.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 
@@ -59,10 +60,10 @@ class ContextWorker:
         submitted = time.perf_counter()
         slot = self.engine.add_request(request_id, prompt, max_new_tokens)
         kv = self.engine.state.kv
-        act = self.engine._active.pop(slot)  # the context worker never decodes it
+        prompt, first_token = self.engine.detach(slot)  # the context worker never decodes
         self._held[request_id] = slot
-        return Handoff(request_id=request_id, prompt=act.prompt, max_new_tokens=max_new_tokens,
-                       first_token=act.tokens[0], target_len=int(kv.target_lens[slot]),
+        return Handoff(request_id=request_id, prompt=prompt, max_new_tokens=max_new_tokens,
+                       first_token=first_token, target_len=int(kv.target_lens[slot]),
                        draft_ctx_len=int(kv.draft_ctx_lens[slot]),
                        pools=export_kv(self.engine.spec, kv, slot, mode=self.mode),
                        layout=self.layout, submitted=submitted)
@@ -98,7 +99,7 @@ class GenerationWorker:
         try:
             start = time.perf_counter()
             moved = move(handoff.pools, self.mesh, path=self.move_path)
-            handoff = Handoff(**{**handoff.__dict__, "pools": moved})
+            handoff = dataclasses.replace(handoff, pools=moved)
             kv = import_kv(engine.spec, engine.state.kv, slot, handoff, mode=self.mode)
             self.transfer_seconds += time.perf_counter() - start
             self.bytes_received += handoff.nbytes
@@ -143,13 +144,13 @@ class DisaggregatedPair:
         gen = self.generation.engine
         waiting = list(range(len(prompts)))
         results: dict[str, Result] = {}
-        while waiting or gen._active:
+        while waiting or gen.num_active:
             while waiting:
                 i = waiting[0]
                 try:
                     self.transfer_one(f"req{i}", prompts[i], max_new_tokens)
                 except AdmissionError:
-                    if not gen._active:
+                    if not gen.num_active:
                         raise
                     break
                 waiting.pop(0)

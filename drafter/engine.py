@@ -166,6 +166,16 @@ class Engine:
                                    table_width=self._table_width(int(self._lens[slot])
                                                                  + self.cfg.block_size))
 
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def detach(self, slot: int) -> tuple[list[int], int]:
+        """Stop decoding a prefilled slot (its KV stays until `release`);
+        returns (prompt, first token). A context worker hands it off."""
+        act = self._active.pop(slot)
+        return act.prompt, act.tokens[0]
+
     def release(self, request_id: str) -> None:
         """Free a request's pages and slot (finished, failed or handed off)."""
         self._drop(self.admission.reservation(request_id).slot, request_id)

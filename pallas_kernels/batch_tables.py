@@ -87,7 +87,7 @@ def build_batch_tables(
     """
     num_pools = len(page_tables)
     if block_pages is None:
-        block_pages = min(DEFAULT_BLOCK_PAGES, table_width & -table_width)
+        block_pages = min(DEFAULT_BLOCK_PAGES, table_width & -table_width) or DEFAULT_BLOCK_PAGES
     scales = scales or (1,) * num_pools
     offsets = offsets or (0,) * num_pools
     static_validate_inputs(slot_ids, page_tables, table_width, scales, offsets, block_pages)

@@ -40,6 +40,13 @@ def test_kernel_matches_reference_for_full_windowed_and_draft_pools(interpret, m
                                            [(4, 0), (6, 2), (2, 1)] if BAD_PAGE_INDEX * s + o != -1]).any()
 
 
+def test_default_block_divides_any_width(interpret):
+    table = jnp.arange(3 * 48, dtype=jnp.int32).reshape(3, 48)
+    got = build_batch_tables(jnp.array([2, 0], jnp.int32), (table,), table_width=48,
+                             interpret=interpret)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[[2, 0]])
+
+
 def test_bucket_width():
     assert bucket_width(0, 4096) == 128
     assert bucket_width(129, 4096) == 256
@@ -49,7 +56,8 @@ def test_bucket_width():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(table_width=100), "table_width must be a positive multiple"),
+    (dict(table_width=100, block_pages=128), "table_width must be a positive multiple"),
+    (dict(table_width=0), "table_width must be a positive multiple"),
     (dict(table_width=128, scales=(1, 2)), "one scale and offset per pool"),
     (dict(table_width=128, block_pages=96), "block_pages must be a power of two"),
 ])
