@@ -137,3 +137,24 @@ def test_silent_peer_times_out_and_context_pages_are_freed():
 def test_channel_recv_times_out():
     with pytest.raises(TransferTimeout):
         Channel().recv(timeout=0.05)
+
+
+@pytest.mark.parametrize("gen_tp", [2, 1])
+def test_context_tp4_into_generation_tp2_and_tp1(gen_tp):
+    """kv heads split 4 ways on the context side are resharded (fan-in) on receipt."""
+    devices = np.array(jax.devices())
+    if len(devices) < 4:
+        pytest.skip("needs 4 (host) devices")
+    params, cfg, _ = tiny_pair(num_slots=2, num_kv_heads=4)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 63, n).tolist() for n in (9, 26, 40)]
+    agg = Engine(params, cfg).generate(prompts, 12)
+    ctx_mesh = jax.sharding.Mesh(devices[:4], ("tp",))
+    gen_mesh = jax.sharding.Mesh(devices[4 - gen_tp:], ("tp",))
+    pair = DisaggregatedPair(ContextWorker(params, cfg, mesh=ctx_mesh),
+                             GenerationWorker(params, cfg, mesh=gen_mesh))
+    assert len(pair.context.engine.state.kv.pools[0].sharding.device_set) == 4
+    dis = pair.generate(prompts, 12)
+    assert len(pair.generation.engine.state.kv.pools[0].sharding.device_set) == gen_tp
+    assert [r.tokens for r in dis] == [r.tokens for r in agg]
+    assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
