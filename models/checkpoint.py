@@ -129,25 +129,27 @@ def write_safetensors(path, tensors: dict[str, np.ndarray], config: dict, num_sh
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
 
 
+def _load(path, config_cls, init_params, key_map, dtype):
+    cfg = config_cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    template = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    return cfg, params_from_tensors(read_safetensors(path), key_map(cfg), template, dtype)
+
+
 def load_qwen3(path, dtype=jnp.float32):
     """(Qwen3Config, params) from an HF Qwen3 checkpoint directory."""
     from models.qwen3 import Qwen3Config, init_params
-    cfg = Qwen3Config.from_hf(json.loads((Path(path) / "config.json").read_text()))
-    template = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    return cfg, params_from_tensors(read_safetensors(path), qwen3_key_map(cfg), template, dtype)
-
-
-def save_qwen3(path, cfg, params, num_shards: int = 1):
-    write_safetensors(path, tensors_from_params(params, qwen3_key_map(cfg)), cfg.to_hf(),
-                      num_shards)
+    return _load(path, Qwen3Config, init_params, qwen3_key_map, dtype)
 
 
 def load_dflash(path, dtype=jnp.float32):
     """(DFlashConfig, params) from a z-lab DFlash drafter checkpoint directory."""
     from drafter.dflash import DFlashConfig, init_params
-    cfg = DFlashConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
-    template = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    return cfg, params_from_tensors(read_safetensors(path), dflash_key_map(cfg), template, dtype)
+    return _load(path, DFlashConfig, init_params, dflash_key_map, dtype)
+
+
+def save_qwen3(path, cfg, params, num_shards: int = 1):
+    write_safetensors(path, tensors_from_params(params, qwen3_key_map(cfg)), cfg.to_hf(),
+                      num_shards)
 
 
 def save_dflash(path, cfg, params, num_shards: int = 1):
