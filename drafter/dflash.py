@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import attend_draft_block, write_layer_kv
-from models.qwen3 import ParamInit, Qwen3Config, mlp, qkv, rms_norm
+from models.qwen3 import (ParamInit, Qwen3Config, decoder_layer, lm_head_weight, qkv,
+                          rms_norm)
 from unified_kv import CacheSpec, LayerSpec
 
 
@@ -165,16 +166,21 @@ def draft_block(params, cfg: DFlashConfig, target_params, target_cfg: Qwen3Confi
     block_lens = jnp.where(active, block, 0).astype(jnp.int32)
     x = target_params["embed"][ids]
     for i, p in enumerate(params["layers"]):
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-        q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.rope_theta, cfg.rms_norm_eps)
         layer = spec.layer(f"draft.{i}")
         pool_id, offset = spec.layer_location(layer.name)
-        attn = attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens, k, v,
-                                  layer, offset, causal_in_block=cfg.causal(i), impl=impl)
-        x = x + attn.reshape(batch, block, -1) @ p["o"]
-        x = x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
-    w = (target_params["embed"].T if target_cfg.tie_word_embeddings
-         else target_params["lm_head"])
-    logits = (rms_norm(x[:, 1:], params["norm"], cfg.rms_norm_eps) @ w).astype(jnp.float32)
+
+        def paged_block(q, k, v):  # context pages + the block's own K/V
+            return attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens,
+                                      k, v, layer, offset, causal_in_block=cfg.causal(i),
+                                      impl=impl)
+
+        x = decoder_layer(p, x, positions, cfg, paged_block)
+    logits = block_logits_from_hidden(params, cfg, target_params, target_cfg, x)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+
+def block_logits_from_hidden(params, cfg: DFlashConfig, target_params, target_cfg, x):
+    """Slots 1..B-1 of the block through the drafter's norm and the target's
+    (frozen) lm_head: f32[batch, B-1, vocab]."""
+    w = jax.lax.stop_gradient(lm_head_weight(target_params, target_cfg))
+    return (rms_norm(x[:, 1:], params["norm"], cfg.rms_norm_eps) @ w).astype(jnp.float32)

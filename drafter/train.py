@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from drafter.dflash import DFlashConfig
-from models.qwen3 import (Qwen3Config, dense_attention, dense_forward, mlp, qkv, rms_norm)
+from drafter.dflash import DFlashConfig, block_logits_from_hidden
+from models.qwen3 import (Qwen3Config, dense_attention, dense_forward, decoder_layer, qkv,
+                          rms_norm)
 from models.training import train_loop
 
 
@@ -49,9 +50,6 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
     for i, p in enumerate(draft_params["layers"]):
         _, k_ctx, v_ctx = qkv(p, c, ctx_positions, cfg.num_heads, cfg.num_kv_heads,
                               cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps)
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-        q, k_blk, v_blk = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              cfg.rope_theta, cfg.rms_norm_eps)
         ctx_ok = jnp.broadcast_to(k_pos < anchor[:, None, None],        # strictly before a
                                   (anchor.shape[0], block, t))
         blk_ok = jnp.ones((1, block, block), bool)
@@ -62,14 +60,14 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
             blk_ok &= j[None, None, :] > j[None, :, None] - cfg.window(i)
         allowed = jnp.concatenate(
             [ctx_ok, jnp.broadcast_to(blk_ok, (anchor.shape[0], block, block))], axis=2)
-        keys = jnp.concatenate([k_ctx[rows], k_blk], axis=1)
-        values = jnp.concatenate([v_ctx[rows], v_blk], axis=1)
-        attn = dense_attention(q, keys, values, allowed)
-        x = x + attn.reshape(x.shape[0], block, -1) @ p["o"]
-        x = x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
-    w = target_params["embed"].T if target_cfg.tie_word_embeddings else target_params["lm_head"]
-    x = rms_norm(x[:, 1:], draft_params["norm"], cfg.rms_norm_eps)
-    return (x @ jax.lax.stop_gradient(w)).astype(jnp.float32)
+
+        def dense_block(q, k_blk, v_blk):  # context before the anchor + the block itself
+            keys = jnp.concatenate([k_ctx[rows], k_blk], axis=1)
+            values = jnp.concatenate([v_ctx[rows], v_blk], axis=1)
+            return dense_attention(q, keys, values, allowed)
+
+        x = decoder_layer(p, x, positions, cfg, dense_block)
+    return block_logits_from_hidden(draft_params, cfg, target_params, target_cfg, x)
 
 
 def target_features(target_params, target_cfg, cfg: DFlashConfig, tokens):

@@ -172,9 +172,28 @@ def qkv(p, x, positions, num_heads, num_kv_heads, head_dim, theta, eps):
     return q, k, v
 
 
+def lm_head_weight(params, cfg: Qwen3Config):
+    """[H, vocab]: the tied embedding or the separate head (the drafter uses it too)."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def lm_head(params, cfg, x):
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (rms_norm(x, params["norm"], cfg.rms_norm_eps) @ w).astype(jnp.float32)
+    return (rms_norm(x, params["norm"], cfg.rms_norm_eps) @ lm_head_weight(params, cfg)
+            ).astype(jnp.float32)
+
+
+def decoder_layer(p, x, positions, cfg, attention):
+    """x += attn(norm(x)); x += mlp(norm(x)).
+
+    `attention(q [B,T,Hq,D], k, v [B,T,Hkv,D]) -> [B,T,Hq,D]` is the one part the
+    paged, dense and draft-block paths do differently. `cfg` is a Qwen3Config
+    or a DFlashConfig (same head and norm fields).
+    """
+    h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+    q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                  cfg.rope_theta, cfg.rms_norm_eps)
+    x = x + attention(q, k, v).reshape(x.shape[0], x.shape[1], -1) @ p["o"]
+    return x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
 
 
 def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, starts,
@@ -194,17 +213,16 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
     x = params["embed"][tokens]
     features = []
     for i, p in enumerate(params["layers"]):
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-        q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.rope_theta, cfg.rms_norm_eps)
         layer = spec.layer(f"target.{i}")
         pool_id, offset = spec.layer_location(layer.name)
-        pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts, num_tokens,
-                                        k, v, layer, offset)
-        attn = attend(q, pools[pool_id], tables[pool_id], starts + num_tokens, num_tokens,
-                      layer, offset, impl=impl)
-        x = x + attn.reshape(x.shape[0], x.shape[1], -1) @ p["o"]
-        x = x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
+
+        def paged(q, k, v):  # store the new K/V, then attend over the row's pages
+            pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts,
+                                            num_tokens, k, v, layer, offset)
+            return attend(q, pools[pool_id], tables[pool_id], starts + num_tokens, num_tokens,
+                          layer, offset, impl=impl)
+
+        x = decoder_layer(p, x, positions, cfg, paged)
         features.append(x)
     feats = (jnp.concatenate([features[i] for i in feature_layers], axis=-1)
              if feature_layers else None)
@@ -241,11 +259,7 @@ def dense_forward(params, cfg: Qwen3Config, tokens):
     x = params["embed"][tokens]
     hidden = []
     for i, p in enumerate(params["layers"]):
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-        q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.rope_theta, cfg.rms_norm_eps)
-        attn = dense_attention(q, k, v, causal_mask(t, cfg.window(i)))
-        x = x + attn.reshape(n, t, -1) @ p["o"]
-        x = x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
+        mask = causal_mask(t, cfg.window(i))
+        x = decoder_layer(p, x, positions, cfg, lambda q, k, v: dense_attention(q, k, v, mask))
         hidden.append(x)
     return lm_head(params, cfg, x), hidden

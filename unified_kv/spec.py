@@ -237,7 +237,7 @@ def validate_cache_spec(spec: CacheSpec) -> None:
     if "target" not in roles:
         raise CacheSpecError("draft layers without target layers: the drafter "
                              "reads target features, add the target's LayerSpecs")
-    pools = derive_pools(spec)
+    pools = spec.pools  # cached: derived once per spec
     need = sum((max_live_pages(spec.page_size, p.sliding_window, spec.max_seq_len,
                                spec.max_step_tokens) + 1) * p.bytes_per_page for p in pools)
     if spec.memory_budget_bytes < need:
