@@ -59,6 +59,10 @@ def main(argv=None):
     ap.add_argument("--stdlib", default=None, help="stdlib root (default: this Python's)")
     ap.add_argument("--target-from", default=None,
                     help="load a trained target checkpoint (HF layout) instead of training one")
+    ap.add_argument("--from-default", action="store_true",
+                    help="continue training the shipped drafter on the shipped target "
+                         "(writes only DIR/draft and the drafter's loss curve)")
+    ap.add_argument("--draft-lr", type=float, default=2e-3)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
     args = ap.parse_args(argv)
@@ -68,7 +72,12 @@ def main(argv=None):
           flush=True)
     tcfg, dcfg = target_config(), draft_config()
     t0 = time.time()
-    if args.target_from:
+    draft = init_draft(dcfg, jax.random.key(1))
+    if args.from_default:
+        from drafter.default import load_default
+        params, tcfg, dcfg = load_default()
+        target, draft, t_losses = params["target"], params["draft"], []
+    elif args.target_from:
         tcfg, target = load_qwen3(args.target_from)
         t_losses = []
     else:
@@ -79,14 +88,17 @@ def main(argv=None):
         print(f"target: {len(t_losses)} steps in {time.time() - t0:.0f}s, loss "
               f"{np.mean(t_losses[:20]):.3f} -> {np.mean(t_losses[-50:]):.3f}", flush=True)
     t0 = time.time()
-    draft, d_losses = train_drafter(target, tcfg, dcfg, init_draft(dcfg, jax.random.key(1)),
-                                    batches(train_docs, args.draft_batch, args.length, 1),
-                                    steps=args.draft_steps, lr=2e-3, anchors_per_seq=32,
+    # A continued run draws other windows than the first (seed 2, not 1).
+    draft, d_losses = train_drafter(target, tcfg, dcfg, draft,
+                                    batches(train_docs, args.draft_batch, args.length,
+                                            2 if args.from_default else 1),
+                                    steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
                                     gamma=4.0, time_budget_s=args.budget_s)
     print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "
           f"{np.mean(d_losses[:20]):.3f} -> {np.mean(d_losses[-50:]):.3f}", flush=True)
     bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
-    save_qwen3(out / "target", tcfg, bf16(target))
+    if not args.from_default:
+        save_qwen3(out / "target", tcfg, bf16(target))
     save_dflash(out / "draft", dcfg, bf16(draft))
     (out / "losses.json").write_text(json.dumps({"target": t_losses, "draft": d_losses}))
 

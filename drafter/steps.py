@@ -27,8 +27,12 @@ import jax.numpy as jnp
 from drafter.dflash import DFlashConfig, draft_block, write_context
 from models.attention import resolve_impl
 from models.qwen3 import Qwen3Config, forward
-from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
+from pallas_kernels.batch_tables import (bucket_width, build_batch_tables,
+                                         build_batch_tables_reference)
 from unified_kv import CacheSpec, KVState, allocate_pages, grow, retire_window_pages
+
+
+TABLE_BUILDS = ("batch", "full_capacity")
 
 
 @flax.struct.dataclass
@@ -53,6 +57,15 @@ class StepConfig:
     spec: CacheSpec
     draft: DFlashConfig | None = None
     impl: str = "auto"
+    # "batch": tables for the batch's rows only (the design). "full_capacity":
+    # rebuild every slot's full-width table each step, then pick the rows; the
+    # cost the design removes, kept to measure it (bench_cache_layouts.py).
+    table_build: str = "batch"
+
+    def __post_init__(self):
+        if self.table_build not in TABLE_BUILDS:
+            raise ValueError(f"StepConfig.table_build={self.table_build!r} is unknown; "
+                             f"use one of {TABLE_BUILDS}")
 
     @property
     def block_size(self) -> int:
@@ -67,13 +80,22 @@ def init_spec_state(cfg: StepConfig, kv: KVState) -> SpecState:
 
 def batch_tables(cfg: StepConfig, kv: KVState, slot_ids, table_width: int):
     """Every pool's table for this batch's rows (one kernel launch)."""
-    scales = tuple(p.page_index_scale for p in cfg.spec.pools)
+    spec = cfg.spec
+    scales = tuple(p.page_index_scale for p in spec.pools)
     impl = resolve_impl(cfg.impl)
+    rows, width = slot_ids, table_width
+    if cfg.table_build == "full_capacity":
+        rows = jnp.arange(spec.num_slots + 1, dtype=jnp.int32)
+        width = bucket_width(spec.max_pages_per_seq, spec.max_pages_per_seq)
     if impl == "reference":
-        return build_batch_tables_reference(slot_ids, kv.page_tables, table_width=table_width,
-                                            scales=scales)
-    return build_batch_tables(slot_ids, kv.page_tables, table_width=table_width, scales=scales,
-                              interpret=impl == "interpret")
+        tables = build_batch_tables_reference(rows, kv.page_tables, table_width=width,
+                                              scales=scales)
+    else:
+        tables = build_batch_tables(rows, kv.page_tables, table_width=width, scales=scales,
+                                    interpret=impl == "interpret")
+    if cfg.table_build == "full_capacity":
+        tables = tuple(t[slot_ids, :table_width] for t in tables)
+    return tables
 
 
 def sample(logits, temperature: float, key):
@@ -127,7 +149,7 @@ def prefill_step(params, state: SpecState, slot_ids, tokens, num_tokens, is_last
     return SpecState(kv=kv, anchors=anchors, drafts=drafts), first, ok
 
 
-def _accept(logits, drafts, temperature: float, key):
+def accept(logits, drafts, temperature: float, key):
     """How many drafts each row accepts, and the token that follows them.
 
     Greedy: the longest prefix with d_i == argmax y_{i-1}; the bonus is
@@ -157,6 +179,14 @@ def _accept(logits, drafts, temperature: float, key):
     return accepted, bonus
 
 
+def emitted_tokens(tokens, accepted, bonus):
+    """i32[B, K+1]: the accepted drafts tokens[:, 1:a+1], then the bonus, then 0s."""
+    cols = jnp.arange(tokens.shape[1])[None]
+    out = jnp.where(cols < accepted[:, None],
+                    jnp.concatenate([tokens[:, 1:], bonus[:, None]], axis=1), 0)
+    return jnp.where(cols == accepted[:, None], bonus[:, None], out)
+
+
 def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, table_width: int,
                 temperature: float = 0.0):
     """One speculative step: verify, accept, commit, extend draft context, draft.
@@ -177,7 +207,7 @@ def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, tab
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    p, verify_len, feature_layers=cfg.draft.target_layer_ids,
                                    impl=cfg.impl)
-    accepted, bonus = _accept(logits, tokens[:, 1:], temperature, key)
+    accepted, bonus = accept(logits, tokens[:, 1:], temperature, key)
     num_out = jnp.where(live, accepted + 1, 0).astype(jnp.int32)
     pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, p, num_out)
     new_len = p + num_out
@@ -185,10 +215,7 @@ def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, tab
         pools=pools,
         target_lens=kv.target_lens.at[slot_ids].set(new_len),
         draft_ctx_lens=kv.draft_ctx_lens.at[slot_ids].set(new_len))
-    cols = jnp.arange(block)[None]
-    out_tokens = jnp.where(cols < accepted[:, None],
-                           jnp.concatenate([tokens[:, 1:], bonus[:, None]], axis=1), 0)
-    out_tokens = jnp.where(cols == accepted[:, None], bonus[:, None], out_tokens)
+    out_tokens = emitted_tokens(tokens, accepted, bonus)
     drafts = _draft(params, cfg, kv, tables, bonus, new_len, live)
     kv = retire_window_pages(spec, kv, slot_ids)  # also zeroes the dummy slot's lengths
     state = SpecState(

@@ -171,6 +171,13 @@ class CacheSpec:
       memory_budget_bytes: bytes for all pools together.
       max_step_tokens: most tokens one step writes per row (prefill chunk or
         K+1 verify tokens); headroom for windowed pools and table width.
+      pool_per_layer: give every layer its own pool and page table instead of
+        sharing one per layout. This is the per-layer-table layout the
+        unified cache replaces, kept so its cost can be measured against it
+        (benchmarks/bench_cache_layouts.py); leave it False.
+
+    A spec of draft layers only is a drafter's own cache (the two-cache layout
+    the unified cache replaces, likewise kept for comparison).
     """
 
     page_size: int
@@ -179,6 +186,7 @@ class CacheSpec:
     max_seq_len: int
     memory_budget_bytes: int
     max_step_tokens: int = 16
+    pool_per_layer: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -233,10 +241,6 @@ def validate_cache_spec(spec: CacheSpec) -> None:
             raise CacheSpecError(f"duplicate layer name {layer.name!r}; every "
                                  f"LayerSpec.name must be unique")
         seen.add(layer.name)
-    roles = {layer.role for layer in spec.layers}
-    if "target" not in roles:
-        raise CacheSpecError("draft layers without target layers: the drafter "
-                             "reads target features, add the target's LayerSpecs")
     pools = spec.pools  # cached: derived once per spec
     need = sum((max_live_pages(spec.page_size, p.sliding_window, spec.max_seq_len,
                                spec.max_step_tokens) + 1) * p.bytes_per_page for p in pools)
@@ -287,10 +291,12 @@ def derive_pools(spec: CacheSpec) -> tuple[PoolSpec, ...]:
     """
     groups: dict[tuple, list[LayerSpec]] = {}
     for layer in spec.layers:  # first-seen order keeps pool ids stable
-        groups.setdefault(layer.layout, []).append(layer)
+        key = (layer.name, *layer.layout) if spec.pool_per_layer else layer.layout
+        groups.setdefault(key, []).append(layer)
     ps = spec.page_size
     proto = []
-    for layout, layers in groups.items():
+    for layers in groups.values():
+        layout = layers[0].layout
         window, kv_dtype, heads, head_dim = layout
         per_row = max_live_pages(ps, window, spec.max_seq_len, spec.max_step_tokens)
         bytes_per_page = (heads * len(layers) * 2 * ps * head_dim

@@ -109,7 +109,22 @@ def test_duplicate_layer_names():
         make_spec(layers=layers + (layers[0],))
 
 
-def test_draft_layers_need_target_layers():
+def test_draft_only_spec_is_a_drafters_own_cache():
     draft_only = tuple(l for l in mixed_layers() if l.role == "draft")
-    with pytest.raises(CacheSpecError, match="draft layers without target layers"):
-        make_spec(layers=draft_only)
+    spec = make_spec(layers=draft_only)
+    assert [p.roles for p in spec.pools] == [frozenset({"draft"})]
+    assert spec.pools[0].layer_names == tuple(l.name for l in draft_only)
+
+
+def test_pool_per_layer_gives_every_layer_its_own_pool_and_same_bytes_per_token():
+    shared = make_spec()
+    per_layer = make_spec(pool_per_layer=True)
+    names = [l.name for l in shared.layers]
+    assert [p.layer_names for p in per_layer.pools] == [(n,) for n in names]
+    assert len(shared.pools) < len(per_layer.pools)
+    for name in names:  # every layer keeps its layout
+        pool = per_layer.pools[per_layer.layer_location(name)[0]]
+        layer = shared.layer(name)
+        assert (pool.sliding_window, pool.kv_dtype) == (layer.sliding_window, layer.kv_dtype)
+    per_token = lambda s: sum(p.bytes_per_page for p in s.pools) / s.page_size
+    assert per_token(shared) == per_token(per_layer)

@@ -1,0 +1,170 @@
+"""Decode step time and KV memory: the unified cache against the layouts it replaces.
+
+    PYTHONPATH=. python benchmarks/bench_cache_layouts.py [--out DIR] [--contexts 4096 ...]
+        [--batches 1 16] [--quick]
+
+The embedded default pair (fp8 target KV in a windowed and a full pool, bf16
+windowed draft layers, page 16, block 8), a cache of 16 slots whose
+max_seq_len covers the longest context. For every context and batch, each
+row's cache is filled to the context length, then one speculative decode step
+(verify 8 tokens, accept, draft context, draft the next block) is timed,
+back to back, for:
+
+  unified       target and draft layers in one cache, per-pool tables built
+                for the batch's rows only (this project)
+  two_caches    target and draft KV in two caches (two allocators, two table
+                builds, two retirements per step)
+  per_layer     one pool and page table per layer
+  full_rebuild  the unified cache, but every slot's full-capacity table
+                rebuilt each step (then the batch rows picked)
+
+KV memory is what each layout holds on the device (pools, page tables, free
+lists). Ratios are against `unified` in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.cache_layouts import (TwoCacheState, kv_memory_bytes, split_config, split_state,
+                                      two_cache_decode_step)
+from benchmarks.timing import write_results
+from drafter.default import default_step_config, load_default
+from drafter.steps import decode_step, init_spec_state
+from pallas_kernels.batch_tables import bucket_width
+from unified_kv import admit_slots, bytes_per_request, grow, init_state, retire_window_pages
+
+NUM_SLOTS = 16
+VARIANTS = ("unified", "two_caches", "per_layer", "full_rebuild")
+
+
+def variant_config(base, name: str):
+    if name == "per_layer":
+        return dataclasses.replace(base, spec=dataclasses.replace(base.spec, pool_per_layer=True))
+    if name == "full_rebuild":
+        return dataclasses.replace(base, table_build="full_capacity")
+    return base
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def grow_in_chunks(spec, kv, slots, context: int):
+    """Grow rows to `context` a prefill chunk at a time, retiring window pages
+    between chunks as prefill does (windowed pools hold only a window's pages)."""
+    def chunk(i, carry):
+        kv, ok = carry
+        end = jnp.full(slots.shape, jnp.minimum((i + 1) * spec.max_step_tokens, context))
+        kv, fits = grow(spec, kv, slots, end, end)
+        return retire_window_pages(spec, kv, slots), ok & fits.all()
+    return jax.lax.fori_loop(0, -(-context // spec.max_step_tokens), chunk,
+                             (kv, jnp.bool_(True)))
+
+
+def filled_state(cfg, batch: int, context: int):
+    """A cache whose first `batch` slots hold `context` tokens (random KV)."""
+    spec = cfg.spec
+    kv = init_state(spec)
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    kv = jax.jit(admit_slots, static_argnums=0)(spec, kv, slots)
+    kv, ok = grow_in_chunks(spec, kv, slots, context)
+    assert bool(ok), "cache too small for the benchmark's contexts"
+    keys = jax.random.split(jax.random.key(context), len(kv.pools))
+    pools = tuple(jax.random.normal(k, p.shape, jnp.float32).astype(p.dtype)
+                  for k, p in zip(keys, kv.pools))
+    state = init_spec_state(cfg, kv.replace(pools=pools))
+    rng = np.random.default_rng(batch)
+    return state.replace(anchors=jnp.asarray(rng.integers(0, 256, state.anchors.shape),
+                                             jnp.int32),
+                         drafts=jnp.asarray(rng.integers(0, 256, state.drafts.shape), jnp.int32))
+
+
+def time_steps(step, params, state, slot_ids, steps: int, repeats: int):
+    """Median seconds per decode step over `repeats` runs of `steps` queued steps."""
+    key = jax.random.key(0)
+    for _ in range(2):  # compile + warm
+        state, *out = step(params, state, slot_ids, key)
+    jax.block_until_ready(out)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, *out = step(params, state, slot_ids, key)
+        jax.block_until_ready((state, out))
+        samples.append((time.perf_counter() - start) / steps)
+    return float(np.median(samples)), state
+
+
+def bench_one(params, base, name: str, batch: int, context: int, steps: int, repeats: int):
+    cfg = variant_config(base, name)
+    slot_ids = jnp.arange(batch, dtype=jnp.int32)
+    longest = context + (2 + steps * repeats + 2) * cfg.block_size  # rows grow while timed
+    width = bucket_width(-(-longest // cfg.spec.page_size), cfg.spec.max_pages_per_seq)
+    state = filled_state(cfg if name != "two_caches" else base, batch, context)
+    if name == "two_caches":
+        cfgs = split_config(base)
+        tkv, dkv = split_state(base, state.kv, cfgs)
+        state = TwoCacheState(tkv, dkv, state.anchors, state.drafts)
+        memory = sum(kv_memory_bytes(c.spec)["total"] for c in cfgs)
+        fn = jax.jit(two_cache_decode_step, static_argnames=("cfgs", "table_width"),
+                     donate_argnums=1)
+        step = lambda p, s, ids, k: fn(p, s, ids, k, cfgs=cfgs, table_width=width)
+    else:
+        memory = kv_memory_bytes(cfg.spec)["total"]
+        fn = jax.jit(decode_step, static_argnames=("cfg", "table_width"), donate_argnums=1)
+        step = lambda p, s, ids, k: fn(p, s, ids, k, cfg=cfg, table_width=width)
+    seconds, state = time_steps(step, params, state, slot_ids, steps, repeats)
+    del state
+    return {"variant": name, "batch": batch, "context": context, "step_ms": seconds * 1e3,
+            "kv_memory_gib": memory / 2**30, "table_width": width,
+            "num_pools": len(cfg.spec.pools) if name != "two_caches" else
+            sum(len(c.spec.pools) for c in split_config(base))}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 65536, 262144, 1048576])
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 1])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="tiny contexts (CPU smoke run)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.contexts, args.batches, args.steps, args.repeats = [1000], [2], 2, 1
+    params, tcfg, dcfg = load_default(jnp.bfloat16)
+    max_seq_len = max(args.contexts) + 4096
+    probe = default_step_config(tcfg, dcfg, num_slots=NUM_SLOTS, max_seq_len=max_seq_len)
+    # A budget that gives every slot a max_seq_len request (pools identical in all layouts).
+    one_request = sum(bytes_per_request(probe.spec, max_seq_len).values())
+    base = default_step_config(tcfg, dcfg, num_slots=NUM_SLOTS, max_seq_len=max_seq_len,
+                               memory_budget_bytes=one_request * (NUM_SLOTS + 1) + (16 << 20))
+    rows = []
+    print(f"{'batch':>5} {'context':>8} {'variant':>12} {'step ms':>9} {'x unified':>9} "
+          f"{'KV GiB':>8} {'x unified':>9}", flush=True)
+    for batch in args.batches:
+        for context in args.contexts:
+            unified = None
+            for name in args.variants:
+                row = bench_one(params, base, name, batch, context, args.steps, args.repeats)
+                unified = unified or (row if name == "unified" else None)
+                if unified:
+                    row["step_over_unified"] = row["step_ms"] / unified["step_ms"]
+                    row["memory_over_unified"] = row["kv_memory_gib"] / unified["kv_memory_gib"]
+                rows.append(row)
+                print(f"{batch:>5} {context:>8} {name:>12} {row['step_ms']:9.3f} "
+                      f"{row.get('step_over_unified', float('nan')):9.3f} "
+                      f"{row['kv_memory_gib']:8.3f} "
+                      f"{row.get('memory_over_unified', float('nan')):9.4f}", flush=True)
+                write_results("cache_layouts", {"num_slots": NUM_SLOTS, "max_seq_len": max_seq_len,
+                                                "steps": args.steps, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The contrast layouts the benchmarks time compute exactly what the unified cache does."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.cache_layouts import (TwoCacheState, kv_memory_bytes, split_config, split_state,
+                                      two_cache_decode_step)
+from drafter.engine import Engine
+from drafter.steps import StepConfig, decode_step
+from tests.drafter.tiny import tiny_pair
+
+PROMPTS = [list(np.random.default_rng(3).integers(0, 63, n)) for n in (5, 23, 41)]
+
+
+def test_per_layer_pools_and_full_capacity_tables_give_identical_tokens():
+    params, cfg, _ = tiny_pair(num_slots=3)
+    want = Engine(params, cfg).generate(PROMPTS, 12)
+    per_layer = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, pool_per_layer=True))
+    assert len(per_layer.spec.pools) == len(cfg.spec.layers) > len(cfg.spec.pools)
+    full = dataclasses.replace(cfg, table_build="full_capacity")
+    for variant in (per_layer, full):
+        got = Engine(params, variant).generate(PROMPTS, 12)
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+        assert [r.acceptance for r in got] == [r.acceptance for r in want]
+
+
+def test_unknown_table_build_is_named():
+    _, cfg, _ = tiny_pair()
+    with pytest.raises(ValueError, match="table_build='rows'.*batch"):
+        dataclasses.replace(cfg, table_build="rows")
+
+
+def test_two_caches_decode_like_the_unified_cache():
+    params, cfg, _ = tiny_pair(num_slots=3, target_kv_dtype="f32", kv_dtype="bf16")
+    engine = Engine(params, cfg)
+    for i, prompt in enumerate(PROMPTS):  # prefill through the unified engine
+        engine.add_request(f"r{i}", prompt, 40)
+    cfgs = split_config(cfg)
+    target_kv, draft_kv = split_state(cfg, engine.state.kv, cfgs)
+    assert {l.role for l in cfgs[0].spec.layers} == {"target"}
+    assert {l.role for l in cfgs[1].spec.layers} == {"draft"}
+    two = TwoCacheState(target_kv, draft_kv, engine.state.anchors + 0, engine.state.drafts + 0)
+    one = engine.state
+    slots = jnp.arange(3, dtype=jnp.int32)
+    key = jax.random.key(0)
+    step_one = jax.jit(decode_step, static_argnames=("cfg", "table_width"))
+    step_two = jax.jit(two_cache_decode_step, static_argnames=("cfgs", "table_width"))
+    accepted = []
+    for _ in range(6):
+        one, tok1, n1, ok1 = step_one(params, one, slots, key, cfg=cfg, table_width=16)
+        two, tok2, n2, ok2 = step_two(params, two, slots, key, cfgs=cfgs, table_width=16)
+        np.testing.assert_array_equal(tok1, tok2)
+        np.testing.assert_array_equal(n1, n2)
+        assert bool(ok1.all()) and bool(ok2.all())
+        accepted.append(np.asarray(n1))
+    assert np.concatenate(accepted).min() >= 1
+    np.testing.assert_array_equal(two.target_kv.target_lens, one.kv.target_lens)
+    np.testing.assert_array_equal(two.draft_kv.page_tables[0],
+                                  one.kv.page_tables[len(cfgs[0].spec.pools)])
+    # Same pools, so the same bytes: the unified cache saves nothing but also costs nothing.
+    split_bytes = sum(kv_memory_bytes(c.spec)["pools"] for c in cfgs)
+    assert split_bytes == kv_memory_bytes(cfg.spec)["pools"]
+
+
+def test_split_refuses_mixed_pools_and_a_budget_that_sizes_pools_differently():
+    params, cfg, _ = tiny_pair(num_slots=3)
+    with pytest.raises(ValueError, match="holds target and draft layers"):
+        split_state(cfg, Engine(params, cfg).state.kv, split_config(cfg))
+    params, cfg, _ = tiny_pair(num_slots=3, target_kv_dtype="f32", kv_dtype="bf16")
+    one = cfg.spec.pools
+    need = sum(p.nbytes for p in one) // 2  # binding budget: pools sized per cache
+    small = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec,
+                                                              memory_budget_bytes=need))
+    engine = Engine(params, small)
+    with pytest.raises(ValueError, match="no twin in the split cache"):
+        split_state(small, engine.state.kv, split_config(small))
