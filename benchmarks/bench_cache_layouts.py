@@ -4,11 +4,12 @@
         [--batches 1 16] [--quick]
 
 The embedded default pair (fp8 target KV in a windowed and a full pool, bf16
-windowed draft layers, page 16, block 8), a cache of 16 slots whose
-max_seq_len covers the longest context. For every context and batch, each
+windowed draft layers, page 16, block 8), a cache of 256 slots whose
+max_seq_len covers the longest context and whose memory budget buys 16
+max-length requests. For every context and batch, each
 row's cache is filled to the context length, then one speculative decode step
 (verify 8 tokens, accept, draft context, draft the next block) is timed,
-back to back, for:
+as device time (16 steps in one jitted loop, no host in between), for:
 
   unified       target and draft layers in one cache, per-pool tables built
                 for the batch's rows only (this project)
@@ -41,7 +42,8 @@ from drafter.steps import decode_step, init_spec_state
 from pallas_kernels.batch_tables import bucket_width
 from unified_kv import admit_slots, bytes_per_request, grow, init_state, retire_window_pages
 
-NUM_SLOTS = 16
+NUM_SLOTS = 256     # slots in the cache (what a full-capacity rebuild pays for)
+NUM_REQUESTS = 16   # max-length requests the memory budget buys
 VARIANTS = ("unified", "two_caches", "per_layer", "full_rebuild")
 
 
@@ -85,17 +87,21 @@ def filled_state(cfg, batch: int, context: int):
 
 
 def time_steps(step, params, state, slot_ids, steps: int, repeats: int):
-    """Median seconds per decode step over `repeats` runs of `steps` queued steps."""
+    """Device seconds per decode step: `steps` steps run in one jitted loop (no
+    host in between), median over `repeats` loops after a compile run."""
+    def run(params, state, slot_ids, key):
+        def body(i, state):
+            state, *_ = step(params, state, slot_ids, jax.random.fold_in(key, i))
+            return state
+        return jax.lax.fori_loop(0, steps, body, state)
+
+    loop = jax.jit(run, donate_argnums=1)
     key = jax.random.key(0)
-    for _ in range(2):  # compile + warm
-        state, *out = step(params, state, slot_ids, key)
-    jax.block_until_ready(out)
+    state = jax.block_until_ready(loop(params, state, slot_ids, key))  # compile + warm
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(steps):
-            state, *out = step(params, state, slot_ids, key)
-        jax.block_until_ready((state, out))
+        state = jax.block_until_ready(loop(params, state, slot_ids, key))
         samples.append((time.perf_counter() - start) / steps)
     return float(np.median(samples)), state
 
@@ -103,7 +109,7 @@ def time_steps(step, params, state, slot_ids, steps: int, repeats: int):
 def bench_one(params, base, name: str, batch: int, context: int, steps: int, repeats: int):
     cfg = variant_config(base, name)
     slot_ids = jnp.arange(batch, dtype=jnp.int32)
-    longest = context + (2 + steps * repeats + 2) * cfg.block_size  # rows grow while timed
+    longest = context + (steps * (repeats + 1) + 2) * cfg.block_size  # rows grow while timed
     width = bucket_width(-(-longest // cfg.spec.page_size), cfg.spec.max_pages_per_seq)
     state = filled_state(cfg if name != "two_caches" else base, batch, context)
     if name == "two_caches":
@@ -111,13 +117,11 @@ def bench_one(params, base, name: str, batch: int, context: int, steps: int, rep
         tkv, dkv = split_state(base, state.kv, cfgs)
         state = TwoCacheState(tkv, dkv, state.anchors, state.drafts)
         memory = sum(kv_memory_bytes(c.spec)["total"] for c in cfgs)
-        fn = jax.jit(two_cache_decode_step, static_argnames=("cfgs", "table_width"),
-                     donate_argnums=1)
-        step = lambda p, s, ids, k: fn(p, s, ids, k, cfgs=cfgs, table_width=width)
+        step = lambda p, s, ids, k: two_cache_decode_step(p, s, ids, k, cfgs=cfgs,
+                                                           table_width=width)
     else:
         memory = kv_memory_bytes(cfg.spec)["total"]
-        fn = jax.jit(decode_step, static_argnames=("cfg", "table_width"), donate_argnums=1)
-        step = lambda p, s, ids, k: fn(p, s, ids, k, cfg=cfg, table_width=width)
+        step = lambda p, s, ids, k: decode_step(p, s, ids, k, cfg=cfg, table_width=width)
     seconds, state = time_steps(step, params, state, slot_ids, steps, repeats)
     del state
     return {"variant": name, "batch": batch, "context": context, "step_ms": seconds * 1e3,
@@ -132,7 +136,7 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 65536, 262144, 1048576])
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 1])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny contexts (CPU smoke run)")
     args = ap.parse_args(argv)
@@ -141,10 +145,10 @@ def main(argv=None):
     params, tcfg, dcfg = load_default(jnp.bfloat16)
     max_seq_len = max(args.contexts) + 4096
     probe = default_step_config(tcfg, dcfg, num_slots=NUM_SLOTS, max_seq_len=max_seq_len)
-    # A budget that gives every slot a max_seq_len request (pools identical in all layouts).
+    # A budget for NUM_REQUESTS max-length requests (and so for 16 rows at any context).
     one_request = sum(bytes_per_request(probe.spec, max_seq_len).values())
     base = default_step_config(tcfg, dcfg, num_slots=NUM_SLOTS, max_seq_len=max_seq_len,
-                               memory_budget_bytes=one_request * (NUM_SLOTS + 1) + (16 << 20))
+                               memory_budget_bytes=one_request * (NUM_REQUESTS + 1))
     rows = []
     print(f"{'batch':>5} {'context':>8} {'variant':>12} {'step ms':>9} {'x unified':>9} "
           f"{'KV GiB':>8} {'x unified':>9}", flush=True)
@@ -162,7 +166,8 @@ def main(argv=None):
                       f"{row.get('step_over_unified', float('nan')):9.3f} "
                       f"{row['kv_memory_gib']:8.3f} "
                       f"{row.get('memory_over_unified', float('nan')):9.4f}", flush=True)
-                write_results("cache_layouts", {"num_slots": NUM_SLOTS, "max_seq_len": max_seq_len,
+                write_results("cache_layouts", {"num_slots": NUM_SLOTS, "num_requests": NUM_REQUESTS,
+                                                "max_seq_len": max_seq_len,
                                                 "steps": args.steps, "rows": rows}, args.out)
 
 

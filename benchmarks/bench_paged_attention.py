@@ -205,11 +205,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="one config, fewer cases")
+    parser.add_argument("--decode-configs", nargs="+", default=None,
+                        metavar="PPB,WARPS,STAGES,SPLITS",
+                        help="decode configs to sweep (SPLITS 0 = automatic), e.g. 4,2,3,2")
     args = parser.parse_args()
     copy_bw = device_copy_bandwidth()
     print(f"device copy bandwidth (read + write): {copy_bw/1e12:.2f} TB/s", flush=True)
     configs = ([(4, 4, 3, None)] if args.quick else
                list(itertools.product((2, 4, 8), (2, 4), (2, 3, 4), (None,))))
+    if args.decode_configs:
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.decode_configs]
+        configs = [(ppb, w, st, sp or None) for ppb, w, st, sp in configs]
     decode, cfg = [], None
     for ctx in (4096, 32768):
         row, cfg_ctx = bench_decode(ctx, copy_bw, configs)

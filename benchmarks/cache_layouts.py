@@ -19,6 +19,7 @@ pages, same data), so the two decode steps can be checked token for token.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.struct
 import jax
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 from drafter.dflash import draft_block, write_context
 from drafter.steps import StepConfig, accept, batch_tables, emitted_tokens
 from models.qwen3 import forward
-from unified_kv import CacheSpec, KVState, allocate_pages, retire_window_pages
+from unified_kv import (CacheSpec, KVState, allocate_pages, max_live_pages,
+                        retire_window_pages)
 
 
 @flax.struct.dataclass
@@ -39,12 +41,24 @@ class TwoCacheState:
 
 
 def split_config(cfg: StepConfig) -> tuple[StepConfig, StepConfig]:
-    """(target-cache config, draft-cache config): the unified spec's layers by role,
-    each cache with the unified budget (so pool sizes match whenever the budget
-    covers every slot)."""
+    """(target-cache config, draft-cache config): the unified spec's layers by
+    role, each cache budgeted for as many max-length requests as the unified
+    one, so the pools come out the same size."""
+    spec = cfg.spec
+
+    def need(pools):  # (one max-length request, null pages) in bytes
+        one = sum(max_live_pages(spec.page_size, p.sliding_window, spec.max_seq_len,
+                                 spec.max_step_tokens) * p.bytes_per_page for p in pools)
+        return one, sum(p.bytes_per_page for p in pools)
+
+    one, null = need(spec.pools)
+    requests = min(spec.num_slots, (spec.memory_budget_bytes - null) / one)
+
     def only(role):
-        return dataclasses.replace(cfg.spec, layers=tuple(l for l in cfg.spec.layers
-                                                          if l.role == role))
+        layers = tuple(l for l in spec.layers if l.role == role)
+        one_r, null_r = need([p for p in spec.pools if role in p.roles])
+        return dataclasses.replace(spec, layers=layers,
+                                   memory_budget_bytes=math.ceil(null_r + requests * one_r) + 1)
     return (dataclasses.replace(cfg, spec=only("target")),
             dataclasses.replace(cfg, spec=only("draft")))
 
@@ -77,6 +91,11 @@ def two_cache_decode_step(params, state: TwoCacheState, slot_ids, key, *,
                           cfgs: tuple[StepConfig, StepConfig], table_width: int,
                           temperature: float = 0.0):
     """`decode_step` with the target's and the drafter's KV in separate caches."""
+    with jax.default_matmul_precision(cfgs[0].matmul_precision):
+        return _two_cache_decode(params, state, slot_ids, key, cfgs, table_width, temperature)
+
+
+def _two_cache_decode(params, state, slot_ids, key, cfgs, table_width, temperature):
     tcfg, dcfg = cfgs
     block = tcfg.block_size
     active = slot_ids != tcfg.spec.dummy_slot

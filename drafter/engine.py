@@ -191,6 +191,23 @@ class Engine:
         self._key, key = jax.random.split(self._key)
         return key
 
+    def warmup(self, max_len: int | None = None, temperature: float = 0.0) -> int:
+        """Compile the decode step for every table width rows up to `max_len`
+        tokens (default max_seq_len) will use, so no request pays a compile
+        when it crosses a width bucket mid-run. Runs all-padding steps, which
+        change nothing. Returns the number of widths."""
+        max_len = self.spec.max_seq_len if max_len is None else max_len
+        widths = sorted({self._table_width(n) for n in
+                         range(self.spec.page_size, max_len + 2 * self.cfg.block_size + 1,
+                               self.spec.page_size)})
+        slots = jnp.full((self.spec.num_slots,), self.spec.dummy_slot, jnp.int32)
+        for width in widths:
+            self.state, *_ = self._decode(self.params, self.state, slots, self._next_key(),
+                                          cfg=self.cfg, table_width=width,
+                                          temperature=temperature)
+        jax.block_until_ready(self.state)
+        return len(widths)
+
     def _table_width(self, max_len: int) -> int:
         pages = -(-max_len // self.spec.page_size)
         return bucket_width(pages, self.spec.max_pages_per_seq, block_pages=16)

@@ -19,6 +19,7 @@ One speculative decode step for a row with committed length p (block B = K+1):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -61,6 +62,11 @@ class StepConfig:
     # rebuild every slot's full-width table each step, then pick the rows; the
     # cost the design removes, kept to measure it (bench_cache_layouts.py).
     table_build: str = "batch"
+    # f32 matmuls at full precision. On GPUs XLA's default rounds f32 inputs to
+    # TF32, and the 1-token plain step and the K+1-token verify then round
+    # differently enough to flip near-tied argmaxes: greedy speculative output
+    # would stop matching plain greedy decoding. bf16 weights cost nothing extra.
+    matmul_precision: str = "highest"
 
     def __post_init__(self):
         if self.table_build not in TABLE_BUILDS:
@@ -70,6 +76,15 @@ class StepConfig:
     @property
     def block_size(self) -> int:
         return self.draft.block_size if self.draft is not None else 1
+
+
+def _at_precision(step):
+    """Trace `step` under its StepConfig's matmul precision."""
+    @functools.wraps(step)
+    def traced(*args, cfg: StepConfig, **kwargs):
+        with jax.default_matmul_precision(cfg.matmul_precision):
+            return step(*args, cfg=cfg, **kwargs)
+    return traced
 
 
 def init_spec_state(cfg: StepConfig, kv: KVState) -> SpecState:
@@ -111,6 +126,7 @@ def _draft(params, cfg, kv, tables, anchors, ctx_lens, active):
     return drafts
 
 
+@_at_precision
 def prefill_step(params, state: SpecState, slot_ids, tokens, num_tokens, is_last, key, *,
                  cfg: StepConfig, table_width: int, temperature: float = 0.0):
     """Prefill one chunk per row: target KV, draft context KV, and on a row's
@@ -187,6 +203,7 @@ def emitted_tokens(tokens, accepted, bonus):
     return jnp.where(cols == accepted[:, None], bonus[:, None], out)
 
 
+@_at_precision
 def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, table_width: int,
                 temperature: float = 0.0):
     """One speculative step: verify, accept, commit, extend draft context, draft.
@@ -226,6 +243,7 @@ def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, tab
     return state, out_tokens, num_out, ok
 
 
+@_at_precision
 def plain_decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig,
                       table_width: int, temperature: float = 0.0):
     """Non-speculative decode: the anchor goes in, one new token comes out.
@@ -247,6 +265,7 @@ def plain_decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfi
     return state.replace(kv=kv, anchors=anchors), token, ok
 
 
+@_at_precision
 def redraft_step(params, state: SpecState, slot_ids, *, cfg: StepConfig, table_width: int):
     """Draft a fresh block after each row's anchor from the cache as it stands
     (a generation worker does this after receiving a request's KV)."""

@@ -77,3 +77,17 @@ def test_engine_runs_the_pallas_kernel_path_in_interpret_mode():
     got = Engine(params, spec_cfg).generate(prompt, 5)[0]
     want = Engine(ref_params, ref_cfg).generate(prompt, 5)[0]
     assert got.tokens == want.tokens and got.acceptance == want.acceptance
+
+
+def test_warmup_compiles_table_widths_and_changes_nothing():
+    params, cfg, _ = tiny_pair(num_slots=2)
+    prompts = [[1, 2, 3, 4, 5], list(range(1, 30))]
+    want = Engine(params, cfg).generate(prompts, 10)
+    engine = Engine(params, cfg)
+    engine.add_request("a", prompts[0], 10)
+    before = jax.tree.map(np.asarray, engine.state)
+    assert engine.warmup() == 2  # max_seq_len 160 at page 8 spans widths 16 and 32
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, engine.state))
+    engine.release("a")
+    got = engine.generate(prompts, 10)
+    assert [r.tokens for r in got] == [r.tokens for r in want]

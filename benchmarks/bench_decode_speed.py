@@ -1,0 +1,132 @@
+"""Plain vs speculative decode speed of the embedded default pair on this device.
+
+    PYTHONPATH=. python benchmarks/bench_decode_speed.py [--out DIR] [--batches 1 16]
+
+For each batch size, the batch's rows are prefilled with held-out 128-token
+prompts, then decoded two ways:
+
+  device   `steps` decode steps in one jitted loop (no host in between):
+           device seconds per step and tokens committed per step, so
+           tokens/s = rows x tokens per step / step time
+  engine   `Engine.step()` from the host, as `generate` runs it: wall seconds
+           per step, split into the jitted call's dispatch and the wait for
+           its outputs, the rest being host bookkeeping
+
+Speculative tokens per step is the acceptance length; plain commits one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import write_results
+from drafter.default import default_step_config, load_default, load_prompts
+from drafter.engine import Engine
+from drafter.steps import decode_step, plain_decode_step
+
+
+def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool):
+    cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch)
+    engine = Engine(params, cfg, speculative=speculative)
+    for i in range(batch):
+        engine.add_request(f"r{i}", prompts[i % len(prompts)], 2048)
+    return engine
+
+
+def device_rate(engine, steps: int, repeats: int) -> dict:
+    """Device time per step and tokens per step, from a copy of the engine's state."""
+    cfg, spec = engine.cfg, engine.spec
+    step_fn = decode_step if engine.speculative else plain_decode_step
+    slots = jnp.arange(spec.num_slots, dtype=jnp.int32)
+    longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + \
+        (steps * (repeats + 1) + 2) * cfg.block_size
+    width = engine._table_width(longest)
+
+    def run(params, state, key):
+        def body(i, state):
+            state, *_ = step_fn(params, state, slots, jax.random.fold_in(key, i), cfg=cfg,
+                                table_width=width)
+            return state
+        return jax.lax.fori_loop(0, steps, body, state)
+
+    loop = jax.jit(run)
+    state, key = engine.state, jax.random.key(0)
+    state = jax.block_until_ready(loop(engine.params, state, key))  # compile + warm
+    seconds, tokens = [], []
+    for _ in range(repeats):
+        before = np.asarray(state.kv.target_lens[:spec.num_slots]).sum()
+        start = time.perf_counter()
+        state = jax.block_until_ready(loop(engine.params, state, key))
+        seconds.append((time.perf_counter() - start) / steps)
+        tokens.append((np.asarray(state.kv.target_lens[:spec.num_slots]).sum() - before) / steps)
+    step_s, per_step = float(np.median(seconds)), float(np.mean(tokens))
+    return {"device_step_ms": step_s * 1e3, "tokens_per_step": per_step,
+            "device_tokens_per_s": per_step / step_s}
+
+
+def engine_rate(engine, steps: int) -> dict:
+    """Wall time of Engine.step() (the host loop), and where it goes."""
+    longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + (steps + 3) * \
+        engine.cfg.block_size
+    engine.warmup(longest)  # rows cross table-width buckets while timed: compile them first
+    for _ in range(3):
+        engine.step()
+    decode, timings = engine._decode, {"dispatch": [], "wait": []}
+
+    def timed(*args, **kwargs):  # wraps the jitted step: dispatch, then outputs ready
+        start = time.perf_counter()
+        out = decode(*args, **kwargs)
+        mid = time.perf_counter()
+        jax.block_until_ready(out[1:])
+        timings["dispatch"].append(mid - start)
+        timings["wait"].append(time.perf_counter() - mid)
+        return out
+
+    engine._decode = timed
+    lens = lambda: int(np.asarray(engine.state.kv.target_lens).sum())
+    before, start = lens(), time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - start) / steps
+    tokens = (lens() - before) / steps
+    engine._decode = decode
+    return {"engine_step_ms": wall * 1e3, "engine_tokens_per_s": tokens / wall,
+            "dispatch_ms": float(np.median(timings["dispatch"])) * 1e3,
+            "wait_ms": float(np.median(timings["wait"])) * 1e3}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    params, tcfg, dcfg = load_default()
+    prompts = [p["tokens"] for p in load_prompts() if p["length"] == 128]
+    rows = []
+    for batch in args.batches:
+        row = {"batch": batch}
+        for name, speculative in (("plain", False), ("speculative", True)):
+            engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, speculative)
+            got = {**device_rate(engine, args.steps, args.repeats),
+                   **engine_rate(engine, args.steps)}
+            row.update({f"{name}_{k}": v for k, v in got.items()})
+            print(f"batch {batch:>2} {name:>11}: " + "  ".join(
+                f"{k} {v:.3f}" for k, v in got.items()), flush=True)
+        for kind in ("device", "engine"):
+            row[f"{kind}_speedup"] = (row[f"speculative_{kind}_tokens_per_s"]
+                                      / row[f"plain_{kind}_tokens_per_s"])
+        print(f"batch {batch:>2}: speculative / plain = {row['device_speedup']:.2f}x (device), "
+              f"{row['engine_speedup']:.2f}x (engine)", flush=True)
+        rows.append(row)
+        write_results("decode_speed", {"rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
