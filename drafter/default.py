@@ -8,6 +8,7 @@ embedded default") and shipped as orbax checkpoints in drafter/default_pair/.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -26,9 +27,17 @@ PROMPTS_FILE = Path(__file__).parent / "data" / "eval_prompts.json"
 def import_pair(target_dir, draft_dir, out_dir=PAIR_DIR) -> None:
     """Turn make_default's safetensors checkpoints into the shipped orbax ones (bf16)."""
     tcfg, target = load_qwen3(target_dir, jnp.bfloat16)
-    dcfg, draft = load_dflash(draft_dir, jnp.bfloat16)
     save_orbax(Path(out_dir) / "target", target, tcfg.to_hf())
-    save_orbax(Path(out_dir) / "draft", draft, dcfg.to_hf())
+    import_draft(draft_dir, out_dir)
+
+
+def import_draft(draft_dir, out_dir=PAIR_DIR) -> None:
+    """Replace the shipped drafter (e.g. by one `make_default --from-default` trained on)."""
+    dcfg, draft = load_dflash(draft_dir, jnp.bfloat16)
+    target = Path(out_dir) / "draft"
+    if target.exists():
+        shutil.rmtree(target)
+    save_orbax(target, draft, dcfg.to_hf())
 
 
 def load_default(dtype=jnp.float32):
