@@ -19,8 +19,11 @@ import dataclasses
 import queue
 import time
 
+import jax
+
 from disagg.layout import Layout, check_layouts
-from disagg.transfer import Handoff, TransferError, export_kv, import_kv, move
+from disagg.transfer import (Handoff, TransferError, assemble_heads, export_kv, import_kv,
+                             move)
 from drafter.engine import Engine, Result
 from drafter.steps import StepConfig
 from unified_kv import AdmissionError
@@ -44,6 +47,13 @@ class Channel:
             return self._queue.get(timeout=timeout)
         except queue.Empty:
             raise TransferTimeout(f"no message from the peer within {timeout:.1f}s") from None
+
+    def try_recv(self):
+        """The next message if one is waiting, else None (never blocks)."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
 
 
 class ContextWorker:
@@ -77,6 +87,11 @@ class ContextWorker:
     def num_held(self) -> int:
         return len(self._held)
 
+    @property
+    def held_requests(self) -> list[str]:
+        """Requests whose pages wait for the receiver's answer."""
+        return list(self._held)
+
 
 class GenerationWorker:
     """Receives requests' KV and decodes them speculatively."""
@@ -89,17 +104,33 @@ class GenerationWorker:
         self.bytes_received = 0
         self.transfer_seconds = 0.0
 
-    def receive(self, handoff: Handoff) -> None:
-        """Gate, reserve, move, verify, scatter, redraft; on any failure the
-        request's pages here are freed and the error propagates."""
+    @property
+    def first_device(self):
+        return self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+
+    def assemble(self, slices: list[Handoff]) -> Handoff:
+        """Move one request's kv-head slices (from a TP context mesh) here and join
+        them; pass the result to `receive(..., moved=True)`."""
+        start = time.perf_counter()
+        handoff = assemble_heads(slices, self.first_device, path=self.move_path)
+        # From the first device onto this worker's mesh: a local reshard.
+        handoff = dataclasses.replace(handoff, pools=move(handoff.pools, self.mesh))
+        self.transfer_seconds += time.perf_counter() - start
+        return handoff
+
+    def receive(self, handoff: Handoff, *, moved: bool = False) -> None:
+        """Gate, reserve, move (unless `moved`: already here), verify, scatter,
+        redraft; on any failure the request's pages here are freed and the
+        error propagates."""
         check_layouts(handoff.layout, self.layout)
         engine = self.engine
         slot, prompt = engine.reserve(handoff.request_id, handoff.prompt,
                                       handoff.max_new_tokens)
         try:
             start = time.perf_counter()
-            moved = move(handoff.pools, self.mesh, path=self.move_path)
-            handoff = dataclasses.replace(handoff, pools=moved)
+            if not moved:
+                handoff = dataclasses.replace(
+                    handoff, pools=move(handoff.pools, self.mesh, path=self.move_path))
             kv = import_kv(engine.spec, engine.state.kv, slot, handoff, mode=self.mode)
             self.transfer_seconds += time.perf_counter() - start
             self.bytes_received += handoff.nbytes

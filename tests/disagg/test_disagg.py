@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from disagg.layout import Layout, LayoutMismatch, check_layouts
-from disagg.transfer import TransferError
+from disagg.transfer import MOVE_PATHS, TransferError
 from disagg.workers import (Channel, ContextWorker, DisaggregatedPair, GenerationWorker,
                             TransferTimeout, connect)
 from drafter.engine import Engine
@@ -32,8 +32,11 @@ def all_free(worker):
     return [p.num_usable_pages for p in worker.engine.spec.pools]
 
 
-@pytest.mark.parametrize("path", ["coalesced", "host", "fragments"])
+@pytest.mark.parametrize("path", MOVE_PATHS)
 def test_shared_mode_equals_aggregated_token_for_token_and_step_for_step(path):
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if path == "pinned_host" and "pinned_host" not in kinds:
+        pytest.skip(f"this platform's devices offer no pinned host memory ({sorted(kinds)})")
     params, cfg, _ = tiny_pair(num_slots=3)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 63, n).tolist() for n in (5, 17, 33, 40, 9)]  # > draft window 16
@@ -106,11 +109,14 @@ def test_connect_refuses_mismatched_workers():
                 GenerationWorker(params, cfg, mode="private"))
 
 
-def test_corrupted_buffer_is_caught_and_pages_freed_on_both_sides():
+@pytest.mark.parametrize("which", [0, -1])
+def test_corrupted_buffer_is_caught_and_pages_freed_on_both_sides(which):
+    """Any pool's corruption (the last one too: every pool is verified before
+    any is scattered into the receiver's cache) fails the request, nothing else."""
     params, cfg, _ = tiny_pair(num_slots=2)
     ctx, gen = ContextWorker(params, cfg), GenerationWorker(params, cfg)
     handoff = ctx.prefill("r0", list(range(1, 30)), 8)
-    pool_id = next(iter(handoff.pools))
+    pool_id = list(handoff.pools)[which]
     buf = handoff.pools[pool_id].buffer
     handoff.pools[pool_id].buffer = buf.at[0, 0, 0, 0, 0, 0].add(1.0)  # one value off
     with pytest.raises(TransferError, match="checksum .* corrupted in transit"):
@@ -119,6 +125,7 @@ def test_corrupted_buffer_is_caught_and_pages_freed_on_both_sides():
     assert free_pages(gen) == all_free(gen)
     assert gen.engine.admission.reserved_pages == (0,) * len(gen.engine.spec.pools)
     assert free_pages(ctx) == all_free(ctx) and ctx.num_held == 0
+    assert not any(pool.is_deleted() for pool in gen.engine.state.kv.pools)
 
 
 def test_silent_peer_times_out_and_context_pages_are_freed():
@@ -158,3 +165,20 @@ def test_context_tp4_into_generation_tp2_and_tp1(gen_tp):
     assert len(pair.generation.engine.state.kv.pools[0].sharding.device_set) == gen_tp
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
+
+
+def test_long_prompt_into_windowed_pools_takes_only_the_window_tail():
+    """The receiver backs a windowed pool's in-window tail only: a prompt whose
+    whole page range is larger than the windowed pools still moves."""
+    params, cfg, _ = tiny_pair(num_slots=2)
+    prompt = np.random.default_rng(5).integers(0, 63, 130).tolist()
+    windowed = [p for p in cfg.spec.pools if p.sliding_window]
+    assert windowed and all(p.num_usable_pages < -(-len(prompt) // cfg.spec.page_size)
+                            for p in windowed)
+    agg = Engine(params, cfg).generate([prompt], 8)
+    pair = DisaggregatedPair(ContextWorker(params, cfg), GenerationWorker(params, cfg))
+    dis = pair.generate([prompt], 8)
+    assert [r.tokens for r in dis] == [r.tokens for r in agg]
+    assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
+    assert free_pages(pair.generation) == all_free(pair.generation)
+    assert pair.context.num_held == 0 and free_pages(pair.context) == all_free(pair.context)
