@@ -7,6 +7,8 @@ demo   the shipped held-out prompts through aggregated, disaggregated-shared and
 serve  keeps a context and a generation worker up and serves JSON lines
        {"id": ..., "prompt": "text", "max_new_tokens": N} from a file or stdin,
        writing one JSON line per finished request.
+serve-remote  one side (--role context | generation) of a pair in two OS
+       processes, KV moved by jax.experimental.transfer (disagg/processes.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from disagg import processes
 from disagg.workers import ContextWorker, DisaggregatedPair, GenerationWorker
 from drafter.corpus import ByteTokenizer
 from drafter.default import default_step_config, load_default, load_prompts
@@ -158,7 +161,10 @@ def main(argv=None):
     srv.add_argument("input", nargs="?", default="-")
     srv.add_argument("--num-slots", type=int, default=4)
     srv.add_argument("--draft-kv", default="shared", choices=("shared", "private"))
+    processes.add_parser(sub)
     args = ap.parse_args(argv)
+    if args.command == "serve-remote":
+        return processes.run(args)
     if args.command == "serve":
         return serve(args)
     cfg = DemoConfig.from_args(args)

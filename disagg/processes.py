@@ -1,0 +1,188 @@
+"""Worker processes: `python -m disagg serve-remote`, and a context worker as a child.
+
+By hand on one host (CPU shown; each process sizes its own devices):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
+      python -m disagg serve-remote --role context --address 127.0.0.1:7400 --tp 2
+    python -m disagg serve-remote --role generation --address 127.0.0.1:7400 < requests.jsonl
+
+The context prints `context worker listening on HOST:PORT ...` on stdout (its
+only stdout line; logs go to stderr). The generation side reads JSON lines
+{"id", "prompt": text | "tokens": [ids], "max_new_tokens"} and writes one JSON
+line per request. `ContextProcess` starts the context side from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from disagg.remote import PairSource
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve-remote", help="one side of a two-process disaggregated pair")
+    p.add_argument("--role", required=True, choices=("context", "generation"))
+    p.add_argument("--address", default="127.0.0.1:0",
+                   help="context: where to listen (port 0 picks one); generation: the "
+                        "context worker's address")
+    p.add_argument("input", nargs="?", default="-", help="generation: JSON-lines requests")
+    p.add_argument("--pair", default=None, help="dir with target/ and draft/ checkpoints "
+                                                "(default: the embedded pair)")
+    p.add_argument("--num-slots", type=int, default=4)
+    p.add_argument("--max-seq-len", type=int, default=9216)
+    p.add_argument("--kv-memory-mib", type=int, default=1024)
+    p.add_argument("--draft-kv", default="shared", choices=("shared", "private"))
+    p.add_argument("--tp", type=int, default=1, help="devices in this worker's mesh")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds any wait for the peer may take")
+    p.add_argument("--idle-timeout", type=float, default=3600.0,
+                   help="context: seconds to wait for a peer's next request")
+    p.add_argument("--transfer-host", default="127.0.0.1",
+                   help="host the KV transfer server binds and advertises")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="context: exit after serving this many peers")
+    p.add_argument("--warmup", action="store_true",
+                   help="context: compile prefill before serving (peers queue meanwhile)")
+    p.add_argument("--corrupt-request", action="append", default=[], help=argparse.SUPPRESS)
+
+
+def local_mesh(tp: int):
+    import jax
+    import numpy as np
+    if tp < 1:
+        raise SystemExit(f"--tp must be >= 1, got {tp}")
+    devices = jax.devices()
+    if len(devices) < tp:
+        raise SystemExit(f"--tp {tp} needs {tp} devices, this process sees {len(devices)} "
+                         f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
+    # A mesh even for one device: shardings stay the same from the first step on.
+    return jax.sharding.Mesh(np.array(devices[:tp]), ("tp",))
+
+
+def run(args) -> None:
+    from disagg.remote import ContextServer, RemoteContext, RemotePair
+    from disagg.workers import ContextWorker, GenerationWorker
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("disagg").setLevel(logging.INFO)
+    for flag in ("timeout", "idle_timeout"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be > 0 seconds, "
+                             f"got {getattr(args, flag)}")
+    source = PairSource(args.pair, args.num_slots, args.max_seq_len, args.kv_memory_mib)
+    params, cfg = source.load()
+    mesh = local_mesh(args.tp)
+    if args.role == "context":
+        server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=args.draft_kv),
+                               address=args.address, transfer_host=args.transfer_host,
+                               timeout=args.timeout, idle_timeout=args.idle_timeout,
+                               corrupt_request_ids=args.corrupt_request)
+        print(f"context worker listening on {server.address} "
+              f"(transfer server {server.transfer.address()})", flush=True)
+        if args.warmup:
+            server.warm_up()
+        return server.serve(args.max_connections)
+    from drafter.corpus import ByteTokenizer
+    gen = GenerationWorker(params, cfg, mesh=mesh, mode=args.draft_kv)
+    remote = RemoteContext(args.address, gen.layout, transfer_host=args.transfer_host,
+                           timeout=args.timeout, pull_device=mesh.devices.flat[0])
+    pair, tok = RemotePair(remote, gen), ByteTokenizer()
+    source_file = open(args.input) if args.input != "-" else sys.stdin
+    for line_no, line in enumerate(source_file, 1):
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            prompt = req["tokens"] if "tokens" in req else tok.encode(req["prompt"])
+            result = pair.generate([prompt], int(req.get("max_new_tokens", 64)))[0]
+            out = {"id": req.get("id", line_no), "tokens": result.tokens,
+                   "text": tok.decode(result.tokens),
+                   "acceptance_length": result.acceptance_length}
+        except (ValueError, KeyError, RuntimeError) as e:  # bad request: report, keep serving
+            out = {"id": line_no, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(out), flush=True)
+    logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())
+
+
+def child_env(num_devices: int) -> dict:
+    """The parent's environment with this child's own host device count."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_devices}".strip()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+class ContextProcess:
+    """A context worker in a child process; `address` is where it listens.
+
+    Its stderr goes to `log_path`. Use as a context manager, or call `stop()`.
+    """
+
+    def __init__(self, source: PairSource, log_path, *, draft_kv: str = "shared", tp: int = 1,
+                 timeout: float = 30.0, extra_args=(), extra_env=None,
+                 start_timeout: float = 120.0):
+        cmd = [sys.executable, "-m", "disagg", "serve-remote", "--role", "context",
+               "--address", "127.0.0.1:0", "--draft-kv", draft_kv, "--tp", str(tp),
+               "--timeout", str(timeout), *source.cli_args(), *extra_args]
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env={**child_env(tp), **(extra_env or {})},
+                                     cwd=REPO_ROOT)
+        try:
+            self.address = self._await_listening(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _await_listening(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([self.proc.stdout], [], [], left)[0]:
+                break
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"context worker exited ({self.proc.wait()}) before "
+                                   f"listening:\n{self.log_tail()}")
+            if match := re.search(r"listening on (\S+)", line):
+                return match.group(1)
+        raise TimeoutError(f"context worker did not listen within {timeout:.0f}s:\n"
+                           f"{self.log_tail()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        return "\n".join(self.log_text().splitlines()[-num_lines:])
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.send_signal(signal.SIGCONT)  # a stopped child cannot act on SIGTERM
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        self.proc.stdout.close()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ContextProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
