@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from disagg import processes
+from disagg.transfer import MOVE_PATHS
 from disagg.workers import ContextWorker, DisaggregatedPair, GenerationWorker
 from drafter.corpus import ByteTokenizer
 from drafter.default import default_step_config, load_default, load_prompts
@@ -155,7 +156,7 @@ def main(argv=None):
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--num-slots", type=int, default=4)
     demo.add_argument("--move-path", default="coalesced",
-                      choices=("coalesced", "host", "fragments"))
+                      choices=MOVE_PATHS)
     demo.add_argument("--json", default=None, help="also write the table to this file")
     srv = sub.add_parser("serve", help="serve JSON-line requests from a file or stdin")
     srv.add_argument("input", nargs="?", default="-")
