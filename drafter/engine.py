@@ -15,6 +15,7 @@ anchors, drafts) is one pytree threaded through donated jitted steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 
@@ -56,6 +57,19 @@ class _Active:
     first_token_at: float = 0.0
 
 
+def _traced_on_mesh(mesh, jitted):
+    """Call `jitted` with `mesh` as the context mesh, so the Pallas kernels run
+    per device over the kv heads (models/attention.py)."""
+    if mesh is None:
+        return jitted
+
+    @functools.wraps(jitted)
+    def call(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return jitted(*args, **kwargs)
+    return call
+
+
 class Engine:
     """Speculative (DFlash) or plain greedy/sampled generation over one cache.
 
@@ -82,13 +96,15 @@ class Engine:
         self._active: dict[int, _Active] = {}
         self._lens = np.zeros(cfg.spec.num_slots, np.int64)  # host upper bound per slot
         statics = ("cfg", "table_width", "temperature")
-        self._prefill = jax.jit(prefill_step, static_argnames=statics, donate_argnums=1)
         step = decode_step if speculative else plain_decode_step
-        self._decode = jax.jit(step, static_argnames=statics, donate_argnums=1)
-        self._admit = jax.jit(admit_slots, static_argnums=0, donate_argnums=1)
-        self._redraft = jax.jit(redraft_step, static_argnames=("cfg", "table_width"),
-                                donate_argnums=1)
-        self._release = jax.jit(release_slots, static_argnums=0, donate_argnums=1)
+        on_mesh = functools.partial(_traced_on_mesh, mesh)
+        self._prefill = on_mesh(jax.jit(prefill_step, static_argnames=statics,
+                                        donate_argnums=1))
+        self._decode = on_mesh(jax.jit(step, static_argnames=statics, donate_argnums=1))
+        self._admit = on_mesh(jax.jit(admit_slots, static_argnums=0, donate_argnums=1))
+        self._redraft = on_mesh(jax.jit(redraft_step, static_argnames=("cfg", "table_width"),
+                                        donate_argnums=1))
+        self._release = on_mesh(jax.jit(release_slots, static_argnums=0, donate_argnums=1))
 
     # ------------------------------------------------------------ requests
 

@@ -6,11 +6,18 @@
   "reference"  the kernels' plain-jnp references (CPU tests of whole models)
   "auto"       "pallas" on GPU, "reference" elsewhere
 The choice is explicit and static; nothing falls back silently at run time.
+
+Tensor parallelism: a worker on a mesh traces its steps under
+`jax.set_mesh(mesh)` with pools split along kv heads over the mesh's first
+axis (`unified_kv.init_state`). XLA cannot partition a Pallas kernel, so the
+kernel paths run under `jax.shard_map` over that axis: each device attends
+its own kv heads (and their query heads) over its own slice of the pool.
 """
 
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.kv_store import write_kv
 from pallas_kernels.paged_attention import (draft_block_attention,
@@ -42,13 +49,31 @@ def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offs
     return pool
 
 
+def _per_kv_head_shard(kernel, num_heads_args: int, num_other_args: int):
+    """`kernel(*head_split_args, *replicated_args)` run per device of the
+    context mesh's first axis: head-split args (q and K/V: [B, T, heads, D];
+    the pool: [kv heads, ...]) split along heads, the rest replicated.
+    Without a context mesh (or a 1-device axis) the kernel runs as is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape[mesh.axis_names[0]] == 1:
+        return kernel
+    axis = mesh.axis_names[0]
+    heads = (P(None, None, axis),) * (num_heads_args - 1) + (P(axis),)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=heads + (P(),) * num_other_args,
+                         out_specs=P(None, None, axis), check_vma=False)
+
+
 def attend(q, pool, table, kv_lens, q_lens, layer: LayerSpec, offset: int, *, impl: str):
     """Decode / verify / prefill attention of one layer (queries' K/V already stored)."""
     impl = resolve_impl(impl)
     args = _kernel_args(layer, offset)
     if impl == "reference":
         return paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
-    return paged_attention(q, pool, table, kv_lens, q_lens, interpret=impl == "interpret", **args)
+
+    def kernel(q, pool, table, kv_lens, q_lens):
+        return paged_attention(q, pool, table, kv_lens, q_lens, interpret=impl == "interpret",
+                               **args)
+    return _per_kv_head_shard(kernel, 2, 3)(q, pool, table, kv_lens, q_lens)
 
 
 def attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k, block_v, layer: LayerSpec,
@@ -59,5 +84,9 @@ def attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k, block_v, l
     if impl == "reference":
         return draft_block_attention_reference(q, pool, table, ctx_lens, block_lens, block_k,
                                                block_v, **args)
-    return draft_block_attention(q, pool, table, ctx_lens, block_lens, block_k, block_v,
-                                 interpret=impl == "interpret", **args)
+
+    def kernel(q, block_k, block_v, pool, table, ctx_lens, block_lens):
+        return draft_block_attention(q, pool, table, ctx_lens, block_lens, block_k, block_v,
+                                     interpret=impl == "interpret", **args)
+    return _per_kv_head_shard(kernel, 4, 3)(q, block_k, block_v, pool, table, ctx_lens,
+                                            block_lens)

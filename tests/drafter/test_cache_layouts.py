@@ -66,15 +66,18 @@ def test_two_caches_decode_like_the_unified_cache():
     assert split_bytes == kv_memory_bytes(cfg.spec)["pools"]
 
 
-def test_split_refuses_mixed_pools_and_a_budget_that_sizes_pools_differently():
+def test_split_refuses_mixed_pools_and_sizes_pools_alike_under_a_binding_budget():
     params, cfg, _ = tiny_pair(num_slots=3)
     with pytest.raises(ValueError, match="holds target and draft layers"):
         split_state(cfg, Engine(params, cfg).state.kv, split_config(cfg))
     params, cfg, _ = tiny_pair(num_slots=3, target_kv_dtype="f32", kv_dtype="bf16")
-    one = cfg.spec.pools
-    need = sum(p.nbytes for p in one) // 2  # binding budget: pools sized per cache
+    need = sum(p.nbytes for p in cfg.spec.pools) // 2  # buys fewer than num_slots requests
     small = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec,
                                                               memory_budget_bytes=need))
-    engine = Engine(params, small)
-    with pytest.raises(ValueError, match="no twin in the split cache"):
-        split_state(small, engine.state.kv, split_config(small))
+    assert sum(p.nbytes for p in small.spec.pools) < sum(p.nbytes for p in cfg.spec.pools)
+    cfgs = split_config(small)
+    target_kv, draft_kv = split_state(small, Engine(params, small).state.kv, cfgs)
+    shapes = sorted(p.shape for c in cfgs for p in c.spec.pools)
+    assert shapes == sorted(p.shape for p in small.spec.pools)
+    assert [k.shape for k in target_kv.pools + draft_kv.pools] == [
+        p.shape for c in cfgs for p in c.spec.pools]
