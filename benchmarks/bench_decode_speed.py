@@ -25,48 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import write_results
-from drafter.default import default_step_config, load_default, load_prompts
-from drafter.engine import Engine
-from drafter.steps import decode_step, plain_decode_step
-
-
-def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool):
-    cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch)
-    engine = Engine(params, cfg, speculative=speculative)
-    for i in range(batch):
-        engine.add_request(f"r{i}", prompts[i % len(prompts)], 2048)
-    return engine
-
-
-def device_rate(engine, steps: int, repeats: int) -> dict:
-    """Device time per step and tokens per step, from a copy of the engine's state."""
-    cfg, spec = engine.cfg, engine.spec
-    step_fn = decode_step if engine.speculative else plain_decode_step
-    slots = jnp.arange(spec.num_slots, dtype=jnp.int32)
-    longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + \
-        (steps * (repeats + 1) + 2) * cfg.block_size
-    width = engine._table_width(longest)
-
-    def run(params, state, key):
-        def body(i, state):
-            state, *_ = step_fn(params, state, slots, jax.random.fold_in(key, i), cfg=cfg,
-                                table_width=width)
-            return state
-        return jax.lax.fori_loop(0, steps, body, state)
-
-    loop = jax.jit(run)
-    state, key = engine.state, jax.random.key(0)
-    state = jax.block_until_ready(loop(engine.params, state, key))  # compile + warm
-    seconds, tokens = [], []
-    for _ in range(repeats):
-        before = np.asarray(state.kv.target_lens[:spec.num_slots]).sum()
-        start = time.perf_counter()
-        state = jax.block_until_ready(loop(engine.params, state, key))
-        seconds.append((time.perf_counter() - start) / steps)
-        tokens.append((np.asarray(state.kv.target_lens[:spec.num_slots]).sum() - before) / steps)
-    step_s, per_step = float(np.median(seconds)), float(np.mean(tokens))
-    return {"device_step_ms": step_s * 1e3, "tokens_per_step": per_step,
-            "device_tokens_per_s": per_step / step_s}
+from drafter.default import load_default, load_prompts
+from drafter.evaluate import device_rate, prefilled_engine
 
 
 def engine_rate(engine, steps: int) -> dict:

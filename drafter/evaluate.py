@@ -5,7 +5,8 @@
 Per prompt length: mean acceptance length (AL, tokens committed per decode
 step, block 8), per-position acceptance (how often draft k was accepted),
 and a check that speculative output equals plain greedy output. Then plain
-vs speculative decode tokens/s at batch 1 and batch 16 on this device.
+vs speculative decode tokens/s at batch 1 and batch 16 on this device (device
+time of the jitted steps, rows prefilled with the 128-token prompts).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import machine
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
+from drafter.steps import decode_step, plain_decode_step
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 
@@ -52,22 +55,58 @@ def acceptance_by_length(params, tcfg, dcfg, prompts, max_new):
     return rows
 
 
-def tokens_per_second(params, tcfg, dcfg, prompts, batch, max_new):
-    """Decode tokens/s, plain vs speculative, `batch` concurrent requests."""
-    group = [p["tokens"] for p in prompts][:batch]
-    group = (group * batch)[:batch]
-    out = {"batch": batch}
-    for name, cfg, speculative in (("plain", default_step_config(tcfg, None, num_slots=batch),
-                                    False),
-                                   ("speculative", default_step_config(tcfg, dcfg,
-                                                                       num_slots=batch), True)):
-        engine = Engine(params, cfg, speculative=speculative)
-        engine.generate(group[:1], 8)  # compile prefill and decode
-        engine.warmup(max(len(g) for g in group) + max_new)  # and every table width used
+def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool):
+    """An Engine whose `batch` slots hold the prompts (cycled), prefilled, with
+    room for 2048 new tokens each."""
+    cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch)
+    engine = Engine(params, cfg, speculative=speculative)
+    for i in range(batch):
+        engine.add_request(f"r{i}", prompts[i % len(prompts)], 2048)
+    return engine
+
+
+def device_rate(engine, steps: int, repeats: int) -> dict:
+    """Device time per step and tokens per step, from a copy of the engine's state."""
+    cfg, spec = engine.cfg, engine.spec
+    step_fn = decode_step if engine.speculative else plain_decode_step
+    slots = jnp.arange(spec.num_slots, dtype=jnp.int32)
+    longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + \
+        (steps * (repeats + 1) + 2) * cfg.block_size
+    width = engine._table_width(longest)
+
+    def run(params, state, key):
+        def body(i, state):
+            state, *_ = step_fn(params, state, slots, jax.random.fold_in(key, i), cfg=cfg,
+                                table_width=width)
+            return state
+        return jax.lax.fori_loop(0, steps, body, state)
+
+    loop = jax.jit(run)
+    state, key = engine.state, jax.random.key(0)
+    state = jax.block_until_ready(loop(engine.params, state, key))  # compile + warm
+    seconds, tokens = [], []
+    for _ in range(repeats):
+        before = np.asarray(state.kv.target_lens[:spec.num_slots]).sum()
         start = time.perf_counter()
-        results = engine.generate(group, max_new)
-        seconds = time.perf_counter() - start
-        out[f"{name}_tokens_per_s"] = sum(len(r.tokens) for r in results) / seconds
+        state = jax.block_until_ready(loop(engine.params, state, key))
+        seconds.append((time.perf_counter() - start) / steps)
+        tokens.append((np.asarray(state.kv.target_lens[:spec.num_slots]).sum() - before) / steps)
+    step_s, per_step = float(np.median(seconds)), float(np.mean(tokens))
+    return {"device_step_ms": step_s * 1e3, "tokens_per_step": per_step,
+            "device_tokens_per_s": per_step / step_s}
+
+
+def tokens_per_second(params, tcfg, dcfg, prompts, batch, *, steps: int = 32,
+                      repeats: int = 3):
+    """Decode tokens/s, plain vs speculative, `batch` rows prefilled with
+    `prompts`: device time of the jitted steps (no host loop; the host loop's
+    own cost is in benchmarks/bench_decode_speed.py)."""
+    out = {"batch": batch}
+    for name, speculative in (("plain", False), ("speculative", True)):
+        engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, speculative)
+        rate = device_rate(engine, steps, repeats)
+        out[f"{name}_tokens_per_s"] = rate["device_tokens_per_s"]
+        out[f"{name}_tokens_per_step"] = rate["tokens_per_step"]
     out["speedup"] = out["speculative_tokens_per_s"] / out["plain_tokens_per_s"]
     print(f"  batch {batch:>2}: plain {out['plain_tokens_per_s']:.1f} tok/s, speculative "
           f"{out['speculative_tokens_per_s']:.1f} tok/s ({out['speedup']:.2f}x)", flush=True)
@@ -90,8 +129,8 @@ def main(argv=None):
     print(f"device: {jax.devices()[0].device_kind}; {len(prompts)} held-out prompts", flush=True)
     report = {"machine": machine(), "block_size": dcfg.block_size, "max_new": args.max_new,
               "by_length": acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new)}
-    short = [p for p in prompts if p["length"] == 128]
-    report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b, args.max_new)
+    short = [p["tokens"] for p in prompts if p["length"] == 128]
+    report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b)
                        for b in ((1,) if args.quick else (1, 16))]
     path = Path(args.json) if args.json else RESULTS / (
         f"eval_default_{jax.default_backend()}{'_quick' if args.quick else ''}.json")
