@@ -91,7 +91,16 @@ class Engine:
             params = jax.device_put(params, jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec()))
             self.params = params
-        self.state = init_spec_state(cfg, init_state(cfg.spec, mesh=mesh))
+        state = init_spec_state(cfg, init_state(cfg.spec, mesh=mesh))
+        # Commit the fresh state where the steps' outputs will live: jit keys its
+        # cache on committed-ness, and an uncommitted first state would make
+        # every step compile twice (seconds each on a GPU) on its first use.
+        replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                      else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        self.state = state.replace(
+            kv=jax.device_put(state.kv, replicated) if mesh is None else state.kv,
+            anchors=jax.device_put(state.anchors, replicated),
+            drafts=jax.device_put(state.drafts, replicated))
         self._key = jax.random.key(seed)
         self._active: dict[int, _Active] = {}
         self._lens = np.zeros(cfg.spec.num_slots, np.int64)  # host upper bound per slot

@@ -1,5 +1,7 @@
 """Engine bad input: clear errors, and nothing else disturbed."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -91,3 +93,19 @@ def test_warmup_compiles_table_widths_and_changes_nothing():
     engine.release("a")
     got = engine.generate(prompts, 10)
     assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
+def test_a_warm_engine_compiles_nothing_more(caplog):
+    params, cfg, _ = tiny_pair(num_slots=1)
+    params = jax.device_put(params, jax.devices()[0])  # committed, as checkpoints load
+    engine = Engine(params, cfg)
+    engine.generate([[1, 2, 3, 4, 5]], 6)  # compiles every step once
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            engine.generate([[6, 7, 8, 9, 10]], 6)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    # An uncommitted first state made admit and prefill compile a second time here.
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    assert not compiled, compiled
