@@ -9,7 +9,8 @@ max_seq_len covers the longest context and whose memory budget buys 16
 max-length requests. For every context and batch, each
 row's cache is filled to the context length, then one speculative decode step
 (verify 8 tokens, accept, draft context, draft the next block) is timed,
-as device time (16 steps in one jitted loop, no host in between), for:
+as device time (16 steps in one jitted loop, no host in between; median of
+5 loops), for:
 
   unified       target and draft layers in one cache, per-pool tables built
                 for the batch's rows only (this project)
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks.cache_layouts import (TwoCacheState, kv_memory_bytes, split_config, split_state,
                                       two_cache_decode_step)
-from benchmarks.timing import write_results
+from benchmarks.timing import time_step_loop, write_results
 from drafter.default import default_step_config, load_default
 from drafter.steps import decode_step, init_spec_state
 from pallas_kernels.batch_tables import bucket_width
@@ -86,26 +86,6 @@ def filled_state(cfg, batch: int, context: int):
                          drafts=jnp.asarray(rng.integers(0, 256, state.drafts.shape), jnp.int32))
 
 
-def time_steps(step, params, state, slot_ids, steps: int, repeats: int):
-    """Device seconds per decode step: `steps` steps run in one jitted loop (no
-    host in between), median over `repeats` loops after a compile run."""
-    def run(params, state, slot_ids, key):
-        def body(i, state):
-            state, *_ = step(params, state, slot_ids, jax.random.fold_in(key, i))
-            return state
-        return jax.lax.fori_loop(0, steps, body, state)
-
-    loop = jax.jit(run, donate_argnums=1)
-    key = jax.random.key(0)
-    state = jax.block_until_ready(loop(params, state, slot_ids, key))  # compile + warm
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        state = jax.block_until_ready(loop(params, state, slot_ids, key))
-        samples.append((time.perf_counter() - start) / steps)
-    return float(np.median(samples)), state
-
-
 def bench_one(params, base, name: str, batch: int, context: int, steps: int, repeats: int):
     cfg = variant_config(base, name)
     slot_ids = jnp.arange(batch, dtype=jnp.int32)
@@ -117,14 +97,16 @@ def bench_one(params, base, name: str, batch: int, context: int, steps: int, rep
         tkv, dkv = split_state(base, state.kv, cfgs)
         state = TwoCacheState(tkv, dkv, state.anchors, state.drafts)
         memory = sum(kv_memory_bytes(c.spec)["total"] for c in cfgs)
-        step = lambda p, s, ids, k: two_cache_decode_step(p, s, ids, k, cfgs=cfgs,
-                                                           table_width=width)
+        step = lambda p, s, k: two_cache_decode_step(p, s, slot_ids, k, cfgs=cfgs,
+                                                      table_width=width)[0]
     else:
         memory = kv_memory_bytes(cfg.spec)["total"]
-        step = lambda p, s, ids, k: decode_step(p, s, ids, k, cfg=cfg, table_width=width)
-    seconds, state = time_steps(step, params, state, slot_ids, steps, repeats)
+        step = lambda p, s, k: decode_step(p, s, slot_ids, k, cfg=cfg, table_width=width)[0]
+    seconds, _, state = time_step_loop(step, params, state, steps=steps, repeats=repeats,
+                                       donate=True)
     del state
-    return {"variant": name, "batch": batch, "context": context, "step_ms": seconds * 1e3,
+    return {"variant": name, "batch": batch, "context": context,
+            "step_ms": float(np.median(seconds)) * 1e3,
             "kv_memory_gib": memory / 2**30, "table_width": width,
             "num_pools": len(cfg.spec.pools) if name != "two_caches" else
             sum(len(c.spec.pools) for c in split_config(base))}

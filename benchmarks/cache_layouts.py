@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from drafter.dflash import draft_block, write_context
 from drafter.steps import StepConfig, accept, batch_tables, emitted_tokens
 from models.qwen3 import forward
-from unified_kv import (CacheSpec, KVState, allocate_pages, max_live_pages,
+from unified_kv import (CacheSpec, KVState, allocate_pages, bytes_per_request,
                         retire_window_pages)
 
 
@@ -45,11 +45,11 @@ def split_config(cfg: StepConfig) -> tuple[StepConfig, StepConfig]:
     role, each cache budgeted for as many max-length requests as the unified
     one, so the pools come out the same size."""
     spec = cfg.spec
+    per_pool = bytes_per_request(spec, spec.max_seq_len)
 
     def need(pools):  # (one max-length request, null pages) in bytes
-        one = sum(max_live_pages(spec.page_size, p.sliding_window, spec.max_seq_len,
-                                 spec.max_step_tokens) * p.bytes_per_page for p in pools)
-        return one, sum(p.bytes_per_page for p in pools)
+        return (sum(per_pool[p.pool_id] for p in pools),
+                sum(p.bytes_per_page for p in pools))
 
     one, null = need(spec.pools)
     requests = min(spec.num_slots, (spec.memory_budget_bytes - null) / one)

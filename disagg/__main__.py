@@ -5,8 +5,8 @@ demo   the shipped held-out prompts through aggregated, disaggregated-shared and
        tokens/s, time to first token, bytes moved, GB/s, KV memory per pool)
        and with --json FILE writes it for scripts and notebooks.
 serve  keeps a context and a generation worker up and serves JSON lines
-       {"id": ..., "prompt": "text", "max_new_tokens": N} from a file or stdin,
-       writing one JSON line per finished request.
+       {"id": ..., "prompt": "text" (or "tokens": [ids]), "max_new_tokens": N}
+       from a file or stdin, writing one JSON line per finished request.
 serve-remote  one side (--role context | generation) of a pair in two OS
        processes, KV moved by jax.experimental.transfer (disagg/processes.py).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 
 import jax
@@ -26,7 +25,6 @@ from tqdm.auto import tqdm
 from disagg import processes
 from disagg.transfer import MOVE_PATHS
 from disagg.workers import ContextWorker, DisaggregatedPair, GenerationWorker
-from drafter.corpus import ByteTokenizer
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from unified_kv import bytes_per_pool
@@ -132,20 +130,7 @@ def serve(args) -> None:
     pair = DisaggregatedPair(ContextWorker(params, step_cfg, mesh=mesh_ctx, mode=args.draft_kv),
                              GenerationWorker(params, step_cfg, mesh=mesh_gen,
                                               mode=args.draft_kv))
-    tok = ByteTokenizer()
-    source = open(args.input) if args.input != "-" else sys.stdin
-    for line_no, line in enumerate(source, 1):
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-            prompt = tok.encode(req["prompt"])
-            result = pair.generate([prompt], int(req.get("max_new_tokens", 64)))[0]
-            out = {"id": req.get("id", line_no), "text": tok.decode(result.tokens),
-                   "acceptance_length": result.acceptance_length}
-        except (ValueError, KeyError, RuntimeError) as e:  # bad request: report, keep serving
-            out = {"id": line_no, "error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+    processes.serve_json_lines(pair, args.input)
 
 
 def main(argv=None):

@@ -12,6 +12,7 @@ refuses further use and the caller drops it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -67,14 +68,8 @@ class ControlChannel:
         data = json.dumps(message).encode()
         self._check_usable()
         self._sock.settimeout(timeout)
-        try:
+        with self._failures(f"{self.peer} took no message within {timeout:.1f}s"):
             self._sock.sendall(_HEADER.pack(len(data)) + data)
-        except socket.timeout:
-            self._drop()
-            raise TransferTimeout(f"{self.peer} took no message within {timeout:.1f}s") from None
-        except OSError as e:
-            self._drop()
-            raise PeerClosed(f"{self.peer} closed the connection: {e}") from None
 
     def recv(self, timeout: float) -> dict:
         self._check_usable()
@@ -90,22 +85,29 @@ class ControlChannel:
         data = bytearray()
         while len(data) < size:
             left = deadline - time.monotonic()
-            try:
+            with self._failures(f"no message from {self.peer} within {timeout:.1f}s"):
                 if left <= 0:
                     raise socket.timeout
                 self._sock.settimeout(left)
                 chunk = self._sock.recv(size - len(data))
-            except socket.timeout:
-                self._drop()
-                raise TransferTimeout(f"no message from {self.peer} within {timeout:.1f}s") from None
-            except OSError as e:
-                self._drop()
-                raise PeerClosed(f"{self.peer} closed the connection: {e}") from None
             if not chunk:
                 self._drop()
                 raise PeerClosed(f"{self.peer} closed the connection")
             data += chunk
         return bytes(data)
+
+    @contextlib.contextmanager
+    def _failures(self, timed_out: str):
+        """Socket timeouts and errors become TransferTimeout / PeerClosed, and
+        the channel is dropped (a half-sent or half-read frame can't be resumed)."""
+        try:
+            yield
+        except socket.timeout:
+            self._drop()
+            raise TransferTimeout(timed_out) from None
+        except OSError as e:
+            self._drop()
+            raise PeerClosed(f"{self.peer} closed the connection: {e}") from None
 
     def _drop(self) -> None:
         # Closing at once tells the peer (EOF) instead of leaving it to time out.

@@ -94,26 +94,37 @@ def run(args) -> None:
         if args.warmup:
             server.warm_up()
         return server.serve(args.max_connections)
-    from drafter.corpus import ByteTokenizer
     gen = GenerationWorker(params, cfg, mesh=mesh, mode=args.draft_kv)
     remote = RemoteContext(args.address, gen.layout, transfer_host=args.transfer_host,
                            timeout=args.timeout, pull_device=mesh.devices.flat[0])
-    pair, tok = RemotePair(remote, gen), ByteTokenizer()
-    source_file = open(args.input) if args.input != "-" else sys.stdin
-    for line_no, line in enumerate(source_file, 1):
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-            prompt = req["tokens"] if "tokens" in req else tok.encode(req["prompt"])
-            result = pair.generate([prompt], int(req.get("max_new_tokens", 64)))[0]
-            out = {"id": req.get("id", line_no), "tokens": result.tokens,
-                   "text": tok.decode(result.tokens),
-                   "acceptance_length": result.acceptance_length}
-        except (ValueError, KeyError, RuntimeError) as e:  # bad request: report, keep serving
-            out = {"id": line_no, "error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+    serve_json_lines(RemotePair(remote, gen), args.input)
     logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())
+
+
+def serve_json_lines(pair, path: str) -> None:
+    """Answer JSON-line requests {"id", "prompt": text | "tokens": [ids],
+    "max_new_tokens"} from `path` ("-": stdin) with `pair.generate`, one JSON
+    line each on stdout; a bad request gets an error line and serving goes on."""
+    from drafter.corpus import ByteTokenizer
+    tok = ByteTokenizer()
+    source = open(path) if path != "-" else sys.stdin
+    try:
+        for line_no, line in enumerate(source, 1):
+            if not line.strip():
+                continue
+            try:
+                req = json.loads(line)
+                prompt = req["tokens"] if "tokens" in req else tok.encode(req["prompt"])
+                result = pair.generate([prompt], int(req.get("max_new_tokens", 64)))[0]
+                out = {"id": req.get("id", line_no), "tokens": result.tokens,
+                       "text": tok.decode(result.tokens),
+                       "acceptance_length": result.acceptance_length}
+            except (ValueError, KeyError, RuntimeError) as e:  # bad request: report, go on
+                out = {"id": line_no, "error": f"{type(e).__name__}: {e}"}
+            print(json.dumps(out), flush=True)
+    finally:
+        if source is not sys.stdin:
+            source.close()
 
 
 def child_env(num_devices: int) -> dict:

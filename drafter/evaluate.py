@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import machine
+from benchmarks.timing import machine, time_step_loop
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from drafter.steps import decode_step, plain_decode_step
@@ -74,23 +73,15 @@ def device_rate(engine, steps: int, repeats: int) -> dict:
         (steps * (repeats + 1) + 2) * cfg.block_size
     width = engine._table_width(longest)
 
-    def run(params, state, key):
-        def body(i, state):
-            state, *_ = step_fn(params, state, slots, jax.random.fold_in(key, i), cfg=cfg,
-                                table_width=width)
-            return state
-        return jax.lax.fori_loop(0, steps, body, state)
+    def step(params, state, key):
+        return step_fn(params, state, slots, key, cfg=cfg, table_width=width)[0]
 
-    loop = jax.jit(run)
-    state, key = engine.state, jax.random.key(0)
-    state = jax.block_until_ready(loop(engine.params, state, key))  # compile + warm
-    seconds, tokens = [], []
-    for _ in range(repeats):
-        before = np.asarray(state.kv.target_lens[:spec.num_slots]).sum()
-        start = time.perf_counter()
-        state = jax.block_until_ready(loop(engine.params, state, key))
-        seconds.append((time.perf_counter() - start) / steps)
-        tokens.append((np.asarray(state.kv.target_lens[:spec.num_slots]).sum() - before) / steps)
+    def committed(state):
+        return int(np.asarray(state.kv.target_lens[:spec.num_slots]).sum())
+
+    seconds, lens, _ = time_step_loop(step, engine.params, engine.state, steps=steps,
+                                      repeats=repeats, probe=committed)
+    tokens = [(after - before) / steps for before, after in zip(lens, lens[1:])]
     step_s, per_step = float(np.median(seconds)), float(np.mean(tokens))
     return {"device_step_ms": step_s * 1e3, "tokens_per_step": per_step,
             "device_tokens_per_s": per_step / step_s}
