@@ -91,25 +91,23 @@ def bench_one(params, base, name: str, batch: int, context: int, steps: int, rep
     slot_ids = jnp.arange(batch, dtype=jnp.int32)
     longest = context + (steps * (repeats + 1) + 2) * cfg.block_size  # rows grow while timed
     width = bucket_width(-(-longest // cfg.spec.page_size), cfg.spec.max_pages_per_seq)
-    state = filled_state(cfg if name != "two_caches" else base, batch, context)
+    state = filled_state(cfg, batch, context)
     if name == "two_caches":
         cfgs = split_config(base)
         tkv, dkv = split_state(base, state.kv, cfgs)
         state = TwoCacheState(tkv, dkv, state.anchors, state.drafts)
-        memory = sum(kv_memory_bytes(c.spec)["total"] for c in cfgs)
+        specs = [c.spec for c in cfgs]
         step = lambda p, s, k: two_cache_decode_step(p, s, slot_ids, k, cfgs=cfgs,
                                                       table_width=width)[0]
     else:
-        memory = kv_memory_bytes(cfg.spec)["total"]
+        specs = [cfg.spec]
         step = lambda p, s, k: decode_step(p, s, slot_ids, k, cfg=cfg, table_width=width)[0]
-    seconds, _, state = time_step_loop(step, params, state, steps=steps, repeats=repeats,
-                                       donate=True)
-    del state
+    seconds, _, _ = time_step_loop(step, params, state, steps=steps, repeats=repeats,
+                                   donate=True)
     return {"variant": name, "batch": batch, "context": context,
             "step_ms": float(np.median(seconds)) * 1e3,
-            "kv_memory_gib": memory / 2**30, "table_width": width,
-            "num_pools": len(cfg.spec.pools) if name != "two_caches" else
-            sum(len(c.spec.pools) for c in split_config(base))}
+            "kv_memory_gib": sum(kv_memory_bytes(s)["total"] for s in specs) / 2**30,
+            "table_width": width, "num_pools": sum(len(s.pools) for s in specs)}
 
 
 def main(argv=None):
