@@ -95,12 +95,12 @@ class Engine:
         # Commit the fresh state where the steps' outputs will live: jit keys its
         # cache on committed-ness, and an uncommitted first state would make
         # every step compile twice (seconds each on a GPU) on its first use.
-        replicated = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
-                      else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        self.state = state.replace(
-            kv=jax.device_put(state.kv, replicated) if mesh is None else state.kv,
-            anchors=jax.device_put(state.anchors, replicated),
-            drafts=jax.device_put(state.drafts, replicated))
+        if mesh is None:
+            self.state = jax.device_put(state, jax.devices()[0])
+        else:  # the KV is already split by kv heads; the rest is replicated
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self.state = state.replace(anchors=jax.device_put(state.anchors, replicated),
+                                       drafts=jax.device_put(state.drafts, replicated))
         self._key = jax.random.key(seed)
         self._active: dict[int, _Active] = {}
         self._lens = np.zeros(cfg.spec.num_slots, np.int64)  # host upper bound per slot
