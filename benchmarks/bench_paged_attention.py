@@ -57,20 +57,22 @@ def bench_decode(ctx, copy_bw, configs):
     q, pool, table, kv_lens, q_lens = setup(ctx, jnp.bfloat16)
     row = {"ctx": ctx, "kv_bytes": kv_bytes(ctx, jnp.bfloat16)}
     best = None
-    for ppb, warps, stages, splits in configs:
+    sweep = []
+    for ppb, warps, stages, splits, gather in configs:
+        cfg = dict(pages_per_block=ppb, num_warps=warps, num_stages=stages, num_splits=splits,
+                   kv_gather=gather)
         try:
-            fn = ours(q, pool, table, kv_lens, q_lens, pages_per_block=ppb, num_warps=warps,
-                      num_stages=stages, num_splits=splits)
+            fn = ours(q, pool, table, kv_lens, q_lens, **cfg)
             t = time_call(fn, q, pool, table, kv_lens, q_lens)
         except Exception as e:  # a config Triton cannot compile: report, keep going
-            print(f"  config ppb={ppb} warps={warps} stages={stages} failed: {e!s:.200}")
+            print(f"  config {cfg} failed: {e!s:.200}")
             continue
-        print(f"  ctx={ctx} ppb={ppb} warps={warps} stages={stages} splits={splits}: "
-              f"{t*1e3:.3f} ms "
-              f"{row['kv_bytes']/t/1e12:.2f} TB/s", flush=True)
+        print(f"  ctx={ctx} {cfg}: {t*1e3:.3f} ms {row['kv_bytes']/t/1e12:.2f} TB/s",
+              flush=True)
+        sweep.append({**cfg, "ms": t * 1e3})
         if best is None or t < best[0]:
-            best = (t, dict(pages_per_block=ppb, num_warps=warps, num_stages=stages,
-                            num_splits=splits))
+            best = (t, cfg)
+    row["sweep"] = sweep
     t, cfg = best
     row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TBps=row["kv_bytes"] / t / 1e12,
                frac_of_copy_bw=row["kv_bytes"] / t / copy_bw)
@@ -150,19 +152,23 @@ def bench_prefill(prior, chunk=2048, batch=4):
     row = {"prior": prior, "chunk": chunk, "batch": batch, "flops": flops}
     interpret = jax.default_backend() == "cpu"
     best = None
-    for rows_per_block, ppb, warps in ((64, 4, 4), (128, 4, 4), (128, 8, 8), (256, 8, 8)):
-        fn = jax.jit(lambda *a, r=rows_per_block, p=ppb, w=warps: paged_attention(
+    for rows_per_block, ppb, warps, gather in ((64, 4, 4, "token_rows"),
+                                               (128, 4, 4, "token_rows"),
+                                               (128, 8, 8, "token_rows"),
+                                               (256, 8, 8, "token_rows"), (128, 4, 4, "pages")):
+        fn = jax.jit(lambda *a, r=rows_per_block, p=ppb, w=warps, g=gather: paged_attention(
             *a, layer_offset=0, rows_per_block=r, pages_per_block=p, num_warps=w,
-            num_stages=2, interpret=interpret))
+            num_stages=2, kv_gather=g, interpret=interpret))
         try:
             t = time_call(fn, q, pool, table, kv_lens, q_lens, iters=10)
         except Exception as e:
             print(f"  prefill rows={rows_per_block} ppb={ppb} failed: {e!s:.200}")
             continue
-        print(f"  prefill prior={prior} rows={rows_per_block} ppb={ppb} warps={warps}: "
+        print(f"  prefill prior={prior} rows={rows_per_block} ppb={ppb} warps={warps} {gather}: "
               f"{t*1e3:.3f} ms {flops/t/1e12:.1f} TFLOP/s", flush=True)
         if best is None or t < best[0]:
-            best = (t, dict(rows_per_block=rows_per_block, pages_per_block=ppb, num_warps=warps))
+            best = (t, dict(rows_per_block=rows_per_block, pages_per_block=ppb, num_warps=warps,
+                            kv_gather=gather))
     row.update(ours_ms=best[0] * 1e3, ours_cfg=best[1], ours_TFLOPs=flops / best[0] / 1e12)
     kd = pool[:, :, 0, 0][:, table // 2].transpose(1, 2, 3, 0, 4).reshape(batch, total, HKV, D)
     vd = pool[:, :, 0, 1][:, table // 2].transpose(1, 2, 3, 0, 4).reshape(batch, total, HKV, D)
@@ -206,16 +212,21 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="one config, fewer cases")
     parser.add_argument("--decode-configs", nargs="+", default=None,
-                        metavar="PPB,WARPS,STAGES,SPLITS",
-                        help="decode configs to sweep (SPLITS 0 = automatic), e.g. 4,2,3,2")
+                        metavar="PPB,WARPS,STAGES,SPLITS[,GATHER]",
+                        help="decode configs to sweep (SPLITS 0 = automatic; GATHER "
+                             "token_rows (default) or pages), e.g. 4,2,3,2,pages")
     args = parser.parse_args()
     copy_bw = device_copy_bandwidth()
     print(f"device copy bandwidth (read + write): {copy_bw/1e12:.2f} TB/s", flush=True)
-    configs = ([(4, 4, 3, None)] if args.quick else
-               list(itertools.product((2, 4, 8), (2, 4), (2, 3, 4), (None,))))
+    configs = ([(4, 4, 3, None, "token_rows")] if args.quick else
+               list(itertools.product((2, 4, 8), (2, 4), (2, 3, 4), (None,), ("token_rows",)))
+               + [(4, 2, 3, None, "pages")])  # the previous default, as a baseline
     if args.decode_configs:
-        configs = [tuple(int(x) for x in c.split(",")) for c in args.decode_configs]
-        configs = [(ppb, w, st, sp or None) for ppb, w, st, sp in configs]
+        configs = []
+        for c in args.decode_configs:
+            ppb, w, st, sp, *gather = c.split(",")
+            configs.append((int(ppb), int(w), int(st), int(sp) or None,
+                            gather[0] if gather else "token_rows"))
     decode, cfg = [], None
     for ctx in (4096, 32768):
         row, cfg_ctx = bench_decode(ctx, copy_bw, configs)

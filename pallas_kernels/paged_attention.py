@@ -10,9 +10,17 @@ queries of a row read each KV page once.
 Pool layout and kernel page index (see unified_kv/spec.py):
 
     pool        [num_kv_heads, num_pages, num_layers, 2, page_size, head_dim]
-    kernel view [num_kv_heads, num_pages * num_layers * 2, page_size, head_dim]
+    kernel view [num_kv_heads, num_pages * num_layers * 2 * page_size, head_dim]
     K page      batch_table[b, j] + 2 * layer_offset     (table holds page * 2L)
     V page      batch_table[b, j] + 2 * layer_offset + 1
+    key t's row (K page of t // page_size) * page_size + t % page_size
+
+Keys are gathered as rows of the 2-D kernel view (each key's page looked up
+from the table), so each block of K and V is one [block_k, head_dim] load
+that feeds the dot directly and Triton pipelines through shared memory: on
+the H200 this took bf16 decode from 60% to 99% of copy bandwidth
+(BENCHMARKS.md). `kv_gather="pages"` keeps the earlier whole-page 3-D gather
+as the measured baseline.
 
 A windowed row's table has BAD (-1) entries in front of its live tail; the
 kernel starts at the first page the earliest query can see, so they are never
@@ -43,7 +51,8 @@ MIN_ROWS = 16  # Triton's dot needs at least 16 rows
 def paged_attention_kernel(
     # inputs
     q_ref,          # [rows, head_dim]: row = token-in-block * q_per_kv + head in group
-    kv_pages_ref,   # [num_kernel_pages, page_size, head_dim] of this kv head
+    kv_ref,         # this kv head's pages: [num_kernel_pages * page_size, head_dim]
+                    # ([num_kernel_pages, page_size, head_dim] for kv_gather="pages")
     table_ref,      # i32[table_width]: this batch row's entries (page * 2L), BAD = -1
     kv_lens_ref,    # i32[batch]: cached positions
     q_starts_ref,   # i32[batch]: position of the row's first query token
@@ -63,6 +72,8 @@ def paged_attention_kernel(
     v_scale: float,
     has_block: bool,
     block_causal: bool,
+    kv_gather: str,
+    page_size: int,
 ):
     if has_block:
         block_k_ref, block_v_ref, o_ref, m_ref, l_ref = refs
@@ -71,7 +82,6 @@ def paged_attention_kernel(
     b, program = pl.program_id(0), pl.program_id(2)
     q_block, split = program // num_splits, program % num_splits
     rows, head_dim = q_ref.shape
-    page_size = kv_pages_ref.shape[1]
     table_width = table_ref.shape[0]
     block_k = pages_per_block * page_size
     kv_len, q_start, q_len = kv_lens_ref[b], q_starts_ref[b], q_lens_ref[b]
@@ -112,17 +122,35 @@ def paged_attention_kernel(
         acc = acc * correction[:, None] + plgpu.dot(pv.astype(v.dtype), v)
         return acc, m_next, l_next
 
-    def body(i, carry):
-        first = lo + i * pages_per_block
-        page_ids = first + jnp.arange(pages_per_block, dtype=jnp.int32)
-        entries = plgpu.load(table_ref.at[pl.ds(first, pages_per_block)],
+    key_in_block = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def load_kv(first):
+        """K and V of the block's keys: [block_k, head_dim] each."""
+        if kv_gather == "pages":  # one 3-D gather of whole pages
+            page_ids = first + jnp.arange(pages_per_block, dtype=jnp.int32)
+            entries = plgpu.load(table_ref.at[pl.ds(first, pages_per_block)],
+                                 mask=(page_ids < hi) & (page_ids < table_width),
+                                 other=BAD_PAGE_INDEX)
+            safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
+            return (kv_ref[safe + k_offset].reshape(block_k, head_dim),
+                    kv_ref[safe + k_offset + 1].reshape(block_k, head_dim))
+        # One 2-D gather of key rows (each key's page looked up from the table):
+        # a plain [block_k, head_dim] load that feeds the dot directly, which
+        # Triton's software pipeliner can stage through shared memory.
+        page_ids = first + key_in_block // page_size
+        entries = plgpu.load(table_ref.at[page_ids],
                              mask=(page_ids < hi) & (page_ids < table_width),
                              other=BAD_PAGE_INDEX)
+        safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
+        k_rows = (safe + k_offset) * page_size + key_in_block % page_size
+        return kv_ref[k_rows], kv_ref[k_rows + page_size]
+
+    def body(i, carry):
+        first = lo + i * pages_per_block
         # Blocks start at the first live page, so BAD entries only pad the last
         # block; they read the pool's all-zero null page and are masked below.
-        safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
-        k = kv_pages_ref[safe + k_offset].reshape(block_k, head_dim).astype(q.dtype)
-        v = kv_pages_ref[safe + k_offset + 1].reshape(block_k, head_dim).astype(q.dtype)
+        k, v = load_kv(first)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
         logits = plgpu.dot(q, k, trans_b=True) * (sm_scale * k_scale)  # f32[rows, block_k]
         k_pos = first * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         # Keys past this split's last page belong to the next split.
@@ -173,8 +201,10 @@ def _pow2_at_least(n: int) -> int:
 def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
                     block_causal, rows_per_block, pages_per_block, num_splits, num_warps,
-                    num_stages, interpret):
+                    num_stages, kv_gather, interpret):
     """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
+    if kv_gather not in ("token_rows", "pages"):
+        raise ValueError(f"kv_gather must be 'token_rows' or 'pages', got {kv_gather!r}")
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     table_width = batch_table.shape[1]
@@ -202,7 +232,11 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0),
                               (0, rows - tokens_per_block * q_per_kv), (0, 0)))
     q_rows = q_rows.reshape(batch, num_kv_heads, num_q_blocks * rows, head_dim)
-    kv_pages = pool.reshape(num_kv_heads, num_pages * num_layers * 2, page_size, head_dim)
+    kernel_pages = num_pages * num_layers * 2
+    if kv_gather == "pages":
+        kv_view = pool.reshape(num_kv_heads, kernel_pages, page_size, head_dim)
+    else:
+        kv_view = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
 
     has_block = block_kv is not None
     kernel = functools.partial(
@@ -210,17 +244,18 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
         tokens_per_block=tokens_per_block, pages_per_block=pages_per_block,
         pages_per_split=pages_per_split, num_splits=num_splits, sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window, k_scale=k_scale,
-        v_scale=v_scale, has_block=has_block, block_causal=block_causal)
+        v_scale=v_scale, has_block=has_block, block_causal=block_causal,
+        kv_gather=kv_gather, page_size=page_size)
     whole = pl.BlockSpec(memory_space=None)
     in_specs = [
         pl.BlockSpec((None, None, rows, head_dim),
                      lambda b, h, p: (b, h, p // num_splits, 0)),             # q rows
-        pl.BlockSpec((None, kv_pages.shape[1], page_size, head_dim),
-                     lambda b, h, p: (h, 0, 0, 0)),                           # kv pages
+        pl.BlockSpec((None,) + kv_view.shape[1:],
+                     lambda b, h, p: (h,) + (0,) * (kv_view.ndim - 1)),       # kv pages
         pl.BlockSpec((None, table_width), lambda b, h, p: (b, 0)),           # batch table
         whole, whole, whole,                                                 # kv_lens, q_starts, q_lens
     ]
-    inputs = [q_rows, kv_pages, batch_table, kv_lens, q_starts, q_lens]
+    inputs = [q_rows, kv_view, batch_table, kv_lens, q_starts, q_lens]
     if has_block:
         block_pad = max(MIN_ROWS, _pow2_at_least(max_q))
         for x in block_kv:                                                   # block K, V
@@ -259,7 +294,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "interpret")
+           "kv_gather", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -281,6 +316,7 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
+    kv_gather: str = "token_rows",
     interpret: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
@@ -299,7 +335,7 @@ def paged_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret)
+        kv_gather=kv_gather, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -324,6 +360,7 @@ def draft_block_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
+    kv_gather: str = "token_rows",
     interpret: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
@@ -344,7 +381,7 @@ def draft_block_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret)
+        kv_gather=kv_gather, interpret=interpret)
 
 
 def _combine_splits(o, m, l):
