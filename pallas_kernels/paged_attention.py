@@ -122,27 +122,21 @@ def paged_attention_kernel(
         acc = acc * correction[:, None] + plgpu.dot(pv.astype(v.dtype), v)
         return acc, m_next, l_next
 
-    key_in_block = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-
     def load_kv(first):
         """K and V of the block's keys: [block_k, head_dim] each."""
-        if kv_gather == "pages":  # one 3-D gather of whole pages
-            page_ids = first + jnp.arange(pages_per_block, dtype=jnp.int32)
-            entries = plgpu.load(table_ref.at[pl.ds(first, pages_per_block)],
-                                 mask=(page_ids < hi) & (page_ids < table_width),
-                                 other=BAD_PAGE_INDEX)
-            safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
-            return (kv_ref[safe + k_offset].reshape(block_k, head_dim),
-                    kv_ref[safe + k_offset + 1].reshape(block_k, head_dim))
-        # One 2-D gather of key rows (each key's page looked up from the table):
-        # a plain [block_k, head_dim] load that feeds the dot directly, which
-        # Triton's software pipeliner can stage through shared memory.
-        page_ids = first + key_in_block // page_size
-        entries = plgpu.load(table_ref.at[page_ids],
+        page_ids = first + jnp.arange(pages_per_block, dtype=jnp.int32)
+        entries = plgpu.load(table_ref.at[pl.ds(first, pages_per_block)],
                              mask=(page_ids < hi) & (page_ids < table_width),
                              other=BAD_PAGE_INDEX)
         safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
-        k_rows = (safe + k_offset) * page_size + key_in_block % page_size
+        if kv_gather == "pages":  # one 3-D gather of whole pages (the earlier kernel)
+            return (kv_ref[safe + k_offset].reshape(block_k, head_dim),
+                    kv_ref[safe + k_offset + 1].reshape(block_k, head_dim))
+        # One 2-D gather of key rows: a plain [block_k, head_dim] load that feeds
+        # the dot directly, which Triton's software pipeliner stages through
+        # shared memory (it does not pipeline the 3-D gather + reshape).
+        in_page = jnp.arange(page_size, dtype=jnp.int32)
+        k_rows = (((safe + k_offset) * page_size)[:, None] + in_page[None, :]).reshape(block_k)
         return kv_ref[k_rows], kv_ref[k_rows + page_size]
 
     def body(i, carry):
@@ -174,7 +168,8 @@ def paged_attention_kernel(
             visible &= j[None, :] <= q_tok[:, None]
         if sliding_window is not None:
             visible &= j[None, :] > q_tok[:, None] - sliding_window
-        carry = softmax_step(carry, plgpu.dot(q, bk, trans_b=True) * sm_scale, visible, bv, 1.0)
+        carry = softmax_step(carry, plgpu.dot(q, bk, trans_b=True) * sm_scale, visible, bv,
+                             1.0)
     acc, m, l = carry
     # Rows that saw no key (past q_len, padding, empty split) have l == 0 -> 0.
     has_keys = l > 0
@@ -201,27 +196,35 @@ def _pow2_at_least(n: int) -> int:
 def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
                     block_causal, rows_per_block, pages_per_block, num_splits, num_warps,
-                    num_stages, kv_gather, interpret):
+                    num_stages, kv_gather, compute_dtype, interpret):
     """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
-    if kv_gather not in ("token_rows", "pages"):
-        raise ValueError(f"kv_gather must be 'token_rows' or 'pages', got {kv_gather!r}")
+    if compute_dtype not in (None, jnp.float16, jnp.bfloat16, jnp.float32):
+        raise ValueError(f"compute_dtype must be None, float16, bfloat16 or float32, got "
+                         f"{compute_dtype!r}")
+    if kv_gather not in ("rows", "pages"):
+        raise ValueError(f"kv_gather must be 'rows' or 'pages', got {kv_gather!r}")
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     table_width = batch_table.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    pages_per_block = min(pages_per_block, _pow2_at_least(table_width))
-
     # Query blocks: tokens_per_block tokens x q_per_kv heads, padded to a power of 2.
     tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
     num_q_blocks = pl.cdiv(max_q, tokens_per_block)
     rows = max(MIN_ROWS, _pow2_at_least(tokens_per_block * q_per_kv))
+    # Defaults measured on the H200 (BENCHMARKS.md): 4 pages and 2 warps per
+    # block, except verify-sized fp8 blocks (17-32 query rows), where the warps
+    # split the rows and each converts the whole fp8 tile: 8 pages, 4 warps.
+    fp8_verify = pool.dtype == jnp.float8_e4m3fn and MIN_ROWS < rows <= 32
+    if pages_per_block is None:
+        pages_per_block = 8 if fp8_verify else 4
+    pages_per_block = min(pages_per_block, _pow2_at_least(table_width))
     if num_splits is None:
         num_splits = _num_splits(batch * num_kv_heads * num_q_blocks, table_width,
                                  pages_per_block)
     pages_per_split = pl.cdiv(pl.cdiv(table_width, num_splits), pages_per_block) * pages_per_block
-    if num_warps is None:  # measured on the H200: 2 warps for decode-sized blocks
-        num_warps = 2 if rows <= 32 else 4
+    if num_warps is None:
+        num_warps = 4 if rows > 32 or fp8_verify else 2
 
     # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
     q_pad = jnp.pad(q, ((0, 0), (0, num_q_blocks * tokens_per_block - max_q), (0, 0), (0, 0)))
@@ -232,6 +235,12 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0),
                               (0, rows - tokens_per_block * q_per_kv), (0, 0)))
     q_rows = q_rows.reshape(batch, num_kv_heads, num_q_blocks * rows, head_dim)
+    # The dots run in q's dtype, or in f16 over fp8 KV: e4m3 -> f16 is one
+    # packed hardware conversion per two keys, e4m3 -> bf16 several, and that
+    # conversion, not the memory, bounded fp8 decode (BENCHMARKS.md).
+    if compute_dtype is None:
+        compute_dtype = jnp.float16 if pool.dtype == jnp.float8_e4m3fn else q.dtype
+    q_rows = q_rows.astype(compute_dtype)
     kernel_pages = num_pages * num_layers * 2
     if kv_gather == "pages":
         kv_view = pool.reshape(num_kv_heads, kernel_pages, page_size, head_dim)
@@ -260,7 +269,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
         block_pad = max(MIN_ROWS, _pow2_at_least(max_q))
         for x in block_kv:                                                   # block K, V
             x = jnp.pad(x, ((0, 0), (0, block_pad - max_q), (0, 0), (0, 0)))
-            inputs.append(x.transpose(0, 2, 1, 3))                           # [B, Hkv, pad, D]
+            inputs.append(x.transpose(0, 2, 1, 3).astype(compute_dtype))     # [B, Hkv, pad, D]
             in_specs.append(pl.BlockSpec((None, None, block_pad, head_dim),
                                          lambda b, h, p: (b, h, 0, 0)))
     out_rows = (num_splits, batch, num_kv_heads, num_q_blocks * rows)
@@ -294,7 +303,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "kv_gather", "interpret")
+           "kv_gather", "compute_dtype", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -312,11 +321,12 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     rows_per_block: int = 128,
-    pages_per_block: int = 4,
+    pages_per_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
-    kv_gather: str = "token_rows",
+    kv_gather: str = "rows",
+    compute_dtype: jnp.dtype | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
@@ -325,7 +335,9 @@ def paged_attention(
     query i of row b sits at position kv_lens[b] - q_lens[b] + i and sees
     cached keys at positions <= its own (and > position - sliding_window).
     Returns [batch, max_q, num_q_heads, head_dim] in q's dtype; entries of
-    query tokens past a row's q_len are zero.
+    query tokens past a row's q_len are zero. The dots run in `compute_dtype`
+    (default: q's dtype, or float16 over fp8 KV) with f32 accumulation and an
+    f32 softmax.
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, pages_per_block)
@@ -335,7 +347,7 @@ def paged_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        kv_gather=kv_gather, interpret=interpret)
+        kv_gather=kv_gather, compute_dtype=compute_dtype, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -356,11 +368,12 @@ def draft_block_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     rows_per_block: int = 128,
-    pages_per_block: int = 4,
+    pages_per_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
-    kv_gather: str = "token_rows",
+    kv_gather: str = "rows",
+    compute_dtype: jnp.dtype | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
@@ -381,7 +394,7 @@ def draft_block_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        kv_gather=kv_gather, interpret=interpret)
+        kv_gather=kv_gather, compute_dtype=compute_dtype, interpret=interpret)
 
 
 def _combine_splits(o, m, l):
@@ -420,7 +433,8 @@ def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
         raise ValueError(f"layer_offset={layer_offset} outside the pool's {num_layers} layers")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window=}")
-    if pages_per_block <= 0 or pages_per_block & (pages_per_block - 1):
+    if pages_per_block is not None and (pages_per_block <= 0
+                                        or pages_per_block & (pages_per_block - 1)):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block=}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim=}")

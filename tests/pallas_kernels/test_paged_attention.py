@@ -81,11 +81,13 @@ def test_kernel_matches_reference(interpret, name, kwargs, soft_cap):
     args = dict(layer_offset=1, sliding_window=kwargs.get("window"), soft_cap=soft_cap,
                 k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
     ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
-    for splits, gather in ((1, "token_rows"), (3, "token_rows"), (1, "pages")):
+    for splits, gather, compute in ((1, "rows", None), (3, "rows", None),
+                                    (1, "pages", jnp.bfloat16)):
         out = paged_attention(q, pool, table, kv_lens, q_lens, pages_per_block=2,
-                              num_splits=splits, kv_gather=gather, interpret=interpret, **args)
+                              num_splits=splits, kv_gather=gather, compute_dtype=compute,
+                              interpret=interpret, **args)
         assert out.shape == q.shape
-        assert rel_err(out, ref) < 2e-2, f"{name} splits={splits} gather={gather}"
+        assert rel_err(out, ref) < 2e-2, f"{name} splits={splits} gather={gather} {compute}"
         # Query tokens past q_len (and padding rows) are zeros, not garbage.
         mask = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
         assert (np.asarray(out, np.float32)[mask] == 0).all()
