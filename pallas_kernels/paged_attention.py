@@ -212,19 +212,19 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
     tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
     num_q_blocks = pl.cdiv(max_q, tokens_per_block)
     rows = max(MIN_ROWS, _pow2_at_least(tokens_per_block * q_per_kv))
-    # Defaults measured on the H200 (BENCHMARKS.md): 4 pages and 2 warps per
-    # block, except verify-sized fp8 blocks (17-32 query rows), where the warps
-    # split the rows and each converts the whole fp8 tile: 8 pages, 4 warps.
-    fp8_verify = pool.dtype == jnp.float8_e4m3fn and MIN_ROWS < rows <= 32
-    if pages_per_block is None:
-        pages_per_block = 8 if fp8_verify else 4
     pages_per_block = min(pages_per_block, _pow2_at_least(table_width))
     if num_splits is None:
         num_splits = _num_splits(batch * num_kv_heads * num_q_blocks, table_width,
                                  pages_per_block)
     pages_per_split = pl.cdiv(pl.cdiv(table_width, num_splits), pages_per_block) * pages_per_block
+    # Defaults measured on the H200 (BENCHMARKS.md): 4 pages and 2 warps per
+    # block for decode and verify alike. Greedy speculative decoding must
+    # reproduce plain decoding token for token, so a row's 1-query (decode)
+    # and K+1-query (verify) passes keep the same blocking: tuning verify
+    # alone (8 pages, 4 warps: 13% faster over fp8) flipped a near-tied
+    # argmax on the H200.
     if num_warps is None:
-        num_warps = 4 if rows > 32 or fp8_verify else 2
+        num_warps = 4 if rows > 32 else 2
 
     # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
     q_pad = jnp.pad(q, ((0, 0), (0, num_q_blocks * tokens_per_block - max_q), (0, 0), (0, 0)))
@@ -321,7 +321,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     rows_per_block: int = 128,
-    pages_per_block: int | None = None,
+    pages_per_block: int = 4,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
@@ -368,7 +368,7 @@ def draft_block_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     rows_per_block: int = 128,
-    pages_per_block: int | None = None,
+    pages_per_block: int = 4,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
@@ -433,8 +433,7 @@ def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
         raise ValueError(f"layer_offset={layer_offset} outside the pool's {num_layers} layers")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window=}")
-    if pages_per_block is not None and (pages_per_block <= 0
-                                        or pages_per_block & (pages_per_block - 1)):
+    if pages_per_block <= 0 or pages_per_block & (pages_per_block - 1):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block=}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim=}")
