@@ -70,6 +70,16 @@ def _traced_on_mesh(mesh, jitted):
     return call
 
 
+def _keyed_step(params, state, *args, step, seed, counter, **static):
+    """`step(params, state, *args, key, **static)` with its PRNG key folded from
+    (seed, counter) inside the jit: splitting keys eagerly on the host cost an
+    extra dispatch per step, a sizeable part of a small model's host loop.
+    Module-level (steps and seeds are static arguments) so that every Engine
+    shares the compiled steps."""
+    key = jax.random.fold_in(jax.random.key(seed), counter)
+    return step(params, state, *args, key, **static)
+
+
 class Engine:
     """Speculative (DFlash) or plain greedy/sampled generation over one cache.
 
@@ -101,15 +111,16 @@ class Engine:
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self.state = state.replace(anchors=jax.device_put(state.anchors, replicated),
                                        drafts=jax.device_put(state.drafts, replicated))
-        self._key = jax.random.key(seed)
+        self._counter = 0  # steps' PRNG keys are fold_in(key(seed), counter), in the jit
         self._active: dict[int, _Active] = {}
         self._lens = np.zeros(cfg.spec.num_slots, np.int64)  # host upper bound per slot
         statics = ("cfg", "table_width", "temperature")
         step = decode_step if speculative else plain_decode_step
         on_mesh = functools.partial(_traced_on_mesh, mesh)
-        self._prefill = on_mesh(jax.jit(prefill_step, static_argnames=statics,
-                                        donate_argnums=1))
-        self._decode = on_mesh(jax.jit(step, static_argnames=statics, donate_argnums=1))
+        keyed = jax.jit(_keyed_step, static_argnames=statics + ("step", "seed"),
+                        donate_argnums=1)
+        self._prefill = on_mesh(functools.partial(keyed, step=prefill_step, seed=seed))
+        self._decode = on_mesh(functools.partial(keyed, step=step, seed=seed))
         self._admit = on_mesh(jax.jit(admit_slots, static_argnums=0, donate_argnums=1))
         self._redraft = on_mesh(jax.jit(redraft_step, static_argnames=("cfg", "table_width"),
                                         donate_argnums=1))
@@ -170,9 +181,9 @@ class Engine:
             tokens[0, :len(piece)] = piece
             is_last = start + chunk >= len(prompt)
             self.state, first, ok = self._prefill(
-                self.params, self.state, ids, jnp.asarray(tokens),
-                jnp.array([len(piece)], jnp.int32), jnp.array([is_last]), self._next_key(),
-                cfg=self.cfg, table_width=self._table_width(start + chunk + self.cfg.block_size),
+                self.params, self.state, ids, tokens,
+                np.array([len(piece)], np.int32), np.array([is_last]),
+                counter=self._next_counter(), cfg=self.cfg, table_width=self._table_width(start + chunk + self.cfg.block_size),
                 temperature=temperature)
             if not bool(ok[0]):
                 self.release(request_id)
@@ -212,9 +223,9 @@ class Engine:
         self._active.pop(slot, None)
         self._lens[slot] = 0
 
-    def _next_key(self):
-        self._key, key = jax.random.split(self._key)
-        return key
+    def _next_counter(self) -> np.uint32:
+        self._counter += 1
+        return np.uint32(self._counter)
 
     def warmup(self, max_len: int | None = None, temperature: float = 0.0) -> int:
         """Compile the decode step for every table width rows up to `max_len`
@@ -225,11 +236,11 @@ class Engine:
         widths = sorted({self._table_width(n) for n in
                          range(self.spec.page_size, max_len + 2 * self.cfg.block_size + 1,
                                self.spec.page_size)})
-        slots = jnp.full((self.spec.num_slots,), self.spec.dummy_slot, jnp.int32)
+        slots = np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)
         for width in widths:
-            self.state, *_ = self._decode(self.params, self.state, slots, self._next_key(),
-                                          cfg=self.cfg, table_width=width,
-                                          temperature=temperature)
+            self.state, *_ = self._decode(self.params, self.state, slots,
+                                          counter=self._next_counter(), cfg=self.cfg,
+                                          table_width=width, temperature=temperature)
         jax.block_until_ready(self.state)
         return len(widths)
 
@@ -247,13 +258,15 @@ class Engine:
         for slot in self._active:
             slots[slot] = slot
         width = self._table_width(int(self._lens.max()) + 2 * self.cfg.block_size)
-        self.state, *outs = self._decode(self.params, self.state, jnp.asarray(slots),
-                                         self._next_key(), cfg=self.cfg, table_width=width,
-                                         temperature=temperature)
+        # Host arrays go straight to the jitted call (one transfer, no eager op);
+        # its outputs come back in one device_get.
+        self.state, *outs = self._decode(self.params, self.state, slots,
+                                         counter=self._next_counter(), cfg=self.cfg,
+                                         table_width=width, temperature=temperature)
         if self.speculative:
-            out_tokens, num_out, ok = (np.asarray(o) for o in outs)
+            out_tokens, num_out, ok = jax.device_get(outs)
         else:
-            token, ok = (np.asarray(o) for o in outs)
+            token, ok = jax.device_get(outs)
             out_tokens, num_out = token[:, None], np.where(ok, 1, 0)
         finished = []
         for slot, act in list(self._active.items()):

@@ -133,6 +133,8 @@ def test_silent_peer_times_out_and_context_pages_are_freed():
     ctx, gen = ContextWorker(params, cfg), GenerationWorker(params, cfg)
     pair = DisaggregatedPair(ctx, gen, timeout=0.2)
     pair.channel.send = lambda item: None  # the wire drops everything: a dead peer
+    ctx.prefill("warm", [1, 2, 3, 4, 5], 4)  # compile outside the timed wait
+    ctx.complete("warm")
     start = time.monotonic()
     with pytest.raises(TransferTimeout, match="within 0.2s"):
         pair.transfer_one("r0", [1, 2, 3, 4, 5], 4)
