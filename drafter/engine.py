@@ -183,7 +183,8 @@ class Engine:
             self.state, first, ok = self._prefill(
                 self.params, self.state, ids, tokens,
                 np.array([len(piece)], np.int32), np.array([is_last]),
-                counter=self._next_counter(), cfg=self.cfg, table_width=self._table_width(start + chunk + self.cfg.block_size),
+                counter=self._next_counter(), cfg=self.cfg,
+                table_width=self._table_width(start + chunk + self.cfg.block_size),
                 temperature=temperature)
             if not bool(ok[0]):
                 self.release(request_id)

@@ -15,12 +15,12 @@ Pool layout and kernel page index (see unified_kv/spec.py):
     V page      batch_table[b, j] + 2 * layer_offset + 1
     key t's row (K page of t // page_size) * page_size + t % page_size
 
-Keys are gathered as rows of the 2-D kernel view (each key's page looked up
-from the table), so each block of K and V is one [block_k, head_dim] load
-that feeds the dot directly and Triton pipelines through shared memory: on
-the H200 this took bf16 decode from 60% to 99% of copy bandwidth
-(BENCHMARKS.md). `kv_gather="pages"` keeps the earlier whole-page 3-D gather
-as the measured baseline.
+Keys are gathered as rows of the 2-D kernel view (one table load per page,
+broadcast to the page's key rows), so each block of K and V is one
+[block_k, head_dim] load that feeds the dot directly and Triton pipelines
+through shared memory: on the H200 this took bf16 decode from 60% to 98-107%
+of copy bandwidth (BENCHMARKS.md). `kv_gather="pages"` keeps the earlier
+whole-page 3-D gather as the measured baseline.
 
 A windowed row's table has BAD (-1) entries in front of its live tail; the
 kernel starts at the first page the earliest query can see, so they are never
@@ -198,11 +198,6 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
                     block_causal, rows_per_block, pages_per_block, num_splits, num_warps,
                     num_stages, kv_gather, compute_dtype, interpret):
     """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
-    if compute_dtype not in (None, jnp.float16, jnp.bfloat16, jnp.float32):
-        raise ValueError(f"compute_dtype must be None, float16, bfloat16 or float32, got "
-                         f"{compute_dtype!r}")
-    if kv_gather not in ("rows", "pages"):
-        raise ValueError(f"kv_gather must be 'rows' or 'pages', got {kv_gather!r}")
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     table_width = batch_table.shape[1]
@@ -340,7 +335,7 @@ def paged_attention(
     f32 softmax.
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
-                           sliding_window, pages_per_block)
+                           sliding_window, pages_per_block, kv_gather, compute_dtype)
     return _attention_call(
         q, pool, batch_table, kv_lens, kv_lens - q_lens, q_lens, None,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
@@ -382,7 +377,7 @@ def draft_block_attention(
     causally within the block. Block K/V stay out of the cache.
     """
     static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
-                           sliding_window, pages_per_block)
+                           sliding_window, pages_per_block, kv_gather, compute_dtype)
     if block_k.shape != block_v.shape or block_k.shape != (
             q.shape[0], q.shape[1], pool.shape[0], q.shape[3]):
         raise ValueError("block_k and block_v must be [batch, block_size, num_kv_heads, "
@@ -406,7 +401,8 @@ def _combine_splits(o, m, l):
 
 
 def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
-                           sliding_window, pages_per_block) -> None:
+                           sliding_window, pages_per_block, kv_gather,
+                           compute_dtype) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, max_q, num_q_heads, head_dim], got {q.shape=}")
     if pool.ndim != 6 or pool.shape[3] != 2:
@@ -435,6 +431,11 @@ def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window=}")
     if pages_per_block <= 0 or pages_per_block & (pages_per_block - 1):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block=}")
+    if compute_dtype not in (None, jnp.float16, jnp.bfloat16, jnp.float32):
+        raise ValueError(f"compute_dtype must be None, float16, bfloat16 or float32, got "
+                         f"{compute_dtype!r}")
+    if kv_gather not in ("rows", "pages"):
+        raise ValueError(f"kv_gather must be 'rows' or 'pages', got {kv_gather!r}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim=}")
 

@@ -114,6 +114,8 @@ def test_verify_rows_are_causal_among_themselves(interpret):
     (dict(kv_lens=jnp.zeros((2,), jnp.float32)), "kv_lens must be i32"),
     (dict(layer_offset=2), "layer_offset=2 outside"),
     (dict(pages_per_block=3), "pages_per_block must be a power of two"),
+    (dict(kv_gather="tokens"), "kv_gather must be 'rows' or 'pages'"),
+    (dict(compute_dtype=jnp.int8), "compute_dtype must be None, float16"),
 ])
 def test_invalid_inputs_raise_at_trace_time(change, match):
     args = dict(q=jnp.zeros((2, 1, 4, 32), jnp.bfloat16),
