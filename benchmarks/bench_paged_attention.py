@@ -53,27 +53,34 @@ def ours(q, pool, table, kv_lens, q_lens, **kw):
     return jax.jit(lambda *a: paged_attention(*a, layer_offset=0, interpret=interpret, **kw))
 
 
-def bench_decode(ctx, copy_bw, configs):
-    q, pool, table, kv_lens, q_lens = setup(ctx, jnp.bfloat16)
-    row = {"ctx": ctx, "kv_bytes": kv_bytes(ctx, jnp.bfloat16)}
-    best = None
-    sweep = []
-    for ppb, warps, stages, splits, gather in configs:
-        cfg = dict(pages_per_block=ppb, num_warps=warps, num_stages=stages, num_splits=splits,
-                   kv_gather=gather)
+def sweep_configs(args, configs, label, nbytes=None):
+    """Time the kernel on `args` for each config (kwargs dicts). Returns
+    (best config, its seconds, [config + ms] for every config that compiled),
+    dtypes by name; a config Triton cannot compile is reported and skipped."""
+    best, sweep = None, []
+    for cfg in configs:
         try:
-            fn = ours(q, pool, table, kv_lens, q_lens, **cfg)
-            t = time_call(fn, q, pool, table, kv_lens, q_lens)
-        except Exception as e:  # a config Triton cannot compile: report, keep going
-            print(f"  config {cfg} failed: {e!s:.200}")
+            t = time_call(ours(*args, **cfg), *args)
+        except Exception as e:
+            print(f"  {label} {cfg} failed: {e!s:.200}")
             continue
-        print(f"  ctx={ctx} {cfg}: {t*1e3:.3f} ms {row['kv_bytes']/t/1e12:.2f} TB/s",
-              flush=True)
-        sweep.append({**cfg, "ms": t * 1e3})
+        named = {k: (jnp.dtype(v).name if isinstance(v, type) else v) for k, v in cfg.items()}
+        rate = f" {nbytes / t / 1e12:.2f} TB/s" if nbytes else ""
+        print(f"  {label} {named}: {t*1e3:.3f} ms{rate}", flush=True)
+        sweep.append({**named, "ms": t * 1e3})
         if best is None or t < best[0]:
-            best = (t, cfg)
-    row["sweep"] = sweep
-    t, cfg = best
+            best = (t, named)
+    return best[1], best[0], sweep
+
+
+def bench_decode(ctx, copy_bw, configs):
+    args = setup(ctx, jnp.bfloat16)
+    q, pool, table, kv_lens, q_lens = args
+    row = {"ctx": ctx, "kv_bytes": kv_bytes(ctx, jnp.bfloat16)}
+    cfg, t, row["sweep"] = sweep_configs(args, [
+        dict(pages_per_block=ppb, num_warps=warps, num_stages=stages, num_splits=splits,
+             kv_gather=gather) for ppb, warps, stages, splits, gather in configs],
+        f"ctx={ctx}", row["kv_bytes"])
     row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TBps=row["kv_bytes"] / t / 1e12,
                frac_of_copy_bw=row["kv_bytes"] / t / copy_bw)
     # jax's Pallas paged attention on the same K/V (separate K and V page arrays).
@@ -100,29 +107,7 @@ def bench_decode(ctx, copy_bw, configs):
             row.update({f"{impl}_dense_ms": td * 1e3, f"speedup_vs_{impl}_dense": td / t})
         except Exception as e:
             row[f"{impl}_dense_error"] = f"{e!s:.300}"
-    return row, cfg
-
-
-def best_config(args, cfg, label):
-    """Best fp8 config for these inputs: pages per block (fp8 pages are half
-    the bytes), warps, and the dots' dtype (f16, the default over fp8, vs
-    bf16)."""
-    best, sweep = None, []
-    for ppb, warps, compute in [(p, w, c) for p in (4, 8) for w in (2, 4)
-                                for c in (None, jnp.bfloat16)]:
-        c = {**cfg, "pages_per_block": ppb, "num_warps": warps, "compute_dtype": compute}
-        try:
-            t = time_call(ours(*args, **c), *args)
-        except Exception as e:
-            print(f"  {label} {c} failed: {e!s:.200}")
-            continue
-        name = "float16" if compute is None else jnp.dtype(compute).name
-        print(f"  {label} ppb={ppb} warps={warps} dots in {name}: {t*1e3:.3f} ms", flush=True)
-        sweep.append({"pages_per_block": ppb, "num_warps": warps, "compute": name,
-                      "ms": t * 1e3})
-        if best is None or t < best[0]:
-            best = (t, c)
-    return best[1], sweep
+    return row
 
 
 def bench_fp8_and_verify(ctx, cfg):
@@ -132,10 +117,13 @@ def bench_fp8_and_verify(ctx, cfg):
             args = setup(ctx, dtype, max_q=max_q)
             out[f"{name}_q{max_q}_ms"] = time_call(ours(*args, **cfg), *args) * 1e3
             if dtype == jnp.float8_e4m3fn:  # how far from fp8's best config per query count
-                best, out[f"fp8_q{max_q}_sweep"] = best_config(args, cfg,
-                                                               f"fp8 q{max_q} ctx={ctx}")
-                out[f"fp8_q{max_q}_best_cfg"] = {
-                    k: (jnp.dtype(v).name if isinstance(v, type) else v) for k, v in best.items()}
+                # pages per block (fp8 pages are half the bytes), warps, and the
+                # dots' dtype (f16, the default over fp8, vs bf16)
+                best, _, out[f"fp8_q{max_q}_sweep"] = sweep_configs(args, [
+                    {**cfg, "pages_per_block": p, "num_warps": w, "compute_dtype": c}
+                    for p in (4, 8) for w in (2, 4) for c in (None, jnp.bfloat16)],
+                    f"fp8 q{max_q} ctx={ctx}")
+                out[f"fp8_q{max_q}_best_cfg"] = best
             del args
     out["fp8_speedup"] = out["bf16_q1_ms"] / out["fp8_q1_ms"]
     out["verify8_over_decode_bf16"] = out["bf16_q8_ms"] / out["bf16_q1_ms"]
@@ -254,7 +242,7 @@ def main():
                             gather[0] if gather else "rows"))
     decode = []
     for ctx in (4096, 32768):
-        row, _ = bench_decode(ctx, copy_bw, configs)
+        row = bench_decode(ctx, copy_bw, configs)
         decode.append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
               flush=True)
