@@ -74,6 +74,7 @@ def paged_attention_kernel(
     block_causal: bool,
     kv_gather: str,
     page_size: int,
+    v_transposed: bool,
 ):
     if has_block:
         block_k_ref, block_v_ref, o_ref, m_ref, l_ref = refs
@@ -105,7 +106,7 @@ def paged_attention_kernel(
     q = q_ref[...]
     log2e = math.log2(math.e)  # base-2 softmax
 
-    def softmax_step(carry, logits, visible, v, v_scale):
+    def softmax_step(carry, logits, visible, v, v_scale, v_is_t=False):
         """One online-softmax update with scaled logits f32[rows, keys]."""
         acc, m_prev, l_prev = carry
         if soft_cap is not None:
@@ -119,7 +120,8 @@ def paged_attention_kernel(
         p = jnp.exp2(logits - m_sub[:, None])
         l_next = l_prev * correction + p.sum(axis=1)
         pv = p * v_scale if v_scale != 1.0 else p  # fp8 V dequantisation
-        acc = acc * correction[:, None] + plgpu.dot(pv.astype(v.dtype), v)
+        acc = acc * correction[:, None] + plgpu.dot(pv.astype(v.dtype), v,
+                                                    trans_b=v_is_t)
         return acc, m_next, l_next
 
     def load_kv(first):
@@ -136,8 +138,20 @@ def paged_attention_kernel(
         # the dot directly, which Triton's software pipeliner stages through
         # shared memory (it does not pipeline the 3-D gather + reshape).
         in_page = jnp.arange(page_size, dtype=jnp.int32)
-        k_rows = (((safe + k_offset) * page_size)[:, None] + in_page[None, :]).reshape(block_k)
-        return kv_ref[k_rows], kv_ref[k_rows + page_size]
+        page_rows = (safe + k_offset) * page_size
+        k_rows = (page_rows[:, None] + in_page[None, :]).reshape(block_k)
+        if not v_transposed:
+            return kv_ref[k_rows], kv_ref[k_rows + page_size]
+        # V pages stored [head_dim, page_size]: gather V^T [head_dim, block_k] with
+        # page_size contiguous keys per (d, page), so the PV dot's B operand is
+        # key-major in shared memory (no 8-bit transposed fragment loads).
+        head_dim = kv_ref.shape[1]
+        d = jnp.arange(head_dim, dtype=jnp.int32)
+        per_row = head_dim // page_size   # (d, t) sits at flat d * page_size + t
+        rows3 = (page_rows + page_size)[None, :, None] + (d // per_row)[:, None, None]
+        cols3 = ((d % per_row) * page_size)[:, None, None] + in_page[None, None, :]
+        vt = kv_ref[rows3, cols3].reshape(head_dim, block_k)
+        return kv_ref[k_rows], vt
 
     def body(i, carry):
         first = lo + i * pages_per_block
@@ -152,7 +166,7 @@ def paged_attention_kernel(
                    & (k_pos[None, :] < hi * page_size) & row_valid[:, None])
         if sliding_window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        return softmax_step(carry, logits, visible, v, v_scale)
+        return softmax_step(carry, logits, visible, v, v_scale, v_transposed)
 
     carry = (jnp.zeros((rows, head_dim), jnp.float32),
              jnp.full((rows,), MASK_VALUE, jnp.float32),
@@ -196,7 +210,7 @@ def _pow2_at_least(n: int) -> int:
 def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
                     block_causal, rows_per_block, pages_per_block, num_splits, num_warps,
-                    num_stages, kv_gather, compute_dtype, interpret):
+                    num_stages, kv_gather, compute_dtype, interpret, v_transposed=False):
     """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
@@ -249,7 +263,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
         pages_per_split=pages_per_split, num_splits=num_splits, sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window, k_scale=k_scale,
         v_scale=v_scale, has_block=has_block, block_causal=block_causal,
-        kv_gather=kv_gather, page_size=page_size)
+        kv_gather=kv_gather, page_size=page_size, v_transposed=v_transposed)
     whole = pl.BlockSpec(memory_space=None)
     in_specs = [
         pl.BlockSpec((None, None, rows, head_dim),
@@ -298,7 +312,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "kv_gather", "compute_dtype", "interpret")
+           "kv_gather", "compute_dtype", "interpret", "v_transposed")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -323,6 +337,7 @@ def paged_attention(
     kv_gather: str = "rows",
     compute_dtype: jnp.dtype | None = None,
     interpret: bool = False,
+    v_transposed: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
 
@@ -342,7 +357,8 @@ def paged_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        kv_gather=kv_gather, compute_dtype=compute_dtype, interpret=interpret)
+        kv_gather=kv_gather, compute_dtype=compute_dtype, interpret=interpret,
+        v_transposed=v_transposed)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -370,6 +386,7 @@ def draft_block_attention(
     kv_gather: str = "rows",
     compute_dtype: jnp.dtype | None = None,
     interpret: bool = False,
+    v_transposed: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
     attend to the row's cached context (positions < ctx_len, windowed for
@@ -389,7 +406,8 @@ def draft_block_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        kv_gather=kv_gather, compute_dtype=compute_dtype, interpret=interpret)
+        kv_gather=kv_gather, compute_dtype=compute_dtype, interpret=interpret,
+        v_transposed=v_transposed)
 
 
 def _combine_splits(o, m, l):

@@ -1,0 +1,79 @@
+"""Kernel variants of paged attention timed in one device call, and one case
+run alone for a profiler (ncu) or a compiler dump.
+
+    PYTHONPATH=. python benchmarks/profile_paged_attention.py [--ctx 32768] [--out DIR]
+    PYTHONPATH=. python benchmarks/profile_paged_attention.py --case fp8_q8 --calls 3
+
+Shapes are bench_paged_attention's decode case (batch 64, 32 / 8 heads, d 128,
+page 16). A case is (KV dtype, queries per row, kernel keyword arguments);
+every time is beside bf16 decode (`bf16_q1`) from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_paged_attention import ours, setup
+from benchmarks.timing import time_call, write_results
+
+FP8 = jnp.float8_e4m3fn
+CASES = {
+    "bf16_q1": (jnp.bfloat16, 1, {}),
+    "bf16_q8": (jnp.bfloat16, 8, {}),
+    "fp8_q1": (FP8, 1, {}),
+    "fp8_q8": (FP8, 8, {}),
+    "fp8_q1_vt": (FP8, 1, {"v_transposed": True}),
+    "fp8_q8_vt": (FP8, 8, {"v_transposed": True}),
+    "bf16_q1_vt": (jnp.bfloat16, 1, {"v_transposed": True}),
+    "bf16_q8_vt": (jnp.bfloat16, 8, {"v_transposed": True}),
+}
+for _q in (1, 8):
+    for _ppb, _w, _st in ((4, 2, 2), (4, 2, 4), (4, 4, 3), (8, 2, 3), (8, 4, 3), (8, 4, 4),
+                          (16, 4, 3)):
+        CASES[f"fp8_q{_q}_vt_p{_ppb}w{_w}s{_st}"] = (
+            FP8, _q, {"v_transposed": True, "pages_per_block": _ppb, "num_warps": _w,
+                      "num_stages": _st})
+
+
+def run_case(name, ctx, calls=None):
+    dtype, max_q, kw = CASES[name]
+    args = setup(ctx, dtype, max_q=max_q)
+    fn = ours(*args, **kw)
+    if calls is not None:  # for a profiler: compile, then `calls` launches
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+        return None
+    return time_call(fn, *args)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--case", nargs="*", default=None, help=f"some of {list(CASES)}")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="run the cases this many times each, untimed (for ncu)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    names = args.case or list(CASES)
+    if args.calls is not None:
+        for name in names:
+            run_case(name, args.ctx, args.calls)
+        return
+    rows = {}
+    for name in ["bf16_q1"] + [n for n in names if n != "bf16_q1"]:
+        try:
+            rows[name] = run_case(name, args.ctx) * 1e3
+        except Exception as e:  # a config Triton cannot compile
+            print(f"{name}: failed: {e!s:.300}", flush=True)
+            continue
+        print(f"{name}: {rows[name]:.3f} ms  bf16_q1/this {rows['bf16_q1'] / rows[name]:.2f}x",
+              flush=True)
+    print("wrote", write_results("profile_paged_attention", {"ctx": args.ctx, "ms": rows},
+                                 args.out))
+
+
+if __name__ == "__main__":
+    main()
