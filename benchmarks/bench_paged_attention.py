@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import device_copy_bandwidth, time_call, write_results
+from pallas_kernels.kv_store import layer_kv
 from pallas_kernels.paged_attention import (draft_block_attention, paged_attention,
                                             paged_attention_reference)
 
@@ -78,13 +79,13 @@ def bench_decode(ctx, copy_bw, configs):
     q, pool, table, kv_lens, q_lens = args
     row = {"ctx": ctx, "kv_bytes": kv_bytes(ctx, jnp.bfloat16)}
     cfg, t, row["sweep"] = sweep_configs(args, [
-        dict(pages_per_block=ppb, num_warps=warps, num_stages=stages, num_splits=splits,
-             kv_gather=gather) for ppb, warps, stages, splits, gather in configs],
+        dict(pages_per_block=ppb, num_warps=warps, num_stages=stages, num_splits=splits)
+        for ppb, warps, stages, splits in configs],
         f"ctx={ctx}", row["kv_bytes"])
     row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TBps=row["kv_bytes"] / t / 1e12,
                frac_of_copy_bw=row["kv_bytes"] / t / copy_bw)
-    # jax's Pallas paged attention on the same K/V (separate K and V page arrays).
-    k_pages, v_pages = pool[:, :, 0, 0], pool[:, :, 0, 1]
+    # jax's Pallas paged attention on the same K/V (separate key-major K and V pages).
+    k_pages, v_pages = layer_kv(pool, 0)
     block_tables = table // 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -166,24 +167,22 @@ def bench_prefill(prior, chunk=2048, batch=4):
     row = {"prior": prior, "chunk": chunk, "batch": batch, "flops": flops}
     interpret = jax.default_backend() == "cpu"
     best = None
-    for rows_per_block, ppb, warps, gather in ((64, 4, 4, "rows"), (128, 4, 4, "rows"),
-                                               (128, 8, 8, "rows"), (128, 4, 4, "pages")):
-        fn = jax.jit(lambda *a, r=rows_per_block, p=ppb, w=warps, g=gather: paged_attention(
+    for rows_per_block, ppb, warps in ((64, 4, 4), (128, 4, 4), (128, 8, 8)):
+        fn = jax.jit(lambda *a, r=rows_per_block, p=ppb, w=warps: paged_attention(
             *a, layer_offset=0, rows_per_block=r, pages_per_block=p, num_warps=w,
-            num_stages=2, kv_gather=g, interpret=interpret))
+            num_stages=2, interpret=interpret))
         try:
             t = time_call(fn, q, pool, table, kv_lens, q_lens, iters=10)
         except Exception as e:
             print(f"  prefill rows={rows_per_block} ppb={ppb} failed: {e!s:.200}")
             continue
-        print(f"  prefill prior={prior} rows={rows_per_block} ppb={ppb} warps={warps} {gather}: "
+        print(f"  prefill prior={prior} rows={rows_per_block} ppb={ppb} warps={warps}: "
               f"{t*1e3:.3f} ms {flops/t/1e12:.1f} TFLOP/s", flush=True)
         if best is None or t < best[0]:
-            best = (t, dict(rows_per_block=rows_per_block, pages_per_block=ppb, num_warps=warps,
-                            kv_gather=gather))
+            best = (t, dict(rows_per_block=rows_per_block, pages_per_block=ppb, num_warps=warps))
     row.update(ours_ms=best[0] * 1e3, ours_cfg=best[1], ours_TFLOPs=flops / best[0] / 1e12)
-    kd = pool[:, :, 0, 0][:, table // 2].transpose(1, 2, 3, 0, 4).reshape(batch, total, HKV, D)
-    vd = pool[:, :, 0, 1][:, table // 2].transpose(1, 2, 3, 0, 4).reshape(batch, total, HKV, D)
+    kd, vd = (x[:, table // 2].transpose(1, 2, 3, 0, 4).reshape(batch, total, HKV, D)
+              for x in layer_kv(pool, 0))
     mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
     for impl in ("xla", "cudnn"):
         try:
@@ -224,22 +223,19 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="one config, fewer cases")
     parser.add_argument("--decode-configs", nargs="+", default=None,
-                        metavar="PPB,WARPS,STAGES,SPLITS[,GATHER]",
-                        help="decode configs to sweep (SPLITS 0 = automatic; GATHER rows "
-                             "(default) or pages), e.g. 4,2,3,2,pages")
+                        metavar="PPB,WARPS,STAGES,SPLITS",
+                        help="decode configs to sweep (SPLITS 0 = automatic), e.g. 4,2,3,2")
     args = parser.parse_args()
     copy_bw = device_copy_bandwidth()
     print(f"device copy bandwidth (read + write): {copy_bw/1e12:.2f} TB/s", flush=True)
-    configs = ([(4, 2, 3, None, "rows")] if args.quick else
-               [(p, w, st, None, "rows") for p in (2, 4, 8) for w in (2, 4) for st in (3, 4)]
-               + [(4, 2, 4, 2, "rows"),             # two key splits
-                  (4, 2, 3, None, "pages")])        # the earlier kernel, as a baseline
+    configs = ([(4, 2, 3, None)] if args.quick else
+               [(p, w, st, None) for p in (2, 4, 8) for w in (2, 4) for st in (3, 4)]
+               + [(4, 2, 4, 2)])             # two key splits
     if args.decode_configs:
         configs = []
         for c in args.decode_configs:
-            ppb, w, st, sp, *gather = c.split(",")
-            configs.append((int(ppb), int(w), int(st), int(sp) or None,
-                            gather[0] if gather else "rows"))
+            ppb, w, st, sp = (int(x) for x in c.split(","))
+            configs.append((ppb, w, st, sp or None))
     decode = []
     for ctx in (4096, 32768):
         row = bench_decode(ctx, copy_bw, configs)

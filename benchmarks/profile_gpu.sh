@@ -1,42 +1,34 @@
 #!/usr/bin/env bash
-# One device call: time the kernel variants, dump the compiled fp8 kernels'
-# SASS and instruction mix, and (where ncu can read counters) profile cases.
-#   OUT=dir bash benchmarks/profile_gpu.sh [case ...]   (cases to profile with ncu)
+# One device call: time the kernel variants, then profile the named cases with
+# ncu (needs a machine where ncu reads counters): occupancy, issue rate, and the
+# executed-instruction mix per SASS opcode.
+#   OUT=dir bash benchmarks/profile_gpu.sh [case ...]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-/tmp/profile}; mkdir -p "$OUT"
 python3 benchmarks/profile_paged_attention.py --out "$OUT" 2>&1 | tee "$OUT/variants.txt"
-# Compiler dump of decode/verify, bf16 and fp8, row-major and transposed V.
-DUMP=/tmp/xla_dump; rm -rf $DUMP
-XLA_FLAGS="--xla_dump_to=$DUMP" python3 benchmarks/profile_paged_attention.py --calls 1 \
-  --case bf16_q1 fp8_q1 fp8_q8 fp8_q1_vt fp8_q8_vt > /dev/null 2>&1
-mkdir -p /tmp/sass
-for ptx in $(grep -l "paged_attention" $DUMP/*.ptx 2>/dev/null); do
-  base=$(basename "$ptx" .ptx)
-  ptxas -arch=sm_90a "$ptx" -o /tmp/sass/$base.cubin 2>/dev/null && \
-    cuobjdump --dump-sass /tmp/sass/$base.cubin > /tmp/sass/$base.sass
-done
-python3 - <<'PY' | tee "$OUT/sass_mix.txt"
-import collections, glob, re
-for f in sorted(glob.glob("/tmp/sass/*.sass")):
-    text = open(f).read()
-    for fn in re.split(r"\n\s*Function : ", text)[1:]:
-        name = fn.split("\n", 1)[0]
-        if "paged" not in name: continue
-        ops = collections.Counter(m.group(1).split(".")[0] for m in
-                                  re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", fn))
-        full = collections.Counter(m.group(1) for m in
-                                   re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", fn))
-        print(f"== {name} total {sum(ops.values())}")
-        print("  ", dict(ops.most_common(30)))
-        print("   LDS/F2FP/HMMA variants:", {k: v for k, v in full.items()
-              if k.startswith(("LDS", "LDSM", "F2FP", "HMMA", "LDG", "LDGSTS", "F2F", "I2F", "PRMT"))})
-PY
-tar czf "$OUT/sass.tgz" -C /tmp sass 2>/dev/null
 for c in "$@"; do
-  timeout 240 ncu --clock-control none -k regex:paged --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
-    --section InstructionStats --section Occupancy --section LaunchStats \
-    python3 benchmarks/profile_paged_attention.py --calls 2 --case "$c" > "$OUT/ncu_$c.txt" 2>&1
-  tail -3 "$OUT/ncu_$c.txt"
+  timeout 200 ncu --clock-control none -k regex:paged --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+    --section Occupancy --section LaunchStats --section SourceCounters -o "/tmp/rep_$c" -f \
+    python3 benchmarks/profile_paged_attention.py --calls 2 --case "$c" > "/tmp/ncu_$c.log" 2>&1
+  ncu -i "/tmp/rep_$c.ncu-rep" --print-summary none > "$OUT/ncu_$c.txt" 2>&1
+  ncu -i "/tmp/rep_$c.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$c.csv" 2>&1
+  python3 - "$c" <<'PY' | tee "$OUT/opcodes_$c.txt"
+import collections, csv, sys
+case = sys.argv[1]
+rows = list(csv.reader(open(f"/tmp/sass_{case}.csv")))
+top = next(i for i, r in enumerate(rows) if "Source" in r)
+src, ex = rows[top].index("Source"), rows[top].index("Instructions Executed")
+count = collections.Counter()
+for r in rows[top + 1:]:
+    words = r[src].split() if len(r) > max(src, ex) else []
+    if words:
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        count[op.split(".")[0]] += int(float(r[ex].replace(",", "") or 0))
+total = sum(count.values())
+print(f"{case}: {total:,d} warp instructions executed")
+for op, n in count.most_common(24):
+    print(f"  {op:10s} {n:>13,d} {n / total:6.1%}")
+PY
 done

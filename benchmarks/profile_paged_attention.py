@@ -25,17 +25,11 @@ CASES = {
     "bf16_q8": (jnp.bfloat16, 8, {}),
     "fp8_q1": (FP8, 1, {}),
     "fp8_q8": (FP8, 8, {}),
-    "fp8_q1_vt": (FP8, 1, {"v_transposed": True}),
-    "fp8_q8_vt": (FP8, 8, {"v_transposed": True}),
-    "bf16_q1_vt": (jnp.bfloat16, 1, {"v_transposed": True}),
-    "bf16_q8_vt": (jnp.bfloat16, 8, {"v_transposed": True}),
 }
-for _q in (1, 8):
-    for _ppb, _w, _st in ((4, 2, 2), (4, 2, 4), (4, 4, 3), (8, 2, 3), (8, 4, 3), (8, 4, 4),
-                          (16, 4, 3)):
-        CASES[f"fp8_q{_q}_vt_p{_ppb}w{_w}s{_st}"] = (
-            FP8, _q, {"v_transposed": True, "pages_per_block": _ppb, "num_warps": _w,
-                      "num_stages": _st})
+for _q in (1, 8):  # fp8 blockings: pages per block, warps, pipeline stages
+    for _ppb, _w, _st in ((2, 2, 3), (4, 2, 4), (8, 2, 3), (8, 4, 3), (4, 4, 3)):
+        CASES[f"fp8_q{_q}_p{_ppb}w{_w}s{_st}"] = (
+            FP8, _q, {"pages_per_block": _ppb, "num_warps": _w, "num_stages": _st})
 
 
 def run_case(name, ctx, calls=None):

@@ -3,11 +3,16 @@
     token t of row b -> position start[b] + t   (t < num_tokens[b])
     page  = batch_table[b, position // page_size] // (2 * num_layers)
     slot  = position % page_size
-    pool[h, page, layer_offset, 0 (K) / 1 (V), slot, :] = k / k_scale, v / v_scale
+    K page [page_size, head_dim]:  K[slot, :] = k / k_scale
+    V page [head_dim, page_size]:  V[:, slot] = v / v_scale   (stored transposed)
 
-Lowering: one XLA scatter into the pool viewed as rows of head_dim; under a
-jitted step with the state donated it updates the pool in place and moves
-only the new tokens' bytes. Writes whose page is BAD (never allocated) or
+V pages hold V^T (the same bytes as [page_size, head_dim], read as
+[head_dim, page_size]) so the attention kernels' P.V dot reads its key axis
+contiguous (see paged_attention.py); `layer_kv` reads both back key-major.
+
+Lowering: two XLA scatters (K rows, V columns); under a jitted step with the
+state donated they update the pool in place and move only the new tokens'
+bytes. Writes whose page is BAD (never allocated) or
 whose token is past num_tokens (padding) are dropped and reported per row, so
 a missing allocation shows up as data instead of corrupting another row.
 """
@@ -66,14 +71,25 @@ def write_kv(
     writable = live & in_table & (entry != BAD_PAGE_INDEX)
     ok = ~(live & ~writable).any(axis=1)
     page = entry // (2 * num_layers)
-    # Row index into the pool viewed as [num_kv_heads, rows, head_dim].
-    base = ((page * num_layers + layer_offset) * 2) * page_size + pos % page_size
-    rows = num_pages * num_layers * 2 * page_size
-    k_rows = jnp.where(writable, base, rows)                 # out of range: dropped
-    v_rows = jnp.where(writable, base + page_size, rows)
-    flat = pool.reshape(num_kv_heads, rows, head_dim)
+    kernel_pages = num_pages * num_layers * 2
+    k_page = jnp.where(writable, (page * num_layers + layer_offset) * 2, kernel_pages)
+    slot = (pos % page_size).reshape(-1)
+    # K: rows of [kv heads, kernel_pages * page_size, head_dim]; out of range drops.
+    k_rows = (k_page * page_size).reshape(-1) + slot
     k_new = quantize(k, k_scale, pool.dtype).transpose(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim)
-    v_new = quantize(v, v_scale, pool.dtype).transpose(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim)
-    flat = flat.at[:, k_rows.reshape(-1)].set(k_new, mode="drop")
-    flat = flat.at[:, v_rows.reshape(-1)].set(v_new, mode="drop")
-    return flat.reshape(pool.shape), ok
+    pool = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
+    pool = pool.at[:, k_rows].set(k_new, mode="drop")
+    # V: column `slot` of V page k_page + 1 in [kv heads, kernel_pages, head_dim, page_size].
+    v_new = quantize(v, v_scale, pool.dtype).reshape(-1, num_kv_heads, head_dim)
+    pool = pool.reshape(num_kv_heads, kernel_pages, head_dim, page_size)
+    pool = pool.at[:, (k_page + 1).reshape(-1), :, slot].set(v_new, mode="drop")
+    return pool.reshape(num_kv_heads, num_pages, num_layers, 2, page_size, head_dim), ok
+
+
+def layer_kv(pool: jax.Array, layer_offset: int) -> tuple[jax.Array, jax.Array]:
+    """K and V of one layer, key-major: [num_kv_heads, num_pages, page_size, head_dim]
+    each (V pages are stored [head_dim, page_size]; this transposes them back)."""
+    num_kv_heads, num_pages, _, _, page_size, head_dim = pool.shape
+    layer = pool[:, :, layer_offset]
+    v_t = layer[:, :, 1].reshape(num_kv_heads, num_pages, head_dim, page_size)
+    return layer[:, :, 0], v_t.swapaxes(-1, -2)

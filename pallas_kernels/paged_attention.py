@@ -10,22 +10,34 @@ queries of a row read each KV page once.
 Pool layout and kernel page index (see unified_kv/spec.py):
 
     pool        [num_kv_heads, num_pages, num_layers, 2, page_size, head_dim]
-    kernel view [num_kv_heads, num_pages * num_layers * 2 * page_size, head_dim]
-    K page      batch_table[b, j] + 2 * layer_offset     (table holds page * 2L)
-    V page      batch_table[b, j] + 2 * layer_offset + 1
-    key t's row (K page of t // page_size) * page_size + t % page_size
+    K page      [page_size, head_dim]  (key-major)
+    V page      [head_dim, page_size]  (stored transposed, same bytes)
+    K page id   batch_table[b, j] + 2 * layer_offset     (table holds page * 2L)
+    V page id   batch_table[b, j] + 2 * layer_offset + 1
+    K of key t  row (K page id of t // page_size) * page_size + t % page_size
+                of the view [num_kv_heads, kernel_pages * page_size, head_dim]
+    V of key t  column t % page_size of rows (V page id) * head_dim + d
+                of the view [num_kv_heads, kernel_pages * head_dim, page_size]
 
-Keys are gathered as rows of the 2-D kernel view (one table load per page,
-broadcast to the page's key rows), so each block of K and V is one
-[block_k, head_dim] load that feeds the dot directly and Triton pipelines
-through shared memory: on the H200 this took bf16 decode from 60% to 98-107%
-of copy bandwidth (BENCHMARKS.md). `kv_gather="pages"` keeps the earlier
-whole-page 3-D gather as the measured baseline.
+Both are gathered with one table load per page, broadcast to the page's rows,
+as plain 2-D loads that feed the dots and that Triton pipelines through shared
+memory. V pages are transposed so that the P.V dot reads V^T with its
+reduction (key) axis contiguous: an fp8 operand has no transposed
+shared-memory fragment load on the H200, and the byte-wise loads it fell back
+to doubled fp8 decode's instructions (BENCHMARKS.md).
+
+Blocks are `pages_per_block` pages on a grid aligned to page 0 in every pass
+(a windowed row starts at the block holding its first visible page), and
+split results combine in a fixed order: a query's arithmetic is then the same
+in a 1-query decode pass and a K+1-query verify pass, so greedy speculative
+decoding reproduces plain decoding bit for bit (tested compiled on the H200).
 
 A windowed row's table has BAD (-1) entries in front of its live tail; the
-kernel starts at the first page the earliest query can see, so they are never
-read. BAD entries padding a row's last block read the pool's null page (page
-0: reserved, never allocated, all zeros) and are masked. Query rows past a row's `q_len` (and padding rows, q_len 0) get zeros.
+kernel starts at the block of the first page the earliest query can see, so
+BAD entries are never dereferenced: they and the entries padding a row's last
+block read the pool's null page (page 0: reserved, never allocated, all zeros)
+and are masked. Query rows past a row's `q_len` (and padding rows, q_len 0)
+get zeros.
 
 Lowering: Pallas Triton (also runs in interpret mode on CPU).
 """
@@ -42,17 +54,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_store import layer_kv
 from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_ROWS = 16  # Triton's dot needs at least 16 rows
+LOG2E = math.log2(math.e)  # the softmax runs in base 2
 
 
 def paged_attention_kernel(
     # inputs
-    q_ref,          # [rows, head_dim]: row = token-in-block * q_per_kv + head in group
-    kv_ref,         # this kv head's pages: [num_kernel_pages * page_size, head_dim]
-                    # ([num_kernel_pages, page_size, head_dim] for kv_gather="pages")
+    q_ref,          # [rows, head_dim], pre-scaled: row = token-in-block * q_per_kv + head
+    k_view_ref,     # this kv head's pool as K rows: [kernel_pages * page_size, head_dim]
+    v_view_ref,     # the same pool as V^T rows: [kernel_pages * head_dim, page_size]
     table_ref,      # i32[table_width]: this batch row's entries (page * 2L), BAD = -1
     kv_lens_ref,    # i32[batch]: cached positions
     q_starts_ref,   # i32[batch]: position of the row's first query token
@@ -65,16 +79,13 @@ def paged_attention_kernel(
     pages_per_block: int,
     pages_per_split: int,
     num_splits: int,
-    sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    k_scale: float,
+    block_logit_scale: float,
     v_scale: float,
     has_block: bool,
     block_causal: bool,
-    kv_gather: str,
     page_size: int,
-    v_transposed: bool,
 ):
     if has_block:
         block_k_ref, block_v_ref, o_ref, m_ref, l_ref = refs
@@ -93,80 +104,70 @@ def paged_attention_kernel(
     row_valid = (row < tokens_per_block * q_per_kv) & (q_tok < q_len)
     first_tok = q_block * tokens_per_block
     last_tok = jnp.minimum(q_len, first_tok + tokens_per_block) - 1
+    first_pos, last_pos = q_start + first_tok, q_start + last_tok
     # Cached keys this block can see: before its last query, and before kv_len.
-    key_end = jnp.minimum(kv_len, q_start + last_tok + 1)
+    key_end = jnp.minimum(kv_len, last_pos + 1)
     first_page = 0
-    if sliding_window is not None:  # the earliest query's window start
-        first_page = jnp.maximum(q_start + first_tok - sliding_window + 1, 0) // page_size
+    if sliding_window is not None:  # the block holding the earliest query's window start
+        first_page = (jnp.maximum(first_pos - sliding_window + 1, 0) // block_k
+                      * pages_per_block)
     lo = jnp.maximum(first_page, split * pages_per_split)
     hi = jnp.minimum(pl.cdiv(key_end, page_size), (split + 1) * pages_per_split)
     num_blocks = jnp.where(last_tok >= first_tok,
                            pl.cdiv(jnp.maximum(hi - lo, 0), pages_per_block), 0)
 
     q = q_ref[...]
-    log2e = math.log2(math.e)  # base-2 softmax
 
-    def softmax_step(carry, logits, visible, v, v_scale, v_is_t=False):
-        """One online-softmax update with scaled logits f32[rows, keys]."""
+    def softmax_step(carry, logits, visible, v_t):
+        """Online-softmax update with base-2 logits f32[rows, keys] and V^T."""
         acc, m_prev, l_prev = carry
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(visible, logits * log2e, MASK_VALUE)
+        logits = jnp.where(visible, logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=1))
-        # A row with nothing visible yet keeps m == MASK_VALUE: subtract 0 so its
-        # masked logits still underflow to p == 0.
+        # A row with nothing visible yet keeps m == MASK_VALUE: subtract 0 so
+        # its masked logits still underflow to p == 0.
         m_sub = jnp.where(m_next == MASK_VALUE, 0.0, m_next)
         correction = jnp.exp2(m_prev - m_sub)
         p = jnp.exp2(logits - m_sub[:, None])
         l_next = l_prev * correction + p.sum(axis=1)
-        pv = p * v_scale if v_scale != 1.0 else p  # fp8 V dequantisation
-        acc = acc * correction[:, None] + plgpu.dot(pv.astype(v.dtype), v,
-                                                    trans_b=v_is_t)
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(v_t.dtype), v_t, trans_b=True)
         return acc, m_next, l_next
 
+    def cap(s):
+        """Dot products of pre-scaled q -> base-2 logits (q carries the scales)."""
+        if soft_cap is None:
+            return s
+        return jnp.tanh(s) * (soft_cap * LOG2E)
+
     def load_kv(first):
-        """K and V of the block's keys: [block_k, head_dim] each."""
+        """K [block_k, head_dim] and V^T [head_dim, block_k] of the block's keys."""
         page_ids = first + jnp.arange(pages_per_block, dtype=jnp.int32)
         entries = plgpu.load(table_ref.at[pl.ds(first, pages_per_block)],
                              mask=(page_ids < hi) & (page_ids < table_width),
                              other=BAD_PAGE_INDEX)
-        safe = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries)
-        if kv_gather == "pages":  # one 3-D gather of whole pages (the earlier kernel)
-            return (kv_ref[safe + k_offset].reshape(block_k, head_dim),
-                    kv_ref[safe + k_offset + 1].reshape(block_k, head_dim))
-        # One 2-D gather of key rows: a plain [block_k, head_dim] load that feeds
-        # the dot directly, which Triton's software pipeliner stages through
-        # shared memory (it does not pipeline the 3-D gather + reshape).
+        k_page = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries) + k_offset
         in_page = jnp.arange(page_size, dtype=jnp.int32)
-        page_rows = (safe + k_offset) * page_size
-        k_rows = (page_rows[:, None] + in_page[None, :]).reshape(block_k)
-        if not v_transposed:
-            return kv_ref[k_rows], kv_ref[k_rows + page_size]
-        # V pages stored [head_dim, page_size]: gather V^T [head_dim, block_k] with
-        # page_size contiguous keys per (d, page), so the PV dot's B operand is
-        # key-major in shared memory (no 8-bit transposed fragment loads).
-        head_dim = kv_ref.shape[1]
+        k_rows = ((k_page * page_size)[:, None] + in_page[None, :]).reshape(block_k)
         d = jnp.arange(head_dim, dtype=jnp.int32)
-        per_row = head_dim // page_size   # (d, t) sits at flat d * page_size + t
-        rows3 = (page_rows + page_size)[None, :, None] + (d // per_row)[:, None, None]
-        cols3 = ((d % per_row) * page_size)[:, None, None] + in_page[None, None, :]
-        vt = kv_ref[rows3, cols3].reshape(head_dim, block_k)
-        return kv_ref[k_rows], vt
+        shape = (head_dim, pages_per_block, page_size)
+        v_rows = jnp.broadcast_to(((k_page + 1) * head_dim)[None, :, None] + d[:, None, None],
+                                  shape)
+        v_cols = jnp.broadcast_to(in_page[None, None, :], shape)
+        v_t = v_view_ref[v_rows, v_cols].reshape(head_dim, block_k)
+        return k_view_ref[k_rows].astype(q.dtype), v_t.astype(q.dtype)
 
     def body(i, carry):
         first = lo + i * pages_per_block
-        # Blocks start at the first live page, so BAD entries only pad the last
-        # block; they read the pool's all-zero null page and are masked below.
-        k, v = load_kv(first)
-        k, v = k.astype(q.dtype), v.astype(q.dtype)
-        logits = plgpu.dot(q, k, trans_b=True) * (sm_scale * k_scale)  # f32[rows, block_k]
+        # Blocks start on the block grid, so BAD entries in front of a windowed
+        # row's tail and past its end read the all-zero null page; masked below.
+        k, v_t = load_kv(first)
+        logits = cap(plgpu.dot(q, k, trans_b=True))  # f32[rows, block_k]
         k_pos = first * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         # Keys past this split's last page belong to the next split.
         visible = ((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
                    & (k_pos[None, :] < hi * page_size) & row_valid[:, None])
         if sliding_window is not None:
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        return softmax_step(carry, logits, visible, v, v_scale, v_transposed)
+        return softmax_step(carry, logits, visible, v_t)
 
     carry = (jnp.zeros((rows, head_dim), jnp.float32),
              jnp.full((rows,), MASK_VALUE, jnp.float32),
@@ -175,19 +176,20 @@ def paged_attention_kernel(
     if has_block:  # the draft block's own K/V, not in the cache; split 0 owns it
         block_pad = block_k_ref.shape[0]
         bk = block_k_ref[...].astype(q.dtype)
-        bv = block_v_ref[...].astype(q.dtype)
+        bv_t = block_v_ref[...].astype(q.dtype)  # [head_dim, block_pad], / v_scale
         j = lax.broadcasted_iota(jnp.int32, (block_pad,), 0)
         visible = (j[None, :] < q_len) & row_valid[:, None] & (split == 0)
         if block_causal:
             visible &= j[None, :] <= q_tok[:, None]
         if sliding_window is not None:
             visible &= j[None, :] > q_tok[:, None] - sliding_window
-        carry = softmax_step(carry, plgpu.dot(q, bk, trans_b=True) * sm_scale, visible, bv,
-                             1.0)
+        logits = cap(plgpu.dot(q, bk, trans_b=True) * block_logit_scale)
+        carry = softmax_step(carry, logits, visible, bv_t)
     acc, m, l = carry
     # Rows that saw no key (past q_len, padding, empty split) have l == 0 -> 0.
     has_keys = l > 0
-    out = jnp.where(has_keys[:, None], acc / jnp.where(has_keys, l, 1.0)[:, None], 0.0)
+    out = jnp.where(has_keys[:, None],
+                    acc * (v_scale / jnp.where(has_keys, l, 1.0))[:, None], 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
     m_ref[...] = m
     l_ref[...] = l
@@ -210,7 +212,7 @@ def _pow2_at_least(n: int) -> int:
 def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
                     block_causal, rows_per_block, pages_per_block, num_splits, num_warps,
-                    num_stages, kv_gather, compute_dtype, interpret, v_transposed=False):
+                    num_stages, compute_dtype, interpret):
     """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
@@ -244,43 +246,48 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0),
                               (0, rows - tokens_per_block * q_per_kv), (0, 0)))
     q_rows = q_rows.reshape(batch, num_kv_heads, num_q_blocks * rows, head_dim)
+    # q carries every logit scale (softmax, K dequantisation, base 2, and 1 /
+    # soft cap ahead of the tanh), so the loop's logits come straight off the
+    # dot; V's scale is applied once to the output.
+    logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
     # The dots run in q's dtype, or in f16 over fp8 KV: e4m3 -> f16 is one
     # packed hardware conversion per two keys, e4m3 -> bf16 several, and that
     # conversion, not the memory, bounded fp8 decode (BENCHMARKS.md).
     if compute_dtype is None:
         compute_dtype = jnp.float16 if pool.dtype == jnp.float8_e4m3fn else q.dtype
-    q_rows = q_rows.astype(compute_dtype)
+    q_rows = (q_rows.astype(jnp.float32) * logit_scale).astype(compute_dtype)
     kernel_pages = num_pages * num_layers * 2
-    if kv_gather == "pages":
-        kv_view = pool.reshape(num_kv_heads, kernel_pages, page_size, head_dim)
-    else:
-        kv_view = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
+    k_view = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
+    v_view = pool.reshape(num_kv_heads, kernel_pages * head_dim, page_size)
 
     has_block = block_kv is not None
     kernel = functools.partial(
         paged_attention_kernel, k_offset=2 * layer_offset, q_per_kv=q_per_kv,
         tokens_per_block=tokens_per_block, pages_per_block=pages_per_block,
-        pages_per_split=pages_per_split, num_splits=num_splits, sm_scale=sm_scale,
-        soft_cap=soft_cap, sliding_window=sliding_window, k_scale=k_scale,
-        v_scale=v_scale, has_block=has_block, block_causal=block_causal,
-        kv_gather=kv_gather, page_size=page_size, v_transposed=v_transposed)
+        pages_per_split=pages_per_split, num_splits=num_splits, soft_cap=soft_cap,
+        sliding_window=sliding_window, block_logit_scale=1.0 / k_scale, v_scale=v_scale,
+        has_block=has_block, block_causal=block_causal, page_size=page_size)
     whole = pl.BlockSpec(memory_space=None)
     in_specs = [
         pl.BlockSpec((None, None, rows, head_dim),
                      lambda b, h, p: (b, h, p // num_splits, 0)),             # q rows
-        pl.BlockSpec((None,) + kv_view.shape[1:],
-                     lambda b, h, p: (h,) + (0,) * (kv_view.ndim - 1)),       # kv pages
+        pl.BlockSpec((None,) + k_view.shape[1:], lambda b, h, p: (h, 0, 0)),  # pool as K rows
+        pl.BlockSpec((None,) + v_view.shape[1:], lambda b, h, p: (h, 0, 0)),  # pool as V^T rows
         pl.BlockSpec((None, table_width), lambda b, h, p: (b, 0)),           # batch table
         whole, whole, whole,                                                 # kv_lens, q_starts, q_lens
     ]
-    inputs = [q_rows, kv_view, batch_table, kv_lens, q_starts, q_lens]
-    if has_block:
+    inputs = [q_rows, k_view, v_view, batch_table, kv_lens, q_starts, q_lens]
+    if has_block:  # block K [B, Hkv, pad, D] and V^T [B, Hkv, D, pad] (V / v_scale)
         block_pad = max(MIN_ROWS, _pow2_at_least(max_q))
-        for x in block_kv:                                                   # block K, V
-            x = jnp.pad(x, ((0, 0), (0, block_pad - max_q), (0, 0), (0, 0)))
-            inputs.append(x.transpose(0, 2, 1, 3).astype(compute_dtype))     # [B, Hkv, pad, D]
-            in_specs.append(pl.BlockSpec((None, None, block_pad, head_dim),
-                                         lambda b, h, p: (b, h, 0, 0)))
+        block_k, block_v = (jnp.pad(x, ((0, 0), (0, block_pad - max_q), (0, 0), (0, 0)))
+                            for x in block_kv)
+        inputs.append(block_k.transpose(0, 2, 1, 3).astype(compute_dtype))
+        inputs.append((block_v.astype(jnp.float32) / v_scale).transpose(0, 2, 3, 1)
+                      .astype(compute_dtype))
+        in_specs += [pl.BlockSpec((None, None, block_pad, head_dim),
+                                  lambda b, h, p: (b, h, 0, 0)),
+                     pl.BlockSpec((None, None, head_dim, block_pad),
+                                  lambda b, h, p: (b, h, 0, 0))]
     out_rows = (num_splits, batch, num_kv_heads, num_q_blocks * rows)
     o, m, l = pl.pallas_call(
         kernel,
@@ -312,7 +319,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "kv_gather", "compute_dtype", "interpret", "v_transposed")
+           "compute_dtype", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -334,10 +341,8 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
-    kv_gather: str = "rows",
     compute_dtype: jnp.dtype | None = None,
     interpret: bool = False,
-    v_transposed: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
 
@@ -350,15 +355,14 @@ def paged_attention(
     f32 softmax.
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
-                           sliding_window, pages_per_block, kv_gather, compute_dtype)
+                           sliding_window, pages_per_block, compute_dtype)
     return _attention_call(
         q, pool, batch_table, kv_lens, kv_lens - q_lens, q_lens, None,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        kv_gather=kv_gather, compute_dtype=compute_dtype, interpret=interpret,
-        v_transposed=v_transposed)
+        compute_dtype=compute_dtype, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -383,10 +387,8 @@ def draft_block_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 3,
-    kv_gather: str = "rows",
     compute_dtype: jnp.dtype | None = None,
     interpret: bool = False,
-    v_transposed: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
     attend to the row's cached context (positions < ctx_len, windowed for
@@ -394,7 +396,7 @@ def draft_block_attention(
     causally within the block. Block K/V stay out of the cache.
     """
     static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
-                           sliding_window, pages_per_block, kv_gather, compute_dtype)
+                           sliding_window, pages_per_block, compute_dtype)
     if block_k.shape != block_v.shape or block_k.shape != (
             q.shape[0], q.shape[1], pool.shape[0], q.shape[3]):
         raise ValueError("block_k and block_v must be [batch, block_size, num_kv_heads, "
@@ -406,21 +408,25 @@ def draft_block_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        kv_gather=kv_gather, compute_dtype=compute_dtype, interpret=interpret,
-        v_transposed=v_transposed)
+        compute_dtype=compute_dtype, interpret=interpret)
 
 
 def _combine_splits(o, m, l):
-    """Merge per-split softmax parts: o [S, B, H, R, D], m and l [S, B, H, R]."""
-    weight = jnp.exp2(m - m.max(axis=0, keepdims=True)) * l  # m is in log2 units
-    total = weight.sum(axis=0)
-    out = (o * weight[..., None]).sum(axis=0)
-    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    """Merge per-split softmax parts: o [S, B, H, R, D], m and l [S, B, H, R].
+
+    Written as S unrolled elementwise terms, not reductions over the split
+    axis: XLA picks a reduction's order by shape, and a row must combine the
+    same way in a 1-query decode pass as in a K+1-query verify pass."""
+    m_max = functools.reduce(jnp.maximum, list(m))
+    weights = [jnp.exp2(m_s - m_max) * l_s for m_s, l_s in zip(m, l)]  # m in log2 units
+    total = functools.reduce(jnp.add, weights)
+    out = functools.reduce(jnp.add, [o_s * w[..., None] for o_s, w in zip(o, weights)])
+    return jnp.where(total[..., None] > 0,
+                     out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
-                           sliding_window, pages_per_block, kv_gather,
-                           compute_dtype) -> None:
+                           sliding_window, pages_per_block, compute_dtype) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, max_q, num_q_heads, head_dim], got {q.shape=}")
     if pool.ndim != 6 or pool.shape[3] != 2:
@@ -452,16 +458,14 @@ def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
     if compute_dtype not in (None, jnp.float16, jnp.bfloat16, jnp.float32):
         raise ValueError(f"compute_dtype must be None, float16, bfloat16 or float32, got "
                          f"{compute_dtype!r}")
-    if kv_gather not in ("rows", "pages"):
-        raise ValueError(f"kv_gather must be 'rows' or 'pages', got {kv_gather!r}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim=}")
 
 
 def dequantized_kv(pool, layer_offset, k_scale=1.0, v_scale=1.0):
     """f32 K and V of one layer: [num_kv_heads, num_pages, page_size, head_dim] each."""
-    layer = pool[:, :, layer_offset].astype(jnp.float32)
-    return layer[:, :, 0] * k_scale, layer[:, :, 1] * v_scale
+    k, v = layer_kv(pool, layer_offset)
+    return k.astype(jnp.float32) * k_scale, v.astype(jnp.float32) * v_scale
 
 
 def _attention_reference(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv=None, *,

@@ -15,9 +15,11 @@ Physical layout of one pool (one array, sharded along kv heads):
     [num_kv_heads, num_pages, num_layers_in_pool, 2 (K, V), page_size, head_dim]
 
 so one logical page holds every layer of the pool, K and V, and a request's
-pages move in transfer as whole contiguous chunks. Attention kernels view the
-pool as `[num_kv_heads, num_pages * 2 * num_layers, page_size, head_dim]` and
-read "kernel page" `page * page_index_scale + 2 * layer_offset (+1 for V)`.
+pages move in transfer as whole contiguous chunks. A K page is key-major
+`[page_size, head_dim]`; a V page holds the same bytes as `[head_dim,
+page_size]` (V transposed, so attention's P.V dot reads keys contiguously;
+`pallas_kernels.kv_store` writes and reads both). Attention kernels read
+"kernel page" `page * page_index_scale + 2 * layer_offset (+1 for V)`.
 
 Everything here is static host config: frozen dataclasses, validated once,
 with errors that name the field and the fix.

@@ -5,21 +5,31 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from tests.pallas_kernels.test_paged_attention import make_case, rel_err
+from tests.pallas_kernels.test_paged_attention import (assert_verify_equals_decode, make_case,
+                                                      rel_err)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("max_q", [1, 8, 64])
-@pytest.mark.parametrize("kv_gather,compute_dtype", [
-    ("rows", None), ("rows", jnp.bfloat16), ("pages", None)])
-def test_compiled_attention_matches_reference_at_head_dim_128(kv_dtype, max_q, kv_gather,
-                                                              compute_dtype):
+@pytest.mark.parametrize("compute_dtype", [None, jnp.bfloat16])
+def test_compiled_attention_matches_reference_at_head_dim_128(kv_dtype, max_q, compute_dtype):
     rng = np.random.default_rng(max_q)
     q, pool, table, kv_lens, q_lens = make_case(
         rng, batch=16, max_q=max_q, num_q_heads=32, num_kv_heads=8, head_dim=128,
         page_size=16, kv_dtype=kv_dtype, window=512, kv_lens=rng.integers(max_q, 4000, 16))
     kw = dict(layer_offset=1, sliding_window=512)
-    out = paged_attention(q, pool, table, kv_lens, q_lens, kv_gather=kv_gather,
-                          compute_dtype=compute_dtype, interpret=False, **kw)
+    out = paged_attention(q, pool, table, kv_lens, q_lens, compute_dtype=compute_dtype,
+                          interpret=False, **kw)
     assert rel_err(out, paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)) < 1e-2
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("window", [None, 100])
+def test_compiled_verify_equals_decode_bit_for_bit(kv_dtype, window):
+    assert_verify_equals_decode(
+        np.random.default_rng(3), max_q=8, batch=16, num_q_heads=32, num_kv_heads=8,
+        head_dim=128, page_size=16, kv_dtype=kv_dtype, window=window, max_len=3000,
+        interpret=False)

@@ -2,12 +2,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_store import FP8_MAX, write_kv
+from pallas_kernels.kv_store import FP8_MAX, layer_kv, write_kv
 from unified_kv import BAD_PAGE_INDEX
 
 
+def key_major(pool):
+    """The pool with every V page read back key-major through `layer_kv`."""
+    layers = [np.stack([np.asarray(x, np.float32) for x in layer_kv(pool, i)], axis=2)
+              for i in range(pool.shape[2])]
+    return np.stack(layers, axis=2)   # [heads, pages, layers, 2, page_size, head_dim]
+
+
 def write_kv_loop(pool, table, starts, num_tokens, k, v, layer_offset, k_scale, v_scale):
-    """Reference: one token at a time, in numpy."""
+    """Reference: one token at a time, in numpy, on key-major K and V pages
+    (compared through `layer_kv`, which undoes the V pages' transpose)."""
     pool = np.array(pool, np.float32)
     num_layers, page_size = pool.shape[2], pool.shape[4]
     ok = []
@@ -40,7 +48,7 @@ def test_write_kv_matches_token_loop(dtype, k_scale, v_scale):
     num_tokens = np.array([6, 4, 9, 0], np.int32)    # row 2 runs past its only page
     k = rng.standard_normal((4, 9, heads, dim)) * 100  # fp8 saturates, never NaN
     v = rng.standard_normal((4, 9, heads, dim))
-    before = np.asarray(pool, np.float32)  # write_kv donates the pool
+    before = key_major(pool)  # write_kv donates the pool
     out, ok = write_kv(pool, jnp.asarray(table), jnp.asarray(starts), jnp.asarray(num_tokens),
                        jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
                        layer_offset=1, k_scale=k_scale, v_scale=v_scale)
@@ -48,9 +56,22 @@ def test_write_kv_matches_token_loop(dtype, k_scale, v_scale):
                                   k, v, 1, k_scale, v_scale)
     np.testing.assert_array_equal(np.asarray(ok), want_ok)
     assert np.asarray(ok).tolist() == [True, True, False, True]
-    got = np.asarray(out, np.float32)
+    got = key_major(out)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, np.asarray(jnp.asarray(want, dtype), np.float32))
+
+
+def test_v_pages_are_stored_transposed():
+    """One token's V lands in column `slot` of its [head_dim, page_size] V page."""
+    heads, layers, ps, dim = 1, 2, 4, 8
+    pool = jnp.zeros((heads, 3, layers, 2, ps, dim), jnp.float32)
+    v = jnp.arange(1, dim + 1, dtype=jnp.float32).reshape(1, 1, 1, dim)
+    out, _ = write_kv(pool, jnp.array([[2 * 2 * layers]], jnp.int32), jnp.array([1], jnp.int32),
+                      jnp.array([1], jnp.int32), -v, v, layer_offset=1)
+    v_page = np.asarray(out)[0, 2, 1, 1].reshape(dim, ps)    # page 2, layer 1, V
+    np.testing.assert_array_equal(v_page[:, 1], np.arange(1, dim + 1))
+    assert (np.delete(v_page, 1, axis=1) == 0).all()
+    np.testing.assert_array_equal(np.asarray(out)[0, 2, 1, 0, 1], -np.arange(1, dim + 1))
 
 
 def test_write_kv_rejects_bad_shapes():

@@ -81,13 +81,12 @@ def test_kernel_matches_reference(interpret, name, kwargs, soft_cap):
     args = dict(layer_offset=1, sliding_window=kwargs.get("window"), soft_cap=soft_cap,
                 k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
     ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
-    for splits, gather, compute in ((1, "rows", None), (3, "rows", None),
-                                    (1, "pages", jnp.bfloat16)):
+    for splits, compute in ((1, None), (3, None), (1, jnp.bfloat16)):
         out = paged_attention(q, pool, table, kv_lens, q_lens, pages_per_block=2,
-                              num_splits=splits, kv_gather=gather, compute_dtype=compute,
+                              num_splits=splits, compute_dtype=compute,
                               interpret=interpret, **args)
         assert out.shape == q.shape
-        assert rel_err(out, ref) < 2e-2, f"{name} splits={splits} gather={gather} {compute}"
+        assert rel_err(out, ref) < 2e-2, f"{name} splits={splits} {compute}"
         # Query tokens past q_len (and padding rows) are zeros, not garbage.
         mask = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
         assert (np.asarray(out, np.float32)[mask] == 0).all()
@@ -106,6 +105,35 @@ def test_verify_rows_are_causal_among_themselves(interpret):
                                np.asarray(solo[:, 0], np.float32), rtol=1e-2, atol=1e-2)
 
 
+def assert_verify_equals_decode(rng, *, max_q, batch, max_len, interpret, window,
+                                pages_per_block=4, **case):
+    """Greedy speculative decoding is lossless only if query i of a K+1-query
+    verify pass gets exactly what a 1-query decode pass at its position gets:
+    the same key blocks and arithmetic, whatever the masks (windowed rows
+    included, whose earliest visible page differs per query)."""
+    q, pool, table, kv_lens, q_lens = make_case(
+        rng, batch=batch, max_q=max_q, window=window, q_lens=np.full(batch, max_q),
+        kv_lens=rng.integers(max_q, max_len, batch), **case)
+    kw = dict(layer_offset=1, sliding_window=window, k_scale=0.5, v_scale=0.25,
+              pages_per_block=pages_per_block, interpret=interpret)
+    verify = np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **kw))
+    ones = jnp.ones((batch,), jnp.int32)
+    for i in range(max_q):
+        decode = paged_attention(q[:, i:i + 1], pool, table, kv_lens - (max_q - 1 - i), ones,
+                                 **kw)
+        np.testing.assert_array_equal(np.asarray(decode)[:, 0], verify[:, i],
+                                      err_msg=f"query {i}")
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("window", [None, 20])
+def test_verify_equals_decode_bit_for_bit(interpret, kv_dtype, window):
+    # 2 pages of 8 keys per block: windows start mid-block for some queries
+    assert_verify_equals_decode(np.random.default_rng(3), max_q=4, batch=8, max_len=90,
+                                num_q_heads=8, num_kv_heads=2, kv_dtype=kv_dtype,
+                                window=window, pages_per_block=2, interpret=interpret)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(q=jnp.zeros((2, 1, 3, 32), jnp.bfloat16)), "multiple of num_kv_heads"),
     (dict(q=jnp.zeros((2, 1, 4, 16), jnp.bfloat16)), "head_dim"),
@@ -114,7 +142,6 @@ def test_verify_rows_are_causal_among_themselves(interpret):
     (dict(kv_lens=jnp.zeros((2,), jnp.float32)), "kv_lens must be i32"),
     (dict(layer_offset=2), "layer_offset=2 outside"),
     (dict(pages_per_block=3), "pages_per_block must be a power of two"),
-    (dict(kv_gather="tokens"), "kv_gather must be 'rows' or 'pages'"),
     (dict(compute_dtype=jnp.int8), "compute_dtype must be None, float16"),
 ])
 def test_invalid_inputs_raise_at_trace_time(change, match):
