@@ -25,6 +25,7 @@ from pallas_kernels.paged_attention import (draft_block_attention, paged_attenti
                                             paged_attention_reference)
 
 BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
+FP8 = jnp.float8_e4m3fn
 
 
 def make_pool(key, num_pages, dtype, num_layers=1):
@@ -150,12 +151,13 @@ def bench_draft_block(ctx, cfg, block=8):
             "draft_over_decode": t_draft / t_decode}
 
 
-def bench_prefill(prior, chunk=2048, batch=4):
-    """Chunked prefill TFLOP/s vs XLA dense attention on contiguous K/V (same data)."""
+def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
+    """Chunked prefill TFLOP/s vs XLA dense attention on contiguous K/V (same
+    values, in bf16)."""
     total = prior + chunk
     pages = total // PAGE
     key = jax.random.key(5)
-    pool = make_pool(key, batch * pages, jnp.bfloat16)
+    pool = make_pool(key, batch * pages, dtype)
     table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
     table = jnp.asarray(np.random.default_rng(1).permutation(batch * pages).astype(np.int32)
                         ).reshape(batch, pages) * 2
@@ -164,7 +166,8 @@ def bench_prefill(prior, chunk=2048, batch=4):
     q_lens = jnp.full((batch,), chunk, jnp.int32)
     pairs = chunk * prior + chunk * (chunk + 1) // 2
     flops = 4 * batch * HQ * D * pairs
-    row = {"prior": prior, "chunk": chunk, "batch": batch, "flops": flops}
+    row = {"prior": prior, "chunk": chunk, "batch": batch, "flops": flops,
+           "kv_dtype": jnp.dtype(dtype).name}
     interpret = jax.default_backend() == "cpu"
     best = None
     for rows_per_block, ppb, warps in ((64, 4, 4), (128, 4, 4), (128, 8, 8)):
@@ -182,7 +185,7 @@ def bench_prefill(prior, chunk=2048, batch=4):
             best = (t, dict(rows_per_block=rows_per_block, pages_per_block=ppb, num_warps=warps))
     row.update(ours_ms=best[0] * 1e3, ours_cfg=best[1], ours_TFLOPs=flops / best[0] / 1e12)
     kd, vd = (x[:, table // 2].transpose(1, 2, 3, 0, 4).reshape(batch, total, HKV, D)
-              for x in layer_kv(pool, 0))
+              .astype(jnp.bfloat16) for x in layer_kv(pool, 0))
     mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
     for impl in ("xla", "cudnn"):
         try:
@@ -222,10 +225,19 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="one config, fewer cases")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="only chunked prefill, over bf16 and fp8 pools")
     parser.add_argument("--decode-configs", nargs="+", default=None,
                         metavar="PPB,WARPS,STAGES,SPLITS",
                         help="decode configs to sweep (SPLITS 0 = automatic), e.g. 4,2,3,2")
     args = parser.parse_args()
+    if args.prefill_only:
+        rows = [bench_prefill(prior, dtype=dtype) for dtype in (jnp.bfloat16, FP8)
+                for prior in (0, 8192)]
+        for r in rows:
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+        print("wrote", write_results("paged_attention_prefill", {"prefill": rows}, args.out))
+        return
     copy_bw = device_copy_bandwidth()
     print(f"device copy bandwidth (read + write): {copy_bw/1e12:.2f} TB/s", flush=True)
     configs = ([(4, 2, 3, None)] if args.quick else

@@ -8,6 +8,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee
 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
 python3 benchmarks/bench_batch_tables.py --out "$OUT" 2>&1 | tee "$OUT/batch_tables.txt"
 python3 benchmarks/bench_paged_attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/paged_attention.txt"
+python3 benchmarks/bench_paged_attention.py --out "$OUT" --prefill-only 2>&1 | tee "$OUT/paged_attention_prefill.txt"
 python3 benchmarks/bench_cache_layouts.py --out "$OUT" --contexts 4096 131072 1048576 2>&1 | tee "$OUT/cache_layouts.txt"
 python3 benchmarks/bench_decode_speed.py --out "$OUT" 2>&1 | tee "$OUT/decode_speed.txt"
 python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" 2>&1 | tee "$OUT/eval.txt"
