@@ -114,6 +114,9 @@ class Engine:
         self._counter = 0  # steps' PRNG keys are fold_in(key(seed), counter), in the jit
         self._active: dict[int, _Active] = {}
         self._lens = np.zeros(cfg.spec.num_slots, np.int64)  # host upper bound per slot
+        # (dispatch, wait) seconds of recent decode steps: the jitted call's
+        # return, then its outputs arriving on the host (profiling the host loop)
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)
         statics = ("cfg", "table_width", "temperature")
         step = decode_step if speculative else plain_decode_step
         on_mesh = functools.partial(_traced_on_mesh, mesh)
@@ -261,13 +264,17 @@ class Engine:
         width = self._table_width(int(self._lens.max()) + 2 * self.cfg.block_size)
         # Host arrays go straight to the jitted call (one transfer, no eager op);
         # its outputs come back in one device_get.
+        start = time.perf_counter()
         self.state, *outs = self._decode(self.params, self.state, slots,
                                          counter=self._next_counter(), cfg=self.cfg,
                                          table_width=width, temperature=temperature)
+        dispatched = time.perf_counter()
+        outs = jax.device_get(outs)
+        self.step_times.append((dispatched - start, time.perf_counter() - dispatched))
         if self.speculative:
-            out_tokens, num_out, ok = jax.device_get(outs)
+            out_tokens, num_out, ok = outs
         else:
-            token, ok = jax.device_get(outs)
+            token, ok = outs
             out_tokens, num_out = token[:, None], np.where(ok, 1, 0)
         finished = []
         for slot, act in list(self._active.items()):

@@ -71,6 +71,17 @@ def test_pages_return_to_the_free_lists_after_generate(pair):
     assert engine.admission.reserved_pages == (0,) * len(spec_cfg.spec.pools)
 
 
+def test_step_times_hold_one_dispatch_and_wait_per_decode_step(pair):
+    params, spec_cfg, _ = pair
+    engine = Engine(params, spec_cfg)
+    engine.add_request("a", [1, 2, 3], 4)
+    steps = 0
+    while not engine.step():
+        steps += 1
+    assert len(engine.step_times) == steps + 1
+    assert all(d > 0 and w >= 0 for d, w in engine.step_times)
+
+
 def test_engine_runs_the_pallas_kernel_path_in_interpret_mode():
     """The GPU path (Pallas batch tables + attention) wired through the engine."""
     params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, max_seq_len=64, impl="interpret")
