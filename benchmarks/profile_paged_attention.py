@@ -16,10 +16,9 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import ours, setup
+from benchmarks.bench_paged_attention import FP8, ours, setup
 from benchmarks.timing import time_call, write_results
 
-FP8 = jnp.float8_e4m3fn
 CASES = {
     "bf16_q1": (jnp.bfloat16, 1, {}),
     "bf16_q8": (jnp.bfloat16, 8, {}),
