@@ -55,20 +55,20 @@ def ours(q, pool, table, kv_lens, q_lens, **kw):
     return jax.jit(lambda *a: paged_attention(*a, layer_offset=0, interpret=interpret, **kw))
 
 
-def sweep_configs(args, configs, label, nbytes=None):
+def sweep_configs(args, configs, label, rate=None, iters=50):
     """Time the kernel on `args` for each config (kwargs dicts). Returns
     (best config, its seconds, [config + ms] for every config that compiled),
-    dtypes by name; a config Triton cannot compile is reported and skipped."""
+    dtypes by name; `rate(seconds)` adds a throughput to each printed line; a
+    config Triton cannot compile is reported and skipped."""
     best, sweep = None, []
     for cfg in configs:
         try:
-            t = time_call(ours(*args, **cfg), *args)
+            t = time_call(ours(*args, **cfg), *args, iters=iters)
         except Exception as e:
             print(f"  {label} {cfg} failed: {e!s:.200}")
             continue
         named = {k: (jnp.dtype(v).name if isinstance(v, type) else v) for k, v in cfg.items()}
-        rate = f" {nbytes / t / 1e12:.2f} TB/s" if nbytes else ""
-        print(f"  {label} {named}: {t*1e3:.3f} ms{rate}", flush=True)
+        print(f"  {label} {named}: {t*1e3:.3f} ms{' ' + rate(t) if rate else ''}", flush=True)
         sweep.append({**named, "ms": t * 1e3})
         if best is None or t < best[0]:
             best = (t, named)
@@ -82,7 +82,7 @@ def bench_decode(ctx, copy_bw, configs):
     cfg, t, row["sweep"] = sweep_configs(args, [
         dict(pages_per_block=ppb, num_warps=warps, num_stages=stages, num_splits=splits)
         for ppb, warps, stages, splits in configs],
-        f"ctx={ctx}", row["kv_bytes"])
+        f"ctx={ctx}", lambda t: f"{row['kv_bytes'] / t / 1e12:.2f} TB/s")
     row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TBps=row["kv_bytes"] / t / 1e12,
                frac_of_copy_bw=row["kv_bytes"] / t / copy_bw)
     # jax's Pallas paged attention on the same K/V (separate key-major K and V pages).
@@ -158,7 +158,6 @@ def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
     pages = total // PAGE
     key = jax.random.key(5)
     pool = make_pool(key, batch * pages, dtype)
-    table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
     table = jnp.asarray(np.random.default_rng(1).permutation(batch * pages).astype(np.int32)
                         ).reshape(batch, pages) * 2
     q = jax.random.normal(jax.random.fold_in(key, 1), (batch, chunk, HQ, D), jnp.bfloat16)
@@ -168,22 +167,14 @@ def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
     flops = 4 * batch * HQ * D * pairs
     row = {"prior": prior, "chunk": chunk, "batch": batch, "flops": flops,
            "kv_dtype": jnp.dtype(dtype).name}
-    interpret = jax.default_backend() == "cpu"
-    best = None
-    for rows_per_block, ppb, warps in ((64, 4, 4), (128, 4, 4), (128, 8, 8)):
-        fn = jax.jit(lambda *a, r=rows_per_block, p=ppb, w=warps: paged_attention(
-            *a, layer_offset=0, rows_per_block=r, pages_per_block=p, num_warps=w,
-            num_stages=2, interpret=interpret))
-        try:
-            t = time_call(fn, q, pool, table, kv_lens, q_lens, iters=10)
-        except Exception as e:
-            print(f"  prefill rows={rows_per_block} ppb={ppb} failed: {e!s:.200}")
-            continue
-        print(f"  prefill prior={prior} rows={rows_per_block} ppb={ppb} warps={warps}: "
-              f"{t*1e3:.3f} ms {flops/t/1e12:.1f} TFLOP/s", flush=True)
-        if best is None or t < best[0]:
-            best = (t, dict(rows_per_block=rows_per_block, pages_per_block=ppb, num_warps=warps))
-    row.update(ours_ms=best[0] * 1e3, ours_cfg=best[1], ours_TFLOPs=flops / best[0] / 1e12)
+    # (rows per block, pages per block, warps), 2 pipeline stages
+    cfg, t, row["sweep"] = sweep_configs(
+        (q, pool, table, kv_lens, q_lens),
+        [dict(rows_per_block=r, pages_per_block=p, num_warps=w, num_stages=2)
+         for r, p, w in ((64, 4, 4), (128, 4, 4), (128, 8, 8))],
+        f"prefill prior={prior} {jnp.dtype(dtype).name}",
+        lambda t: f"{flops / t / 1e12:.1f} TFLOP/s", iters=10)
+    row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TFLOPs=flops / t / 1e12)
     kd, vd = (x[:, table // 2].transpose(1, 2, 3, 0, 4).reshape(batch, total, HKV, D)
               .astype(jnp.bfloat16) for x in layer_kv(pool, 0))
     mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
@@ -193,7 +184,7 @@ def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
                 q_, k_, v_, mask=mask, implementation=impl))
             td = time_call(dfn, q, kd, vd, iters=10)
             row.update({f"{impl}_dense_ms": td * 1e3, f"{impl}_dense_TFLOPs": flops / td / 1e12,
-                        f"speedup_vs_{impl}_dense": td / best[0]})
+                        f"speedup_vs_{impl}_dense": td / t})
         except Exception as e:
             row[f"{impl}_dense_error"] = f"{e!s:.300}"
     return row

@@ -24,7 +24,6 @@ def test_compiled_attention_matches_reference_at_head_dim_128(kv_dtype, max_q, c
     assert rel_err(out, paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)) < 1e-2
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("window", [None, 100])
