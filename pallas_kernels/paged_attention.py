@@ -115,6 +115,13 @@ def paged_attention_kernel(
     hi = jnp.minimum(pl.cdiv(key_end, page_size), (split + 1) * pages_per_split)
     num_blocks = jnp.where(last_tok >= first_tok,
                            pl.cdiv(jnp.maximum(hi - lo, 0), pages_per_block), 0)
+    # A row sees cached keys at positions in (lower, upper]: upper is its own
+    # position, the cache end or this split's end (keys past it belong to the
+    # next split), lower its window start; rows past q_len (and padding rows)
+    # see none. One compare per logit and bound, not one per condition: fp8
+    # verify ran 9% faster (BENCHMARKS.md).
+    upper = jnp.where(row_valid,
+                      jnp.minimum(q_pos, jnp.minimum(key_end, hi * page_size) - 1), -1)
 
     q = q_ref[...]
 
@@ -162,11 +169,9 @@ def paged_attention_kernel(
         k, v_t = load_kv(first)
         logits = cap(plgpu.dot(q, k, trans_b=True))  # f32[rows, block_k]
         k_pos = first * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        # Keys past this split's last page belong to the next split.
-        visible = ((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
-                   & (k_pos[None, :] < hi * page_size) & row_valid[:, None])
+        visible = k_pos[None, :] <= upper[:, None]
         if sliding_window is not None:
-            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            visible &= k_pos[None, :] > (q_pos - sliding_window)[:, None]
         return softmax_step(carry, logits, visible, v_t)
 
     carry = (jnp.zeros((rows, head_dim), jnp.float32),

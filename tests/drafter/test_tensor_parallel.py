@@ -9,9 +9,11 @@ from tests.drafter.tiny import tiny_pair
 
 
 @pytest.mark.timeout(900)
-def test_pallas_kernels_on_a_kv_head_mesh_give_the_single_device_tokens(monkeypatch):
+def test_pallas_kernels_on_a_kv_head_mesh_give_the_single_device_tokens(monkeypatch,
+                                                                       interpret):
+    """Interpret mode over host devices on CPU; compiled over 2 GPUs on a GPU host."""
     if len(jax.devices()) < 2:
-        pytest.skip("needs 2 (host) devices")
+        pytest.skip("needs 2 devices (host devices on CPU, or 2 GPUs)")
     sharded = []  # (in_specs) of every kernel traced per device
     real_shard_map = jax.shard_map
 
@@ -20,7 +22,8 @@ def test_pallas_kernels_on_a_kv_head_mesh_give_the_single_device_tokens(monkeypa
         return real_shard_map(f, **kwargs)
     monkeypatch.setattr(jax, "shard_map", spy)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
-    params, cfg, _ = tiny_pair(num_slots=2, impl="interpret", max_seq_len=64)
+    params, cfg, _ = tiny_pair(num_slots=2, impl="interpret" if interpret else "pallas",
+                                max_seq_len=64)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(1, 20))]
     want = Engine(params, cfg).generate(prompts, 6)
     engine = Engine(params, cfg, mesh=mesh)

@@ -24,11 +24,20 @@ def test_compiled_attention_matches_reference_at_head_dim_128(kv_dtype, max_q, c
     assert rel_err(out, paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)) < 1e-2
 
 
+BLOCKINGS = [  # the default, and the other blockings the benchmarks time
+    {},
+    dict(pages_per_block=2, num_warps=2),
+    dict(pages_per_block=8, num_warps=2),
+    dict(pages_per_block=8, num_warps=4, num_stages=4),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("window", [None, 100])
-def test_compiled_verify_equals_decode_bit_for_bit(kv_dtype, window):
+@pytest.mark.parametrize("blocking", BLOCKINGS, ids=lambda b: "-".join(map(str, b.values())))
+def test_compiled_verify_equals_decode_bit_for_bit(kv_dtype, window, blocking):
     assert_verify_equals_decode(
         np.random.default_rng(3), max_q=8, batch=16, num_q_heads=32, num_kv_heads=8,
         head_dim=128, page_size=16, kv_dtype=kv_dtype, window=window, max_len=3000,
-        interpret=False)
+        blocking=blocking, interpret=False)

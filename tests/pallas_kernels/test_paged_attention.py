@@ -106,7 +106,7 @@ def test_verify_rows_are_causal_among_themselves(interpret):
 
 
 def assert_verify_equals_decode(rng, *, max_q, batch, max_len, interpret, window,
-                                pages_per_block=4, **case):
+                                blocking=None, **case):
     """Greedy speculative decoding is lossless only if query i of a K+1-query
     verify pass gets exactly what a 1-query decode pass at its position gets:
     the same key blocks and arithmetic, whatever the masks (windowed rows
@@ -115,7 +115,7 @@ def assert_verify_equals_decode(rng, *, max_q, batch, max_len, interpret, window
         rng, batch=batch, max_q=max_q, window=window, q_lens=np.full(batch, max_q),
         kv_lens=rng.integers(max_q, max_len, batch), **case)
     kw = dict(layer_offset=1, sliding_window=window, k_scale=0.5, v_scale=0.25,
-              pages_per_block=pages_per_block, interpret=interpret)
+              interpret=interpret, **(blocking or {}))
     verify = np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **kw))
     ones = jnp.ones((batch,), jnp.int32)
     for i in range(max_q):
@@ -131,7 +131,8 @@ def test_verify_equals_decode_bit_for_bit(interpret, kv_dtype, window):
     # 2 pages of 8 keys per block: windows start mid-block for some queries
     assert_verify_equals_decode(np.random.default_rng(3), max_q=4, batch=8, max_len=90,
                                 num_q_heads=8, num_kv_heads=2, kv_dtype=kv_dtype,
-                                window=window, pages_per_block=2, interpret=interpret)
+                                window=window, blocking=dict(pages_per_block=2),
+                                interpret=interpret)
 
 
 @pytest.mark.parametrize("change,match", [
