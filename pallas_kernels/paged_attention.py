@@ -119,7 +119,7 @@ def paged_attention_kernel(
     # position, the cache end or this split's end (keys past it belong to the
     # next split), lower its window start; rows past q_len (and padding rows)
     # see none. One compare per logit and bound, not one per condition: fp8
-    # verify ran 9% faster (BENCHMARKS.md).
+    # verify ran 5-6% and prefill 10-18% faster (BENCHMARKS.md).
     upper = jnp.where(row_valid,
                       jnp.minimum(q_pos, jnp.minimum(key_end, hi * page_size) - 1), -1)
 
