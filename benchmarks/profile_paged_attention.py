@@ -33,9 +33,12 @@ for _name, _dtype in (("bf16", jnp.bfloat16), ("fp8", FP8)):  # the last 2048 to
     CASES[f"{_name}_prefill2048"] = (_dtype, 2048, {"rows_per_block": 128, "pages_per_block": 4,
                                                     "num_warps": 4, "num_stages": 2})
 for _q in (1, 8):  # fp8 blockings: pages per block, warps, pipeline stages
-    for _ppb, _w, _st in ((2, 2, 3), (4, 2, 4), (8, 2, 3), (8, 4, 3), (4, 4, 3)):
+    for _ppb, _w, _st in ((2, 2, 3), (4, 2, 4), (8, 2, 3), (8, 4, 3), (4, 4, 3), (4, 2, 5),
+                          (4, 2, 6), (8, 2, 5)):
         CASES[f"fp8_q{_q}_p{_ppb}w{_w}s{_st}"] = (
             FP8, _q, {"pages_per_block": _ppb, "num_warps": _w, "num_stages": _st})
+    # From 5 stages on, Triton pipelines the key loop (benchmarks/inspect_triton.py).
+    CASES[f"bf16_q{_q}_s5"] = (jnp.bfloat16, _q, {"num_stages": 5})
 
 
 def load_kernel(path):

@@ -1,0 +1,129 @@
+"""What Triton makes of the paged-attention kernel, on a machine without a GPU.
+
+    PYTHONPATH=. python benchmarks/inspect_triton.py [--max-q 8] [--kv fp8] [--stages 3 5]
+    PYTHONPATH=. python benchmarks/inspect_triton.py --kernel old_kernel.py --out DIR
+
+Pallas lowers the kernel to Triton IR for an abstract sm_90 device (jax needs
+no GPU for that), and the `triton` package (`pip install ".[inspect]"`; a CPU
+machine suffices) compiles it for sm_90 once per pipeline stage count. Each
+compile reports its shared memory, registers per thread, and the
+`cp.async.wait_group` counts in the PTX: a count of 0 inside the key loop
+means every iteration waits for every load in flight, i.e. the loads are not
+pipelined across iterations. The IR, PTX and SASS go to `--out`.
+
+The triton package is not the one inside XLA (which compiles the kernel on
+the H200), so what it shows is evidence to time on the GPU, not a timing.
+Shapes are bench_paged_attention's decode case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.profile_paged_attention import load_kernel
+
+BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
+KV_DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}
+
+
+def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, **kernel_kw) -> str:
+    """Triton IR (text) of `paged_attention` from `kernel_file`, lowered for sm_90."""
+    from jax._src.pallas.triton import lowering
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    class _Hopper:  # what the lowering asks the (absent) GPU for
+        compute_capability = 90
+
+    modules = []
+    real_info = registration.gpu_info_lib.get_gpu_info
+    real_lower = lowering.lower_jaxpr_to_triton_module
+
+    def keep_module(*args, **kwargs):
+        result = real_lower(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    kernel = load_kernel(kernel_file)
+    pages = ctx // PAGE
+    args = (jax.ShapeDtypeStruct((BATCH, max_q, HQ, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((HKV, BATCH * pages, 1, 2, PAGE, D), KV_DTYPES[kv]),
+            jax.ShapeDtypeStruct((BATCH, pages), jnp.int32),
+            jax.ShapeDtypeStruct((BATCH,), jnp.int32),
+            jax.ShapeDtypeStruct((BATCH,), jnp.int32))
+    step = jax.jit(lambda *a: kernel(*a, layer_offset=0, **kernel_kw))
+    registration.gpu_info_lib.get_gpu_info = lambda: _Hopper()
+    lowering.lower_jaxpr_to_triton_module = keep_module
+    try:
+        step.trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        registration.gpu_info_lib.get_gpu_info = real_info
+        lowering.lower_jaxpr_to_triton_module = real_lower
+    if len(modules) != 1:
+        raise RuntimeError(f"expected one Pallas kernel in the step, lowered {len(modules)}")
+    return modules[0]
+
+
+def compile_for_hopper(ir_file: Path, *, num_warps: int, num_stages: int) -> dict:
+    """Compile Triton IR for sm_90 with the `triton` package; PTX/SASS beside the IR."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        raise SystemExit("the `triton` package compiles the IR: pip install '.[inspect]' "
+                         f"(no GPU needed) ({e})") from None
+    kernel = triton.compile(str(ir_file), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    stem = ir_file.with_suffix(f".s{num_stages}")
+    ptx = kernel.asm["ptx"]
+    stem.with_suffix(stem.suffix + ".ttgir").write_text(kernel.asm["ttgir"])
+    stem.with_suffix(stem.suffix + ".ptx").write_text(ptx)
+    cubin = stem.with_suffix(stem.suffix + ".cubin")
+    cubin.write_bytes(kernel.asm["cubin"])
+    report = {"num_stages": num_stages, "shared_bytes": kernel.metadata.shared,
+              "wait_group": [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]}
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if (tools / "cuobjdump").exists():
+        usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", cubin],
+                               capture_output=True, text=True).stdout
+        found = re.search(r"REG:(\d+)", usage)
+        report["registers"] = int(found.group(1)) if found else None
+    if (tools / "nvdisasm").exists():
+        sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True,
+                              text=True).stdout
+        stem.with_suffix(stem.suffix + ".sass").write_text(sass)
+    return report
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kernel", default=str(Path(__file__).parents[1] / "pallas_kernels"
+                                                / "paged_attention.py"))
+    parser.add_argument("--max-q", type=int, default=8)
+    parser.add_argument("--kv", choices=list(KV_DTYPES), default="fp8")
+    parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--warps", type=int, default=2)
+    parser.add_argument("--pages-per-block", type=int, default=4)
+    parser.add_argument("--stages", type=int, nargs="+", default=[3, 5])
+    parser.add_argument("--out", default="/tmp/inspect_triton")
+    args = parser.parse_args()
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    ir = triton_ir(args.kernel, max_q=args.max_q, kv=args.kv, ctx=args.ctx,
+                   num_warps=args.warps, pages_per_block=args.pages_per_block)
+    ir_file = out / f"paged_attention_{args.kv}_q{args.max_q}.ttir"
+    ir_file.write_text(ir)
+    print(f"{ir_file}: {ir.count(chr(10))} lines of Triton IR")
+    for stages in args.stages:
+        print(compile_for_hopper(ir_file, num_warps=args.warps, num_stages=stages), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""benchmarks/inspect_triton.py: the kernel's Triton IR without a GPU."""
+
+import pytest
+
+from benchmarks import inspect_triton
+from pallas_kernels import paged_attention
+
+
+def fp8_verify_ir():
+    return inspect_triton.triton_ir(paged_attention.__file__, max_q=8, kv="fp8", ctx=1024,
+                                    num_warps=2, pages_per_block=4)
+
+
+def test_triton_ir_of_the_kernel_lowers_for_hopper_without_a_gpu():
+    ir = fp8_verify_ir()
+    assert "tt.func" in ir and "scf.for" in ir  # the kernel and its key loop
+    assert ir.count("tt.dot") == 2              # q.K and p.V
+    assert "f8E4M3FN" in ir                     # the fp8 pool is read as fp8
+
+
+def test_triton_compiles_the_ir_for_hopper_and_reports_its_pipelining(tmp_path):
+    pytest.importorskip("triton", reason="pip install '.[inspect]' to compile the IR")
+    ir_file = tmp_path / "kernel.ttir"
+    ir_file.write_text(fp8_verify_ir())
+    shallow = inspect_triton.compile_for_hopper(ir_file, num_warps=2, num_stages=3)
+    deep = inspect_triton.compile_for_hopper(ir_file, num_warps=2, num_stages=5)
+    # The page-table load feeding the K/V addresses keeps 3 stages from
+    # overlapping loads across iterations; 5 do (BENCHMARKS.md).
+    assert max(shallow["wait_group"]) == 0 < max(deep["wait_group"])
+    assert deep["shared_bytes"] > shallow["shared_bytes"] > 0
+    assert (tmp_path / "kernel.s5.sass").stat().st_size > 0
