@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/inspect_triton.py [--max-q 8] [--kv fp8] [--stages 3 5]
     PYTHONPATH=. python benchmarks/inspect_triton.py --kernel old_kernel.py --out DIR
+    PYTHONPATH=. python benchmarks/inspect_triton.py --kernel-kw '{"prefetch_page_ids": true}'
 
 Pallas lowers the kernel to Triton IR for an abstract sm_90 device (jax needs
 no GPU for that), and the `triton` package (`pip install ".[inspect]"`; a CPU
@@ -19,6 +20,7 @@ Shapes are bench_paged_attention's decode case.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -111,13 +113,16 @@ def main():
     parser.add_argument("--warps", type=int, default=2)
     parser.add_argument("--pages-per-block", type=int, default=4)
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 5])
+    parser.add_argument("--kernel-kw", type=json.loads, default={},
+                        help='more kernel arguments, e.g. \'{"prefetch_page_ids": true}\'')
     parser.add_argument("--out", default="/tmp/inspect_triton")
     args = parser.parse_args()
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ir = triton_ir(args.kernel, max_q=args.max_q, kv=args.kv, ctx=args.ctx,
-                   num_warps=args.warps, pages_per_block=args.pages_per_block)
+                   num_warps=args.warps, pages_per_block=args.pages_per_block,
+                   **args.kernel_kw)
     ir_file = out / f"paged_attention_{args.kv}_q{args.max_q}.ttir"
     ir_file.write_text(ir)
     print(f"{ir_file}: {ir.count(chr(10))} lines of Triton IR")

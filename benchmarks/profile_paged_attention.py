@@ -37,8 +37,13 @@ for _q in (1, 8):  # fp8 blockings: pages per block, warps, pipeline stages
                           (4, 2, 6), (8, 2, 5)):
         CASES[f"fp8_q{_q}_p{_ppb}w{_w}s{_st}"] = (
             FP8, _q, {"pages_per_block": _ppb, "num_warps": _w, "num_stages": _st})
-    # From 5 stages on, Triton pipelines the key loop (benchmarks/inspect_triton.py).
+    # From 5 stages on, or with the page ids prefetched, Triton pipelines the
+    # key loop (benchmarks/inspect_triton.py).
     CASES[f"bf16_q{_q}_s5"] = (jnp.bfloat16, _q, {"num_stages": 5})
+    for _name, _dtype in (("bf16", jnp.bfloat16), ("fp8", FP8)):
+        for _st in (2, 3, 4):
+            CASES[f"{_name}_q{_q}_prefetch_s{_st}"] = (
+                _dtype, _q, {"prefetch_page_ids": True, "num_stages": _st})
 
 
 def load_kernel(path):

@@ -86,6 +86,7 @@ def paged_attention_kernel(
     has_block: bool,
     block_causal: bool,
     page_size: int,
+    prefetch_page_ids: bool,
 ):
     if has_block:
         block_k_ref, block_v_ref, o_ref, m_ref, l_ref = refs
@@ -145,12 +146,15 @@ def paged_attention_kernel(
             return s
         return jnp.tanh(s) * (soft_cap * LOG2E)
 
-    def load_kv(first):
-        """K [block_k, head_dim] and V^T [head_dim, block_k] of the block's keys."""
+    def load_entries(first):
+        """Table entries of the block's pages (BAD past this split's end)."""
         page_ids = first + jnp.arange(pages_per_block, dtype=jnp.int32)
-        entries = plgpu.load(table_ref.at[pl.ds(first, pages_per_block)],
-                             mask=(page_ids < hi) & (page_ids < table_width),
-                             other=BAD_PAGE_INDEX)
+        return plgpu.load(table_ref.at[pl.ds(first, pages_per_block)],
+                          mask=(page_ids < hi) & (page_ids < table_width),
+                          other=BAD_PAGE_INDEX)
+
+    def load_kv(entries):
+        """K [block_k, head_dim] and V^T [head_dim, block_k] of the block's keys."""
         k_page = jnp.where(entries == BAD_PAGE_INDEX, NULL_PAGE, entries) + k_offset
         in_page = jnp.arange(page_size, dtype=jnp.int32)
         k_rows = ((k_page * page_size)[:, None] + in_page[None, :]).reshape(block_k)
@@ -164,20 +168,29 @@ def paged_attention_kernel(
 
     def body(i, carry):
         first = lo + i * pages_per_block
+        if prefetch_page_ids:  # this block's entries came with the carry
+            *carry, entries = carry
+            next_entries = load_entries(first + pages_per_block)
+        else:
+            entries = load_entries(first)
         # Blocks start on the block grid, so BAD entries in front of a windowed
         # row's tail and past its end read the all-zero null page; masked below.
-        k, v_t = load_kv(first)
+        k, v_t = load_kv(entries)
         logits = cap(plgpu.dot(q, k, trans_b=True))  # f32[rows, block_k]
         k_pos = first * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         visible = k_pos[None, :] <= upper[:, None]
         if sliding_window is not None:
             visible &= k_pos[None, :] > (q_pos - sliding_window)[:, None]
-        return softmax_step(carry, logits, visible, v_t)
+        carry = softmax_step(carry, logits, visible, v_t)
+        return (*carry, next_entries) if prefetch_page_ids else carry
 
     carry = (jnp.zeros((rows, head_dim), jnp.float32),
              jnp.full((rows,), MASK_VALUE, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    carry = lax.fori_loop(0, num_blocks, body, carry)
+    if prefetch_page_ids:
+        carry = lax.fori_loop(0, num_blocks, body, (*carry, load_entries(lo)))[:3]
+    else:
+        carry = lax.fori_loop(0, num_blocks, body, carry)
     if has_block:  # the draft block's own K/V, not in the cache; split 0 owns it
         block_pad = block_k_ref.shape[0]
         bk = block_k_ref[...].astype(q.dtype)
@@ -217,7 +230,7 @@ def _pow2_at_least(n: int) -> int:
 def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
                     block_causal, rows_per_block, pages_per_block, num_splits, num_warps,
-                    num_stages, compute_dtype, interpret):
+                    num_stages, compute_dtype, prefetch_page_ids, interpret):
     """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
@@ -271,7 +284,8 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
         tokens_per_block=tokens_per_block, pages_per_block=pages_per_block,
         pages_per_split=pages_per_split, num_splits=num_splits, soft_cap=soft_cap,
         sliding_window=sliding_window, block_logit_scale=1.0 / k_scale, v_scale=v_scale,
-        has_block=has_block, block_causal=block_causal, page_size=page_size)
+        has_block=has_block, block_causal=block_causal, page_size=page_size,
+        prefetch_page_ids=prefetch_page_ids)
     whole = pl.BlockSpec(memory_space=None)
     in_specs = [
         pl.BlockSpec((None, None, rows, head_dim),
@@ -324,7 +338,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "compute_dtype", "interpret")
+           "compute_dtype", "prefetch_page_ids", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -347,6 +361,7 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int = 3,
     compute_dtype: jnp.dtype | None = None,
+    prefetch_page_ids: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
@@ -357,7 +372,11 @@ def paged_attention(
     Returns [batch, max_q, num_q_heads, head_dim] in q's dtype; entries of
     query tokens past a row's q_len are zero. The dots run in `compute_dtype`
     (default: q's dtype, or float16 over fp8 KV) with f32 accumulation and an
-    f32 softmax.
+    f32 softmax. `prefetch_page_ids` loads each block's page-table entries one
+    iteration ahead, in the loop carry: with the table load inside the
+    iteration, Triton's pipeliner waits for every load in flight at the top
+    of each one (BENCHMARKS.md); prefetched, it keeps the next blocks' K/V in
+    flight, for one more stage of shared memory. The arithmetic is the same.
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, pages_per_block, compute_dtype)
@@ -367,7 +386,8 @@ def paged_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        compute_dtype=compute_dtype, interpret=interpret)
+        compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
+        interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -393,6 +413,7 @@ def draft_block_attention(
     num_warps: int | None = None,
     num_stages: int = 3,
     compute_dtype: jnp.dtype | None = None,
+    prefetch_page_ids: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
@@ -413,7 +434,8 @@ def draft_block_attention(
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        compute_dtype=compute_dtype, interpret=interpret)
+        compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
+        interpret=interpret)
 
 
 def _combine_splits(o, m, l):

@@ -6,9 +6,9 @@ from benchmarks import inspect_triton
 from pallas_kernels import paged_attention
 
 
-def fp8_verify_ir():
+def fp8_verify_ir(**kernel_kw):
     return inspect_triton.triton_ir(paged_attention.__file__, max_q=8, kv="fp8", ctx=1024,
-                                    num_warps=2, pages_per_block=4)
+                                    num_warps=2, pages_per_block=4, **kernel_kw)
 
 
 def test_triton_ir_of_the_kernel_lowers_for_hopper_without_a_gpu():
@@ -29,3 +29,7 @@ def test_triton_compiles_the_ir_for_hopper_and_reports_its_pipelining(tmp_path):
     assert max(shallow["wait_group"]) == 0 < max(deep["wait_group"])
     assert deep["shared_bytes"] > shallow["shared_bytes"] > 0
     assert (tmp_path / "kernel.s5.sass").stat().st_size > 0
+    ir_file = tmp_path / "prefetched.ttir"
+    ir_file.write_text(fp8_verify_ir(prefetch_page_ids=True))
+    prefetched = inspect_triton.compile_for_hopper(ir_file, num_warps=2, num_stages=3)
+    assert max(prefetched["wait_group"]) > 0  # pipelined at 3 stages

@@ -212,9 +212,22 @@ def test_draft_block_matches_reference(interpret, name, kwargs, causal):
     args = dict(layer_offset=1, causal_in_block=causal, sliding_window=kwargs["window"],
                 k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
     ref = draft_block_attention_reference(q, pool, table, ctx_lens, block_lens, bk, bv, **args)
-    for splits in (1, 2):
+    for splits, prefetch in ((1, False), (2, True)):
         out = draft_block_attention(q, pool, table, ctx_lens, block_lens, bk, bv,
                                     pages_per_block=2, num_splits=splits,
-                                    interpret=interpret, **args)
-        assert rel_err(out, ref) < 2e-2, f"splits={splits}"
+                                    prefetch_page_ids=prefetch, interpret=interpret, **args)
+        assert rel_err(out, ref) < 2e-2, f"splits={splits} {prefetch=}"
         assert (np.asarray(out[-1], np.float32) == 0).all()  # padding row
+
+
+@pytest.mark.parametrize("name", ["verify_window", "fp8_window", "padding_rows", "wide_table"])
+def test_prefetched_page_ids_change_no_bit(interpret, name):
+    """prefetch_page_ids moves the table loads, not the arithmetic."""
+    kwargs = dict(CASES)[name]
+    q, pool, table, kv_lens, q_lens = make_case(np.random.default_rng(5), **kwargs)
+    args = dict(layer_offset=1, sliding_window=kwargs.get("window"), pages_per_block=2,
+                num_splits=3, interpret=interpret)
+    np.testing.assert_array_equal(
+        np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, prefetch_page_ids=True,
+                                   **args)),
+        np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **args)))
