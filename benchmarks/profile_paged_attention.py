@@ -44,6 +44,9 @@ for _q in (1, 8):  # fp8 blockings: pages per block, warps, pipeline stages
         for _st in (2, 3, 4):
             CASES[f"{_name}_q{_q}_prefetch_s{_st}"] = (
                 _dtype, _q, {"prefetch_page_ids": True, "num_stages": _st})
+            CASES[f"{_name}_q{_q}_p2_prefetch_s{_st}"] = (
+                _dtype, _q, {"prefetch_page_ids": True, "num_stages": _st,
+                             "pages_per_block": 2})
 
 
 def load_kernel(path):
