@@ -30,6 +30,7 @@ BLOCKINGS = [  # the default, and the other blockings the benchmarks time
     dict(pages_per_block=8, num_warps=2),
     dict(pages_per_block=8, num_warps=4, num_stages=4),
     dict(prefetch_page_ids=True),
+    dict(prefetch_page_ids=True, pages_per_block=2),
 ]
 
 
