@@ -26,7 +26,8 @@ def test_triton_compiles_the_ir_for_hopper_and_reports_its_pipelining(tmp_path):
     deep = inspect_triton.compile_for_hopper(ir_file, num_warps=2, num_stages=5)
     # The page-table load feeding the K/V addresses keeps 3 stages from
     # overlapping loads across iterations; 5 do (BENCHMARKS.md).
-    assert max(shallow["wait_group"]) == 0 < max(deep["wait_group"])
+    assert max(shallow["wait_group"]) == 0 < max(deep["wait_group"]), (
+        f"{shallow=} {deep=}: this triton pipelines differently; re-read BENCHMARKS.md")
     assert deep["shared_bytes"] > shallow["shared_bytes"] > 0
     assert (tmp_path / "kernel.s5.sass").stat().st_size > 0
     ir_file = tmp_path / "prefetched.ttir"
