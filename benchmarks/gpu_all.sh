@@ -5,7 +5,7 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels tests/drafter/test_tensor_parallel.py 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
 python3 benchmarks/bench_batch_tables.py --out "$OUT" 2>&1 | tee "$OUT/batch_tables.txt"
 python3 benchmarks/bench_paged_attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/paged_attention.txt"
 python3 benchmarks/bench_paged_attention.py --out "$OUT" --prefill-only 2>&1 | tee "$OUT/paged_attention_prefill.txt"
