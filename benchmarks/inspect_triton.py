@@ -20,6 +20,7 @@ Shapes are bench_paged_attention's decode case.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -29,10 +30,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from benchmarks.bench_paged_attention import FP8, setup
 from benchmarks.profile_paged_attention import load_kernel
 
-BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
-KV_DTYPES = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}
+KV_DTYPES = {"fp8": FP8, "bf16": jnp.bfloat16}
 
 
 def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, **kernel_kw) -> str:
@@ -53,12 +54,8 @@ def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, **kernel_kw) -
         return result
 
     kernel = load_kernel(kernel_file)
-    pages = ctx // PAGE
-    args = (jax.ShapeDtypeStruct((BATCH, max_q, HQ, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((HKV, BATCH * pages, 1, 2, PAGE, D), KV_DTYPES[kv]),
-            jax.ShapeDtypeStruct((BATCH, pages), jnp.int32),
-            jax.ShapeDtypeStruct((BATCH,), jnp.int32),
-            jax.ShapeDtypeStruct((BATCH,), jnp.int32))
+    # The benchmark's inputs as shapes only: nothing is allocated.
+    args = jax.eval_shape(functools.partial(setup, ctx, KV_DTYPES[kv], max_q=max_q))
     step = jax.jit(lambda *a: kernel(*a, layer_offset=0, **kernel_kw))
     registration.gpu_info_lib.get_gpu_info = lambda: _Hopper()
     lowering.lower_jaxpr_to_triton_module = keep_module

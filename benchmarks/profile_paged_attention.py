@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_paged_attention import FP8, ours, setup
 from benchmarks.timing import time_call, write_results
+from pallas_kernels.paged_attention import paged_attention
 
 CASES = {
     "bf16_q1": (jnp.bfloat16, 1, {}),
@@ -57,11 +58,10 @@ def load_kernel(path):
     return module.paged_attention
 
 
-def run_case(name, ctx, calls=None, kernel=None):
+def run_case(name, ctx, calls=None, kernel=paged_attention):
     dtype, max_q, kw = CASES[name]
     args = setup(ctx, dtype, max_q=max_q)
-    fn = (ours(*args, **kw) if kernel is None else
-          jax.jit(lambda *a: kernel(*a, layer_offset=0, **kw)))
+    fn = ours(*args, kernel=kernel, **kw)
     if calls is not None:  # for a profiler: compile, then `calls` launches
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
