@@ -7,7 +7,7 @@ run alone for a profiler (ncu) or a compiler dump.
     PYTHONPATH=. python benchmarks/profile_paged_attention.py --baseline old_kernel.py
 
 Shapes are bench_paged_attention's decode case (batch 64, 32 / 8 heads, d 128,
-page 16). A case is (KV dtype, queries per row, kernel keyword arguments);
+page 16). A case names its KV dtype, queries per row and kernel options (`--help`);
 every time is beside bf16 decode (`bf16_q1`) from the same run, and with
 `--baseline` beside the same case run by another version of the kernel module.
 """
@@ -16,38 +16,56 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import FP8, ours, setup
+from benchmarks.bench_paged_attention import FP8, HKV, HQ, ours, setup
 from benchmarks.timing import time_call, write_results
 from pallas_kernels.paged_attention import paged_attention
 
-CASES = {
-    "bf16_q1": (jnp.bfloat16, 1, {}),
-    "bf16_q8": (jnp.bfloat16, 8, {}),
-    "fp8_q1": (FP8, 1, {}),
-    "fp8_q8": (FP8, 8, {}),
-}
-for _name, _dtype in (("bf16", jnp.bfloat16), ("fp8", FP8)):  # the last 2048 tokens' prefill
-    CASES[f"{_name}_prefill2048"] = (_dtype, 2048, {"rows_per_block": 128, "pages_per_block": 4,
-                                                    "num_warps": 4, "num_stages": 2})
-for _q in (1, 8):  # fp8 blockings: pages per block, warps, pipeline stages
-    for _ppb, _w, _st in ((2, 2, 3), (4, 2, 4), (8, 2, 3), (8, 4, 3), (4, 4, 3), (4, 2, 5),
-                          (4, 2, 6), (8, 2, 5)):
-        CASES[f"fp8_q{_q}_p{_ppb}w{_w}s{_st}"] = (
-            FP8, _q, {"pages_per_block": _ppb, "num_warps": _w, "num_stages": _st})
-    # From 5 stages on, or with the page ids prefetched, Triton pipelines the
-    # key loop (benchmarks/inspect_triton.py).
-    CASES[f"bf16_q{_q}_s5"] = (jnp.bfloat16, _q, {"num_stages": 5})
-    for _name, _dtype in (("bf16", jnp.bfloat16), ("fp8", FP8)):
-        for _st in (2, 3, 4):
-            CASES[f"{_name}_q{_q}_prefetch_s{_st}"] = (
-                _dtype, _q, {"prefetch_page_ids": True, "num_stages": _st})
-            CASES[f"{_name}_q{_q}_p2_prefetch_s{_st}"] = (
-                _dtype, _q, {"prefetch_page_ids": True, "num_stages": _st,
-                             "pages_per_block": 2})
+CASE_GRAMMAR = """A case name is KV_WORK[_OPTION...]: KV is bf16 or fp8; WORK is qN (N query
+tokens per row: 1 decode, 8 verify) or prefillN (the last N tokens of each
+row as one chunk); OPTIONs: gN query heads per kv head (default 4), rN query
+rows per block, pN pages per block, wN warps, sN pipeline stages (written
+alone or run together: p4w2s5), prefetch (page ids one block ahead), lazyT
+(rescale threshold T). Examples: fp8_q8, fp8_q8_p4w2s5, fp8_q1_prefetch_s3,
+bf16_prefill2048_lazy8, fp8_q8_g8_w2."""
+# Prefill's own blocking: 128 query rows per block want 4 warps.
+PREFILL_KW = {"rows_per_block": 128, "pages_per_block": 4, "num_warps": 4, "num_stages": 2}
+_OPTION = re.compile(r"_(?:(?P<blocking>(?:[grpws]\d+)+)|(?P<prefetch>prefetch)"
+                     r"|lazy(?P<lazy>\d+(?:\.\d+)?))")
+_KEYS = {"g": "q_per_kv", "r": "rows_per_block", "p": "pages_per_block", "w": "num_warps",
+         "s": "num_stages"}
+
+
+def parse_case(name):
+    """(KV dtype, query tokens per row, query heads per kv head, kernel keywords)."""
+    head = re.match(r"(bf16|fp8)_(?:q(\d+)|prefill(\d+))", name)
+    if head is None:
+        raise ValueError(f"bad case name {name!r}. {CASE_GRAMMAR}")
+    dtype = FP8 if head.group(1) == "fp8" else jnp.bfloat16
+    max_q = int(head.group(2) or head.group(3))
+    kw = dict(PREFILL_KW) if head.group(3) else {}
+    pos = head.end()
+    while pos < len(name):
+        option = _OPTION.match(name, pos)
+        if option is None:
+            raise ValueError(f"bad option {name[pos:]!r} in case {name!r}. {CASE_GRAMMAR}")
+        if option["blocking"]:
+            for key, value in re.findall(r"([grpws])(\d+)", option["blocking"]):
+                kw[_KEYS[key]] = int(value)
+        elif option["prefetch"]:
+            kw["prefetch_page_ids"] = True
+        else:
+            kw["rescale_threshold"] = float(option["lazy"])
+        pos = option.end()
+    return dtype, max_q, kw.pop("q_per_kv", HQ // HKV), kw
+
+
+DEFAULT_CASES = ["bf16_q1", "bf16_q8", "fp8_q1", "fp8_q8", "bf16_prefill2048",
+                 "fp8_prefill2048"]
 
 
 def load_kernel(path):
@@ -59,8 +77,8 @@ def load_kernel(path):
 
 
 def run_case(name, ctx, calls=None, kernel=paged_attention):
-    dtype, max_q, kw = CASES[name]
-    args = setup(ctx, dtype, max_q=max_q)
+    dtype, max_q, q_per_kv, kw = parse_case(name)
+    args = setup(ctx, dtype, max_q=max_q, num_q_heads=q_per_kv * HKV)
     fn = ours(*args, kernel=kernel, **kw)
     if calls is not None:  # for a profiler: compile, then `calls` launches
         for _ in range(calls):
@@ -72,7 +90,7 @@ def run_case(name, ctx, calls=None, kernel=paged_attention):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ctx", type=int, default=32768)
-    parser.add_argument("--case", nargs="*", default=None, help=f"some of {list(CASES)}")
+    parser.add_argument("--case", nargs="*", default=None, help=CASE_GRAMMAR)
     parser.add_argument("--calls", type=int, default=None,
                         help="run the cases this many times each, untimed (for ncu)")
     parser.add_argument("--baseline", default=None,
@@ -81,7 +99,9 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     baseline = load_kernel(args.baseline) if args.baseline else None
-    names = args.case or list(CASES)
+    names = args.case or DEFAULT_CASES
+    for name in names:  # a typo fails here, not after minutes of timing
+        parse_case(name)
     if args.calls is not None:
         for name in names:
             run_case(name, args.ctx, args.calls)

@@ -4,8 +4,10 @@ Each batch row has 1..max_q query tokens at positions `kv_len - q_len ..
 kv_len - 1` whose K/V are already in the cache; they are causal among
 themselves and see the row's earlier keys (only the last `sliding_window`
 positions for windowed layers). One program handles one (row, kv head, split)
-and all `max_q * (q heads per kv head)` query rows at once, so the K+1 verify
-queries of a row read each KV page once.
+and a block of query rows (tokens x q heads per kv head; up to 32 rows for
+decode and verify, 128 for prefill, `launch_plan.py`), so the K+1 verify
+queries of a row read each KV page once per block; a row's blocks launch side
+by side and share those reads in L2.
 
 Pool layout and kernel page index (see unified_kv/spec.py):
 
@@ -28,8 +30,9 @@ to doubled fp8 decode's instructions (BENCHMARKS.md).
 
 Blocks are `pages_per_block` pages on a grid aligned to page 0 in every pass
 (a windowed row starts at the block holding its first visible page), and
-split results combine in a fixed order: a query's arithmetic is then the same
-in a 1-query decode pass and a K+1-query verify pass, so greedy speculative
+split results combine in a fixed order; with launch_plan's blocking, a query's
+arithmetic is then the same in a 1-query decode pass and a K+1-query verify
+pass, so greedy speculative
 decoding reproduces plain decoding bit for bit (tested compiled on the H200).
 
 A windowed row's table has BAD (-1) entries in front of its live tail; the
@@ -55,10 +58,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_store import layer_kv
+from pallas_kernels.launch_plan import MIN_ROWS, plan_launch, pow2_at_least
 from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-MIN_ROWS = 16  # Triton's dot needs at least 16 rows
 LOG2E = math.log2(math.e)  # the softmax runs in base 2
 
 
@@ -87,12 +90,13 @@ def paged_attention_kernel(
     block_causal: bool,
     page_size: int,
     prefetch_page_ids: bool,
+    rescale_threshold: float,
 ):
     if has_block:
         block_k_ref, block_v_ref, o_ref, m_ref, l_ref = refs
     else:
         o_ref, m_ref, l_ref = refs
-    b, program = pl.program_id(0), pl.program_id(2)
+    program, b = pl.program_id(0), pl.program_id(1)
     q_block, split = program // num_splits, program % num_splits
     rows, head_dim = q_ref.shape
     table_width = table_ref.shape[0]
@@ -130,14 +134,30 @@ def paged_attention_kernel(
         """Online-softmax update with base-2 logits f32[rows, keys] and V^T."""
         acc, m_prev, l_prev = carry
         logits = jnp.where(visible, logits, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, logits.max(axis=1))
+        m_block = logits.max(axis=1)
+        if not rescale_threshold:
+            m_next = jnp.maximum(m_prev, m_block)
+        else:  # a row's reference max moves only when the block's max passes it by more
+            m_next = jnp.where(m_block > m_prev + rescale_threshold, m_block, m_prev)
         # A row with nothing visible yet keeps m == MASK_VALUE: subtract 0 so
         # its masked logits still underflow to p == 0.
         m_sub = jnp.where(m_next == MASK_VALUE, 0.0, m_next)
-        correction = jnp.exp2(m_prev - m_sub)
+        if not rescale_threshold:
+            correction = jnp.exp2(m_prev - m_sub)
+            acc = acc * correction[:, None]
+        else:
+            # Rows whose max stays scale by exactly 1, so skipping the block's
+            # accumulator rescale when no row moved changes no bit of any row:
+            # a row's result does not depend on the other rows of its block.
+            # l's rescale stays outside the branch, as in the eager form.
+            moved = m_next != m_prev
+            correction = jnp.where(moved, jnp.exp2(m_prev - m_sub), 1.0)
+            acc = lax.cond(jnp.max(moved.astype(jnp.int32)) > 0,
+                           lambda acc: acc * correction[:, None], lambda acc: acc, acc)
+        l_prev = l_prev * correction
         p = jnp.exp2(logits - m_sub[:, None])
-        l_next = l_prev * correction + p.sum(axis=1)
-        acc = acc * correction[:, None] + plgpu.dot(p.astype(v_t.dtype), v_t, trans_b=True)
+        l_next = l_prev + p.sum(axis=1)
+        acc = acc + plgpu.dot(p.astype(v_t.dtype), v_t, trans_b=True)
         return acc, m_next, l_next
 
     def cap(s):
@@ -213,47 +233,19 @@ def paged_attention_kernel(
     l_ref[...] = l
 
 
-def _num_splits(programs: int, table_width: int, pages_per_block: int,
-                num_sms: int = 132) -> int:
-    """Split the keys when rows x heads x query blocks cannot fill the GPU twice."""
-    max_splits = max(table_width // (4 * pages_per_block), 1)
-    splits = 1
-    while programs * splits < 2 * num_sms and splits * 2 <= max_splits:
-        splits *= 2
-    return splits
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
-                    block_causal, rows_per_block, pages_per_block, num_splits, num_warps,
-                    num_stages, compute_dtype, prefetch_page_ids, interpret):
+                    block_causal, compute_dtype, interpret, **launch_options):
     """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     table_width = batch_table.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    # Query blocks: tokens_per_block tokens x q_per_kv heads, padded to a power of 2.
-    tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
-    num_q_blocks = pl.cdiv(max_q, tokens_per_block)
-    rows = max(MIN_ROWS, _pow2_at_least(tokens_per_block * q_per_kv))
-    pages_per_block = min(pages_per_block, _pow2_at_least(table_width))
-    if num_splits is None:
-        num_splits = _num_splits(batch * num_kv_heads * num_q_blocks, table_width,
-                                 pages_per_block)
-    pages_per_split = pl.cdiv(pl.cdiv(table_width, num_splits), pages_per_block) * pages_per_block
-    # Defaults measured on the H200 (BENCHMARKS.md): 4 pages and 2 warps per
-    # block for decode and verify alike. Greedy speculative decoding must
-    # reproduce plain decoding token for token, so a row's 1-query (decode)
-    # and K+1-query (verify) passes keep the same blocking: tuning verify
-    # alone (8 pages, 4 warps: 13% faster over fp8) flipped a near-tied
-    # argmax on the H200.
-    if num_warps is None:
-        num_warps = 4 if rows > 32 else 2
+    plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
+                       table_width=table_width, **launch_options)
+    tokens_per_block, num_q_blocks, rows = plan.tokens_per_block, plan.num_q_blocks, plan.rows
+    num_splits = plan.num_splits
 
     # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
     q_pad = jnp.pad(q, ((0, 0), (0, num_q_blocks * tokens_per_block - max_q), (0, 0), (0, 0)))
@@ -281,51 +273,54 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
     has_block = block_kv is not None
     kernel = functools.partial(
         paged_attention_kernel, k_offset=2 * layer_offset, q_per_kv=q_per_kv,
-        tokens_per_block=tokens_per_block, pages_per_block=pages_per_block,
-        pages_per_split=pages_per_split, num_splits=num_splits, soft_cap=soft_cap,
+        tokens_per_block=tokens_per_block, pages_per_block=plan.pages_per_block,
+        pages_per_split=plan.pages_per_split, num_splits=num_splits, soft_cap=soft_cap,
         sliding_window=sliding_window, block_logit_scale=1.0 / k_scale, v_scale=v_scale,
         has_block=has_block, block_causal=block_causal, page_size=page_size,
-        prefetch_page_ids=prefetch_page_ids)
+        prefetch_page_ids=plan.prefetch_page_ids, rescale_threshold=plan.rescale_threshold)
     whole = pl.BlockSpec(memory_space=None)
     in_specs = [
         pl.BlockSpec((None, None, rows, head_dim),
-                     lambda b, h, p: (b, h, p // num_splits, 0)),             # q rows
-        pl.BlockSpec((None,) + k_view.shape[1:], lambda b, h, p: (h, 0, 0)),  # pool as K rows
-        pl.BlockSpec((None,) + v_view.shape[1:], lambda b, h, p: (h, 0, 0)),  # pool as V^T rows
-        pl.BlockSpec((None, table_width), lambda b, h, p: (b, 0)),           # batch table
+                     lambda p, b, h: (b, h, p // num_splits, 0)),             # q rows
+        pl.BlockSpec((None,) + k_view.shape[1:], lambda p, b, h: (h, 0, 0)),  # pool as K rows
+        pl.BlockSpec((None,) + v_view.shape[1:], lambda p, b, h: (h, 0, 0)),  # pool as V^T rows
+        pl.BlockSpec((None, table_width), lambda p, b, h: (b, 0)),           # batch table
         whole, whole, whole,                                                 # kv_lens, q_starts, q_lens
     ]
     inputs = [q_rows, k_view, v_view, batch_table, kv_lens, q_starts, q_lens]
     if has_block:  # block K [B, Hkv, pad, D] and V^T [B, Hkv, D, pad] (V / v_scale)
-        block_pad = max(MIN_ROWS, _pow2_at_least(max_q))
+        block_pad = max(MIN_ROWS, pow2_at_least(max_q))
         block_k, block_v = (jnp.pad(x, ((0, 0), (0, block_pad - max_q), (0, 0), (0, 0)))
                             for x in block_kv)
         inputs.append(block_k.transpose(0, 2, 1, 3).astype(compute_dtype))
         inputs.append((block_v.astype(jnp.float32) / v_scale).transpose(0, 2, 3, 1)
                       .astype(compute_dtype))
         in_specs += [pl.BlockSpec((None, None, block_pad, head_dim),
-                                  lambda b, h, p: (b, h, 0, 0)),
+                                  lambda p, b, h: (b, h, 0, 0)),
                      pl.BlockSpec((None, None, head_dim, block_pad),
-                                  lambda b, h, p: (b, h, 0, 0))]
+                                  lambda p, b, h: (b, h, 0, 0))]
     out_rows = (num_splits, batch, num_kv_heads, num_q_blocks * rows)
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, num_q_blocks * num_splits),
+        # Query blocks and splits of one (row, kv head) launch side by side (CUDA
+        # starts grid x first), so their reads of the same keys meet in L2.
+        grid=(num_q_blocks * num_splits, batch, num_kv_heads),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim),
-                         lambda b, h, p: (p % num_splits, b, h, p // num_splits, 0)),  # o
+                         lambda p, b, h: (p % num_splits, b, h, p // num_splits, 0)),  # o
             pl.BlockSpec((None, None, None, rows),
-                         lambda b, h, p: (p % num_splits, b, h, p // num_splits)),     # m
+                         lambda p, b, h: (p % num_splits, b, h, p // num_splits)),     # m
             pl.BlockSpec((None, None, None, rows),
-                         lambda b, h, p: (p % num_splits, b, h, p // num_splits)),     # l
+                         lambda p, b, h: (p % num_splits, b, h, p // num_splits)),     # l
         ],
         out_shape=[jax.ShapeDtypeStruct(out_rows + (head_dim,), jnp.float32),
                    jax.ShapeDtypeStruct(out_rows, jnp.float32),
                    jax.ShapeDtypeStruct(out_rows, jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
+                                             num_stages=plan.num_stages),
         interpret=interpret,
-        name=(f"paged_attention_q{max_q}_g{q_per_kv}_r{rows}_ppb{pages_per_block}"
+        name=(f"paged_attention_q{max_q}_g{q_per_kv}_r{rows}_ppb{plan.pages_per_block}"
               f"_s{num_splits}{'_block' if has_block else ''}"),
     )(*inputs)
     out = o[0] if num_splits == 1 else _combine_splits(o, m, l)
@@ -338,7 +333,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "compute_dtype", "prefetch_page_ids", "interpret")
+           "compute_dtype", "prefetch_page_ids", "rescale_threshold", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -355,13 +350,14 @@ def paged_attention(
     soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    rows_per_block: int = 128,
+    rows_per_block: int | None = None,
     pages_per_block: int = 4,
     num_splits: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     compute_dtype: jnp.dtype | None = None,
-    prefetch_page_ids: bool = False,
+    prefetch_page_ids: bool | None = None,
+    rescale_threshold: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
@@ -372,11 +368,20 @@ def paged_attention(
     Returns [batch, max_q, num_q_heads, head_dim] in q's dtype; entries of
     query tokens past a row's q_len are zero. The dots run in `compute_dtype`
     (default: q's dtype, or float16 over fp8 KV) with f32 accumulation and an
-    f32 softmax. `prefetch_page_ids` loads each block's page-table entries one
-    iteration ahead, in the loop carry: with the table load inside the
-    iteration, Triton's pipeliner waits for every load in flight at the top
-    of each one (BENCHMARKS.md); prefetched, it keeps the next blocks' K/V in
-    flight, for one more stage of shared memory. The arithmetic is the same.
+    f32 softmax.
+
+    Launch options left None take the values measured on the H200 for the
+    query count (`launch_plan.plan_launch`), keeping a row's decode and
+    verify passes bit-for-bit equal. Two opt-in options (off by default, see
+    plan_launch) speed up fp8 decode and verify. `prefetch_page_ids` loads
+    each block's page-table entries one iteration ahead, in the loop carry:
+    with the table load inside the iteration, Triton's pipeliner waits for
+    every load in flight at the top of each one (BENCHMARKS.md); prefetched,
+    it keeps the next blocks' K/V in flight. It changes no bit.
+    `rescale_threshold` T > 0 moves a row's running max (and rescales its
+    accumulator) only when a block's max passes it by more than T (base 2),
+    so p stays below 2**T and most blocks skip the rescale; 0 rescales
+    whenever the max grows. It changes rounding, not the result.
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, pages_per_block, compute_dtype)
@@ -387,7 +392,7 @@ def paged_attention(
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        interpret=interpret)
+        rescale_threshold=rescale_threshold, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -407,13 +412,14 @@ def draft_block_attention(
     soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    rows_per_block: int = 128,
+    rows_per_block: int | None = None,
     pages_per_block: int = 4,
     num_splits: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     compute_dtype: jnp.dtype | None = None,
-    prefetch_page_ids: bool = False,
+    prefetch_page_ids: bool | None = None,
+    rescale_threshold: float | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
@@ -435,7 +441,7 @@ def draft_block_attention(
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        interpret=interpret)
+        rescale_threshold=rescale_threshold, interpret=interpret)
 
 
 def _combine_splits(o, m, l):

@@ -31,6 +31,8 @@ BLOCKINGS = [  # the default, and the other blockings the benchmarks time
     dict(pages_per_block=8, num_warps=4, num_stages=4),
     dict(prefetch_page_ids=True),
     dict(prefetch_page_ids=True, pages_per_block=2),
+    dict(rescale_threshold=8.0),
+    dict(rescale_threshold=8.0, prefetch_page_ids=True),
 ]
 
 
@@ -43,3 +45,33 @@ def test_compiled_verify_equals_decode_bit_for_bit(kv_dtype, window, blocking):
         np.random.default_rng(3), max_q=8, batch=16, num_q_heads=32, num_kv_heads=8,
         head_dim=128, page_size=16, kv_dtype=kv_dtype, window=window, max_len=3000,
         blocking=blocking, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,max_q", [
+    (32, 4, 8), (40, 8, 8), (32, 8, 16), (64, 8, 16), (8, 8, 8)])
+def test_compiled_verify_equals_decode_bit_for_bit_across_gqa(kv_dtype, num_q_heads,
+                                                               num_kv_heads, max_q):
+    """Default launch options. Verifies of more than 32 query rows per row (GQA
+    5-8, or 16 tokens at GQA 4) take several query blocks; on the H200 a
+    single 64-row block (4 warps) changed bits against decode."""
+    assert_verify_equals_decode(
+        np.random.default_rng(4), max_q=max_q, batch=16, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=128, page_size=16, kv_dtype=kv_dtype,
+        window=None, max_len=3000, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("window", [None, 100])
+def test_compiled_opt_in_fp8_options_keep_verify_equal_to_decode(head_dim, window):
+    """The opt-in fast fp8 options as BENCHMARKS.md times them: decode with
+    prefetched page ids, verify with 5 stages, both rescaling lazily. (With
+    these on, the default pair's H200 eval once reported lossless=False.)"""
+    lazy = dict(rescale_threshold=8.0)
+    assert_verify_equals_decode(
+        np.random.default_rng(5), max_q=8, batch=16, num_q_heads=8, num_kv_heads=2,
+        head_dim=head_dim, page_size=16, kv_dtype=jnp.float8_e4m3fn, window=window,
+        max_len=600, interpret=False, blocking=dict(lazy, num_stages=5),
+        decode_blocking=dict(lazy, prefetch_page_ids=True, num_stages=3))

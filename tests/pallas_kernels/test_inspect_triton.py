@@ -7,6 +7,9 @@ from pallas_kernels import paged_attention
 
 
 def fp8_verify_ir(**kernel_kw):
+    """The loop as BENCHMARKS.md read it: eager rescale (no branch in the loop),
+    page ids loaded inside the iteration, unless kernel_kw says otherwise."""
+    kernel_kw = {"rescale_threshold": 0.0, "prefetch_page_ids": False, **kernel_kw}
     return inspect_triton.triton_ir(paged_attention.__file__, max_q=8, kv="fp8", ctx=1024,
                                     num_warps=2, pages_per_block=4, **kernel_kw)
 

@@ -1,10 +1,11 @@
-"""profile_paged_attention --baseline: another kernel file loads as its own module."""
+"""profile_paged_attention: case names, and --baseline (another kernel file as its own module)."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import pallas_kernels.paged_attention as current
-from benchmarks.profile_paged_attention import load_kernel
+from benchmarks.profile_paged_attention import load_kernel, parse_case
 from tests.pallas_kernels.test_paged_attention import make_case
 
 
@@ -19,3 +20,16 @@ def test_baseline_kernel_file_loads_as_a_separate_module_and_runs():
     np.testing.assert_array_equal(
         np.asarray(baseline(q, pool, table, kv_lens, q_lens, **kw)),
         np.asarray(current.paged_attention(q, pool, table, kv_lens, q_lens, **kw)))
+
+
+def test_case_names_parse_to_kernel_options_and_typos_fail_loudly():
+    dtype, max_q, q_per_kv, kw = parse_case("fp8_q8_p4w2s5_prefetch_lazy8")
+    assert (dtype, max_q, q_per_kv) == (jnp.float8_e4m3fn, 8, 4)
+    assert kw == dict(pages_per_block=4, num_warps=2, num_stages=5, prefetch_page_ids=True,
+                      rescale_threshold=8.0)
+    assert parse_case("bf16_q1") == (jnp.bfloat16, 1, 4, {})
+    assert parse_case("bf16_q8_g8r32") == (jnp.bfloat16, 8, 8, {"rows_per_block": 32})
+    assert parse_case("bf16_prefill2048_s3")[3]["num_stages"] == 3  # overrides prefill's 2
+    for bad in ("fp9_q8", "fp8_q8_x", "fp8_q8_lazy", "fp8_q8p4"):
+        with pytest.raises(ValueError, match="case name is KV_WORK"):
+            parse_case(bad)

@@ -1,0 +1,103 @@
+"""How a paged-attention call is cut into Pallas programs, and the launch
+options measured best on the H200 (BENCHMARKS.md).
+
+One job: from the call's shapes and the caller's explicit choices, decide
+query blocks, key splits, warps, pipeline stages, page-id prefetch and the
+rescale threshold (the same defaults over bf16 and fp8 KV). Greedy speculative decoding must reproduce plain decoding
+token for token, so a row's 1-query decode pass and its K+1-query verify pass
+must do the same arithmetic; `arithmetic(plan)` names the fields that decide
+it, and tests check that decode and verify plans agree on them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+MIN_ROWS = 16    # Triton's dot needs at least 16 rows
+SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block
+SPEC_ROWS = 32   # query rows per block for those (2 warps)
+NUM_SMS = 132    # H200
+
+
+class LaunchPlan(NamedTuple):
+    tokens_per_block: int  # query tokens per program
+    num_q_blocks: int      # programs per (row, kv head, split)
+    rows: int              # query rows per program: tokens x q_per_kv, padded to 2^k >= 16
+    pages_per_block: int   # pages per key block (one loop iteration)
+    num_splits: int        # key splits per (row, kv head, query block)
+    pages_per_split: int
+    num_warps: int
+    num_stages: int
+    prefetch_page_ids: bool
+    rescale_threshold: float
+
+
+def arithmetic(plan: LaunchPlan) -> tuple:
+    """The fields that decide a query row's result bits. Stages and prefetch
+    only schedule loads; rows and query blocks change no row's arithmetic up
+    to SPEC_ROWS rows per block over 2 warps (test_gpu_compiled)."""
+    return (plan.pages_per_block, plan.num_splits, plan.pages_per_split, plan.num_warps,
+            plan.rescale_threshold)
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
+                table_width: int, rows_per_block: int | None = None,
+                pages_per_block: int = 4, num_splits: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None,
+                prefetch_page_ids: bool | None = None,
+                rescale_threshold: float | None = None) -> LaunchPlan:
+    """The caller's explicit options, and measured defaults for those left None.
+
+    Up to SPEC_MAX_Q query tokens per row (decode, verify, draft block) every
+    arithmetic field is the same whatever max_q: blocks of at most SPEC_ROWS
+    rows over 2 warps, and key splits chosen from rows x kv heads alone. On
+    the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
+    at GQA 4, or 8 at GQA 5-8) or 2 warps over 128 rows changed bits against
+    2-warp decode, and so did a split count that followed the number of query
+    blocks (test_gpu_compiled); tuning verify's blocking alone (8 pages, 4
+    warps, 13% faster over fp8) once flipped a near-tied argmax. Such
+    verifies take several 32-row query blocks per row, launched side by side
+    so their reads of the row's keys meet in L2.
+
+    Opt-in, measured on the H200 at GQA 4 (BENCHMARKS.md): fp8 decode with
+    the page ids prefetched is 8% faster (it then reads at copy bandwidth);
+    fp8 verify with 5 stages and rescale_threshold=8 is 10% faster. They are
+    off by default: with all three on, the H200 eval of the default pair (fp8
+    target KV, head dim 32) reported lossless=False at prompt length 128,
+    although the compiled decode-vs-verify tests pass with them at head dims
+    32 and 128; which one breaks it is not isolated yet. Over bf16 KV they
+    lose, and a lazy rescale's block-wide vote made prefill 4-13% slower.
+    """
+    spec = max_q <= SPEC_MAX_Q
+    if rows_per_block is None:
+        rows_per_block = SPEC_ROWS if spec else 128
+    tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
+    num_q_blocks = _cdiv(max_q, tokens_per_block)
+    rows = max(MIN_ROWS, pow2_at_least(tokens_per_block * q_per_kv))
+    pages_per_block = min(pages_per_block, pow2_at_least(table_width))
+    if num_splits is None:  # split the keys when the programs cannot fill the GPU twice
+        programs = batch * num_kv_heads * (1 if spec else num_q_blocks)
+        max_splits = max(table_width // (4 * pages_per_block), 1)
+        num_splits = 1
+        while programs * num_splits < 2 * NUM_SMS and num_splits * 2 <= max_splits:
+            num_splits *= 2
+    pages_per_split = _cdiv(_cdiv(table_width, num_splits), pages_per_block) * pages_per_block
+    if rescale_threshold is not None and not 0 <= rescale_threshold <= 16:
+        raise ValueError(f"rescale_threshold must be in [0, 16] (p < 2**threshold must fit "
+                         f"the dots' f16/bf16), got {rescale_threshold}")
+    return LaunchPlan(
+        tokens_per_block=tokens_per_block, num_q_blocks=num_q_blocks, rows=rows,
+        pages_per_block=pages_per_block, num_splits=num_splits,
+        pages_per_split=pages_per_split,
+        num_warps=num_warps or (2 if spec or rows <= 32 else 4),
+        num_stages=num_stages or 3,
+        prefetch_page_ids=bool(prefetch_page_ids),
+        rescale_threshold=rescale_threshold or 0.0)
