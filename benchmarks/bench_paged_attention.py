@@ -28,19 +28,19 @@ BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
 FP8 = jnp.float8_e4m3fn
 
 
-def make_pool(key, num_pages, dtype, num_layers=1):
-    x = jax.random.normal(key, (HKV, num_pages, num_layers, 2, PAGE, D), jnp.bfloat16)
+def make_pool(key, num_pages, dtype, num_layers=1, head_dim=D):
+    x = jax.random.normal(key, (HKV, num_pages, num_layers, 2, PAGE, head_dim), jnp.bfloat16)
     return x.astype(dtype)
 
 
-def setup(ctx, dtype, max_q=1, seed=0, num_q_heads=HQ):
+def setup(ctx, dtype, max_q=1, seed=0, num_q_heads=HQ, head_dim=D):
     pages_per_seq = ctx // PAGE
     num_pages = BATCH * pages_per_seq
     key = jax.random.key(seed)
-    pool = make_pool(key, num_pages, dtype)
+    pool = make_pool(key, num_pages, dtype, head_dim=head_dim)
     perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
     table = jnp.asarray(perm.reshape(BATCH, pages_per_seq) * 2)  # page * 2L, L = 1
-    q = jax.random.normal(jax.random.fold_in(key, 1), (BATCH, max_q, num_q_heads, D),
+    q = jax.random.normal(jax.random.fold_in(key, 1), (BATCH, max_q, num_q_heads, head_dim),
                           jnp.bfloat16)
     kv_lens = jnp.full((BATCH,), ctx, jnp.int32)
     q_lens = jnp.full((BATCH,), max_q, jnp.int32)

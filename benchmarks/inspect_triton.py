@@ -30,13 +30,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import FP8, setup
+from benchmarks.bench_paged_attention import D, FP8, HKV, HQ, setup
 from benchmarks.profile_paged_attention import load_kernel
 
 KV_DTYPES = {"fp8": FP8, "bf16": jnp.bfloat16}
 
 
-def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, **kernel_kw) -> str:
+def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, q_per_kv: int = HQ // HKV,
+              head_dim: int = D, **kernel_kw) -> str:
     """Triton IR (text) of `paged_attention` from `kernel_file`, lowered for sm_90."""
     from jax._src.pallas.triton import lowering
     from jax._src.pallas.triton import pallas_call_registration as registration
@@ -55,7 +56,8 @@ def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, **kernel_kw) -
 
     kernel = load_kernel(kernel_file)
     # The benchmark's inputs as shapes only: nothing is allocated.
-    args = jax.eval_shape(functools.partial(setup, ctx, KV_DTYPES[kv], max_q=max_q))
+    args = jax.eval_shape(functools.partial(setup, ctx, KV_DTYPES[kv], max_q=max_q,
+                                            num_q_heads=q_per_kv * HKV, head_dim=head_dim))
     step = jax.jit(lambda *a: kernel(*a, layer_offset=0, **kernel_kw))
     registration.gpu_info_lib.get_gpu_info = lambda: _Hopper()
     lowering.lower_jaxpr_to_triton_module = keep_module
@@ -86,6 +88,9 @@ def compile_for_hopper(ir_file: Path, *, num_warps: int, num_stages: int) -> dic
     cubin = stem.with_suffix(stem.suffix + ".cubin")
     cubin.write_bytes(kernel.asm["cubin"])
     report = {"num_stages": num_stages, "shared_bytes": kernel.metadata.shared,
+              # how the dots spread over the warps: [1, W] splits head_dim / keys, [W, 1] rows
+              "mma_warps": sorted(set(re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = (\[[\d, ]+\])",
+                                                 kernel.asm["ttgir"]))),
               "wait_group": [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]}
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     if (tools / "cuobjdump").exists():
@@ -107,6 +112,8 @@ def main():
     parser.add_argument("--max-q", type=int, default=8)
     parser.add_argument("--kv", choices=list(KV_DTYPES), default="fp8")
     parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--head-dim", type=int, default=D)
+    parser.add_argument("--q-per-kv", type=int, default=HQ // HKV)
     parser.add_argument("--warps", type=int, default=2)
     parser.add_argument("--pages-per-block", type=int, default=4)
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 5])
@@ -118,7 +125,7 @@ def main():
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ir = triton_ir(args.kernel, max_q=args.max_q, kv=args.kv, ctx=args.ctx,
-                   num_warps=args.warps, pages_per_block=args.pages_per_block,
+                   head_dim=args.head_dim, q_per_kv=args.q_per_kv, num_warps=args.warps, pages_per_block=args.pages_per_block,
                    **args.kernel_kw)
     ir_file = out / f"paged_attention_{args.kv}_q{args.max_q}.ttir"
     ir_file.write_text(ir)

@@ -30,14 +30,16 @@ class LaunchPlan(NamedTuple):
     num_stages: int
     prefetch_page_ids: bool
     rescale_threshold: float
+    warps_split_rows: bool  # Triton's layout for the dots: rows >= head_dim (see below)
 
 
 def arithmetic(plan: LaunchPlan) -> tuple:
     """The fields that decide a query row's result bits. Stages and prefetch
     only schedule loads; rows and query blocks change no row's arithmetic up
-    to SPEC_ROWS rows per block over 2 warps (test_gpu_compiled)."""
+    to SPEC_ROWS rows per block over 2 warps while the dots' warp layout stays
+    the same (test_gpu_compiled)."""
     return (plan.pages_per_block, plan.num_splits, plan.pages_per_split, plan.num_warps,
-            plan.rescale_threshold)
+            plan.rescale_threshold, plan.warps_split_rows)
 
 
 def pow2_at_least(n: int) -> int:
@@ -49,7 +51,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
-                table_width: int, rows_per_block: int | None = None,
+                head_dim: int, table_width: int, rows_per_block: int | None = None,
                 pages_per_block: int = 4, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 prefetch_page_ids: bool | None = None,
@@ -65,7 +67,13 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     blocks (test_gpu_compiled); tuning verify's blocking alone (8 pages, 4
     warps, 13% faster over fp8) once flipped a near-tied argmax. Such
     verifies take several 32-row query blocks per row, launched side by side
-    so their reads of the row's keys meet in L2.
+    so their reads of the row's keys meet in L2. Triton (3.6, and the H200's)
+    lays the two dots out over 2 warps by splitting head_dim when rows <
+    head_dim and the rows otherwise (`benchmarks/inspect_triton.py` shows
+    warpsPerCTA [1, 2] vs [2, 1]); a 16-row decode block always splits
+    head_dim, and a 32-row verify block at head dim 32 split rows and changed
+    bits on the H200. So spec blocks hold fewer rows than head_dim (16 at
+    head dim 32) unless q heads per kv head alone reach it.
 
     Opt-in, measured on the H200 at GQA 4 (BENCHMARKS.md): fp8 decode with
     the page ids prefetched is 8% faster (it then reads at copy bandwidth);
@@ -78,7 +86,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     """
     spec = max_q <= SPEC_MAX_Q
     if rows_per_block is None:
-        rows_per_block = SPEC_ROWS if spec else 128
+        rows_per_block = max(MIN_ROWS, min(SPEC_ROWS, head_dim // 2)) if spec else 128
     tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
     num_q_blocks = _cdiv(max_q, tokens_per_block)
     rows = max(MIN_ROWS, pow2_at_least(tokens_per_block * q_per_kv))
@@ -100,4 +108,5 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
         num_warps=num_warps or (2 if spec or rows <= 32 else 4),
         num_stages=num_stages or 3,
         prefetch_page_ids=bool(prefetch_page_ids),
-        rescale_threshold=rescale_threshold or 0.0)
+        rescale_threshold=rescale_threshold or 0.0,
+        warps_split_rows=rows >= head_dim)

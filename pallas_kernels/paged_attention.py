@@ -4,10 +4,10 @@ Each batch row has 1..max_q query tokens at positions `kv_len - q_len ..
 kv_len - 1` whose K/V are already in the cache; they are causal among
 themselves and see the row's earlier keys (only the last `sliding_window`
 positions for windowed layers). One program handles one (row, kv head, split)
-and a block of query rows (tokens x q heads per kv head; up to 32 rows for
-decode and verify, 128 for prefill, `launch_plan.py`), so the K+1 verify
-queries of a row read each KV page once per block; a row's blocks launch side
-by side and share those reads in L2.
+and a block of query rows (tokens x q heads per kv head; up to 32 rows, and
+fewer than head_dim, for decode and verify, 128 for prefill: `launch_plan.py`),
+so the K+1 verify queries of a row read each KV page once per block; a row's
+blocks launch side by side and share those reads in L2.
 
 Pool layout and kernel page index (see unified_kv/spec.py):
 
@@ -243,7 +243,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
     q_per_kv = num_q_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
-                       table_width=table_width, **launch_options)
+                       head_dim=head_dim, table_width=table_width, **launch_options)
     tokens_per_block, num_q_blocks, rows = plan.tokens_per_block, plan.num_q_blocks, plan.rows
     num_splits = plan.num_splits
 

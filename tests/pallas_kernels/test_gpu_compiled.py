@@ -49,16 +49,19 @@ def test_compiled_verify_equals_decode_bit_for_bit(kv_dtype, window, blocking):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,max_q", [
-    (32, 4, 8), (40, 8, 8), (32, 8, 16), (64, 8, 16), (8, 8, 8)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,max_q,head_dim", [
+    (32, 4, 8, 128), (40, 8, 8, 128), (32, 8, 16, 128), (64, 8, 16, 128), (8, 8, 8, 128),
+    (8, 2, 8, 32), (16, 2, 8, 32), (8, 2, 8, 64)])
 def test_compiled_verify_equals_decode_bit_for_bit_across_gqa(kv_dtype, num_q_heads,
-                                                               num_kv_heads, max_q):
+                                                               num_kv_heads, max_q, head_dim):
     """Default launch options. Verifies of more than 32 query rows per row (GQA
     5-8, or 16 tokens at GQA 4) take several query blocks; on the H200 a
-    single 64-row block (4 warps) changed bits against decode."""
+    single 64-row block (4 warps) changed bits against decode, and so did a
+    32-row block at head dim 32 (the default pair's), whose dots Triton lays
+    out by rows where decode's 16 rows split head_dim."""
     assert_verify_equals_decode(
         np.random.default_rng(4), max_q=max_q, batch=16, num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads, head_dim=128, page_size=16, kv_dtype=kv_dtype,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=16, kv_dtype=kv_dtype,
         window=None, max_len=3000, interpret=False)
 
 

@@ -37,3 +37,20 @@ def test_triton_compiles_the_ir_for_hopper_and_reports_its_pipelining(tmp_path):
     ir_file.write_text(fp8_verify_ir(prefetch_page_ids=True))
     prefetched = inspect_triton.compile_for_hopper(ir_file, num_warps=2, num_stages=3)
     assert max(prefetched["wait_group"]) > 0  # pipelined at 3 stages
+
+
+@pytest.mark.parametrize("kv,head_dim,q_per_kv", [("bf16", 32, 4), ("fp8", 32, 4), ("bf16", 64, 8),
+                                                  ("bf16", 128, 4)])
+def test_decode_and_verify_lay_their_dots_out_alike(tmp_path, kv, head_dim, q_per_kv):
+    """Triton splits head_dim over the warps for blocks with fewer rows than
+    head_dim and rows otherwise; decode and verify must agree (launch_plan)."""
+    pytest.importorskip("triton", reason="pip install '.[inspect]' to compile the IR")
+    layouts = []
+    for max_q in (1, 8):
+        ir_file = tmp_path / f"q{max_q}.ttir"
+        ir_file.write_text(inspect_triton.triton_ir(
+            paged_attention.__file__, max_q=max_q, kv=kv, ctx=1024, head_dim=head_dim,
+            q_per_kv=q_per_kv))
+        layouts.append(inspect_triton.compile_for_hopper(ir_file, num_warps=2,
+                                                         num_stages=3)["mma_warps"])
+    assert layouts[0] == layouts[1] == ["[1, 2]"], layouts

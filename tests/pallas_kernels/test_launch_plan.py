@@ -5,13 +5,14 @@ import pytest
 from pallas_kernels.launch_plan import SPEC_MAX_Q, SPEC_ROWS, arithmetic, plan_launch
 
 
-@pytest.mark.parametrize("q_per_kv", [1, 2, 4, 5, 8, 16])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("q_per_kv", [1, 2, 4, 5, 8, 16, 32])
 @pytest.mark.parametrize("batch,num_kv_heads,table_width", [
     (64, 8, 2048), (16, 4, 188), (1, 2, 4096), (3, 8, 9)])
-def test_decode_and_verify_plans_share_their_arithmetic(q_per_kv, batch, num_kv_heads,
-                                                        table_width):
+def test_decode_and_verify_plans_share_their_arithmetic(head_dim, q_per_kv, batch,
+                                                        num_kv_heads, table_width):
     shape = dict(batch=batch, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
-                 table_width=table_width)
+                 head_dim=head_dim, table_width=table_width)
     decode = plan_launch(max_q=1, **shape)
     for max_q in range(2, SPEC_MAX_Q + 1):
         verify = plan_launch(max_q=max_q, **shape)
@@ -21,7 +22,7 @@ def test_decode_and_verify_plans_share_their_arithmetic(q_per_kv, batch, num_kv_
 
 
 def test_measured_defaults():
-    shape = dict(batch=64, q_per_kv=4, num_kv_heads=8, table_width=2048)
+    shape = dict(batch=64, q_per_kv=4, num_kv_heads=8, head_dim=128, table_width=2048)
     decode, verify = plan_launch(max_q=1, **shape), plan_launch(max_q=8, **shape)
     assert (decode.rows, verify.rows, decode.num_warps, verify.num_warps) == (16, 32, 2, 2)
     for plan in (decode, verify):  # the fast fp8 options are opt-in
@@ -30,18 +31,22 @@ def test_measured_defaults():
     assert (prefill.rows, prefill.num_warps, prefill.num_q_blocks, prefill.num_splits) == (
         128, 4, 64, 1)
     # A 16-token verify at GQA 8 is 128 rows: four 32-row blocks, decode's splits.
-    small = dict(batch=2, q_per_kv=8, num_kv_heads=2, table_width=4096)
+    small = dict(batch=2, q_per_kv=8, num_kv_heads=2, head_dim=128, table_width=4096)
     v16 = plan_launch(max_q=16, **small)
     assert (v16.num_q_blocks, v16.rows, v16.num_warps) == (4, 32, 2)
     assert v16.num_splits == plan_launch(max_q=1, **small).num_splits == 128
+    # At head dim 32 a 32-row block would lay its dots out by rows, decode's
+    # 16 rows by head_dim: verify-8 at GQA 4 takes two 16-row blocks.
+    v8 = plan_launch(max_q=8, **dict(shape, head_dim=32))
+    assert (v8.num_q_blocks, v8.rows, v8.warps_split_rows) == (2, 16, False)
 
 
 def test_explicit_options_win_and_bad_threshold_is_named():
-    plan = plan_launch(batch=4, max_q=8, q_per_kv=4, num_kv_heads=2,
+    plan = plan_launch(batch=4, max_q=8, q_per_kv=4, num_kv_heads=2, head_dim=64,
                        table_width=64, num_warps=4, num_stages=2, num_splits=3,
                        prefetch_page_ids=True, rescale_threshold=0.0, rows_per_block=16)
     assert (plan.num_warps, plan.num_stages, plan.num_splits, plan.prefetch_page_ids,
             plan.rescale_threshold, plan.tokens_per_block) == (4, 2, 3, True, 0.0, 4)
     with pytest.raises(ValueError, match="rescale_threshold must be in"):
-        plan_launch(batch=1, max_q=1, q_per_kv=1, num_kv_heads=1,
+        plan_launch(batch=1, max_q=1, q_per_kv=1, num_kv_heads=1, head_dim=64,
                     table_width=4, rescale_threshold=20.0)

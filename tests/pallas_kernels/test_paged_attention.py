@@ -155,9 +155,9 @@ def test_opt_in_fp8_options_keep_verify_equal_to_decode(interpret):
 
 
 def test_verify_equals_decode_bit_for_bit_over_several_query_blocks(interpret):
-    """GQA 8: a verify of 8 tokens is 64 query rows, two 32-row blocks per row;
-    both split the keys as decode does (the split count once followed the
-    number of query blocks)."""
+    """GQA 8: a verify of 8 tokens is 64 query rows, four 16-row blocks per row
+    at head dim 32; all split the keys as decode does (the split count once
+    followed the number of query blocks)."""
     assert_verify_equals_decode(np.random.default_rng(6), max_q=8, batch=4, max_len=150,
                                 num_q_heads=16, num_kv_heads=2, kv_dtype=jnp.float8_e4m3fn,
                                 window=None, blocking=dict(pages_per_block=2),
