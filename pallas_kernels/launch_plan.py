@@ -3,10 +3,11 @@ options measured best on the H200 (BENCHMARKS.md).
 
 One job: from the call's shapes and the caller's explicit choices, decide
 query blocks, key splits, warps, pipeline stages, page-id prefetch and the
-rescale threshold (the same defaults over bf16 and fp8 KV). Greedy speculative decoding must reproduce plain decoding
-token for token, so a row's 1-query decode pass and its K+1-query verify pass
-must do the same arithmetic; `arithmetic(plan)` names the fields that decide
-it, and tests check that decode and verify plans agree on them.
+rescale threshold (the same defaults over bf16 and fp8 KV). Greedy
+speculative decoding must reproduce plain decoding token for token, so a
+row's 1-query decode pass and its K+1-query verify pass must do the same
+arithmetic; `arithmetic(plan)` names the fields that decide it, and tests
+check that decode and verify plans agree on them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import NamedTuple
 
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
 SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block
-SPEC_ROWS = 32   # query rows per block for those (2 warps)
+SPEC_ROWS = 32   # at most this many query rows per block for those (2 warps)
 NUM_SMS = 132    # H200
 
 
