@@ -30,11 +30,11 @@ tokens per row: 1 decode, 8 verify) or prefillN (the last N tokens of each
 row as one chunk); OPTIONs: gN query heads per kv head (default 4), rN query
 rows per block, pN pages per block, wN warps, sN pipeline stages (written
 alone or run together: p4w2s5), prefetch (page ids one block ahead), lazyT
-(rescale threshold T). Examples: fp8_q8, fp8_q8_p4w2s5, fp8_q1_prefetch_s3,
-bf16_prefill2048_lazy8, fp8_q8_g8_w2."""
+(rescale threshold T), fast (fast_fp8=True). Examples: fp8_q8, fp8_q8_p4w2s5,
+fp8_q1_prefetch_s3, bf16_prefill2048_lazy8, fp8_q8_g8_w2, fp8_q8_fast."""
 # Prefill's own blocking: 128 query rows per block want 4 warps.
 PREFILL_KW = {"rows_per_block": 128, "pages_per_block": 4, "num_warps": 4, "num_stages": 2}
-_OPTION = re.compile(r"_(?:(?P<blocking>(?:[grpws]\d+)+)|(?P<prefetch>prefetch)"
+_OPTION = re.compile(r"_(?:(?P<blocking>(?:[grpws]\d+)+)|(?P<prefetch>prefetch)|(?P<fast>fast)"
                      r"|lazy(?P<lazy>\d+(?:\.\d+)?))")
 _KEYS = {"g": "q_per_kv", "r": "rows_per_block", "p": "pages_per_block", "w": "num_warps",
          "s": "num_stages"}
@@ -58,6 +58,8 @@ def parse_case(name):
                 kw[_KEYS[key]] = int(value)
         elif option["prefetch"]:
             kw["prefetch_page_ids"] = True
+        elif option["fast"]:
+            kw["fast_fp8"] = True
         else:
             kw["rescale_threshold"] = float(option["lazy"])
         pos = option.end()

@@ -1,6 +1,6 @@
 """Acceptance and speed of the embedded default pair on the shipped held-out prompts.
 
-    PYTHONPATH=. python -m drafter.evaluate [--quick] [--max-new N] [--json FILE]
+    PYTHONPATH=. python -m drafter.evaluate [--quick] [--max-new N] [--impl I] [--json FILE]
 
 Per prompt length: mean acceptance length (AL, tokens committed per decode
 step, block 8), per-position acceptance (how often draft k was accepted),
@@ -23,6 +23,7 @@ from benchmarks.timing import machine, time_step_loop
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from drafter.steps import decode_step, plain_decode_step
+from models.attention import IMPLS
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 
@@ -33,9 +34,9 @@ def per_position_acceptance(acceptance: list[int], block: int) -> list[float]:
     return [float((steps >= k + 1).mean()) for k in range(1, block)]
 
 
-def acceptance_by_length(params, tcfg, dcfg, prompts, max_new):
-    spec_cfg = default_step_config(tcfg, dcfg, num_slots=4)
-    plain_cfg = default_step_config(tcfg, None, num_slots=4)
+def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto"):
+    spec_cfg = default_step_config(tcfg, dcfg, num_slots=4, impl=impl)
+    plain_cfg = default_step_config(tcfg, None, num_slots=4, impl=impl)
     rows = []
     for length in sorted({p["length"] for p in prompts}):
         group = [p["tokens"] for p in prompts if p["length"] == length]
@@ -54,10 +55,11 @@ def acceptance_by_length(params, tcfg, dcfg, prompts, max_new):
     return rows
 
 
-def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool):
+def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool,
+                     impl: str = "auto"):
     """An Engine whose `batch` slots hold the prompts (cycled), prefilled, with
     room for 2048 new tokens each."""
-    cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch)
+    cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch, impl=impl)
     engine = Engine(params, cfg, speculative=speculative)
     for i in range(batch):
         engine.add_request(f"r{i}", prompts[i % len(prompts)], 2048)
@@ -88,13 +90,13 @@ def device_rate(engine, steps: int, repeats: int) -> dict:
 
 
 def tokens_per_second(params, tcfg, dcfg, prompts, batch, *, steps: int = 32,
-                      repeats: int = 3):
+                      repeats: int = 3, impl: str = "auto"):
     """Decode tokens/s, plain vs speculative, `batch` rows prefilled with
     `prompts`: device time of the jitted steps (no host loop; the host loop's
     own cost is in benchmarks/bench_decode_speed.py)."""
     out = {"batch": batch}
     for name, speculative in (("plain", False), ("speculative", True)):
-        engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, speculative)
+        engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, speculative, impl)
         rate = device_rate(engine, steps, repeats)
         out[f"{name}_tokens_per_s"] = rate["device_tokens_per_s"]
         out[f"{name}_tokens_per_step"] = rate["tokens_per_step"]
@@ -109,6 +111,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="2 prompts per length, up to 2048")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--json", default=None, help="output file (default benchmarks/results/)")
+    ap.add_argument("--impl", choices=IMPLS, default="auto",
+                    help="attention kernels (models/attention.py); e.g. pallas_fast_fp8 "
+                         "for the opt-in fp8 launch options")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
     prompts = load_prompts()
@@ -118,10 +123,12 @@ def main(argv=None):
                    and keep.setdefault(p["length"], []).append(1) is None
                    and len(keep[p["length"]]) <= 2]
     print(f"device: {jax.devices()[0].device_kind}; {len(prompts)} held-out prompts", flush=True)
-    report = {"machine": machine(), "block_size": dcfg.block_size, "max_new": args.max_new,
-              "by_length": acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new)}
+    report = {"machine": machine(), "impl": args.impl, "block_size": dcfg.block_size,
+              "max_new": args.max_new,
+              "by_length": acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
+                                                args.impl)}
     short = [p["tokens"] for p in prompts if p["length"] == 128]
-    report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b)
+    report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b, impl=args.impl)
                        for b in ((1,) if args.quick else (1, 16))]
     path = Path(args.json) if args.json else RESULTS / (
         f"eval_default_{jax.default_backend()}{'_quick' if args.quick else ''}.json")

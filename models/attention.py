@@ -5,6 +5,10 @@
   "interpret"  the same kernels in Pallas interpret mode (CPU; slow, exact)
   "reference"  the kernels' plain-jnp references (CPU tests of whole models)
   "auto"       "pallas" on GPU, "reference" elsewhere
+  "pallas_fast_fp8", "interpret_fast_fp8"
+               the kernels with their opt-in fp8 launch options (`fast_fp8`:
+               faster fp8 decode and verify on the H200; BENCHMARKS.md says
+               what is and is not yet confirmed about them)
 The choice is explicit and static; nothing falls back silently at run time.
 
 Tensor parallelism: a worker on a mesh traces its steps under
@@ -25,7 +29,8 @@ from pallas_kernels.paged_attention import (draft_block_attention,
                                             paged_attention_reference)
 from unified_kv import LayerSpec
 
-IMPLS = ("auto", "pallas", "interpret", "reference")
+IMPLS = ("auto", "pallas", "interpret", "reference", "pallas_fast_fp8", "interpret_fast_fp8")
+FAST_FP8 = "_fast_fp8"
 
 
 def resolve_impl(impl: str) -> str:
@@ -36,9 +41,11 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def _kernel_args(layer: LayerSpec, offset: int) -> dict:
+def _kernel_args(layer: LayerSpec, offset: int, impl: str) -> dict:
     return dict(layer_offset=offset, sliding_window=layer.sliding_window,
-                k_scale=layer.k_scale, v_scale=layer.v_scale)
+                k_scale=layer.k_scale, v_scale=layer.v_scale,
+                **({} if impl == "reference" else {"interpret": impl.startswith("interpret"),
+                                                   "fast_fp8": impl.endswith(FAST_FP8)}))
 
 
 def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offset: int):
@@ -66,13 +73,12 @@ def _per_kv_head_shard(kernel, num_heads_args: int, num_other_args: int):
 def attend(q, pool, table, kv_lens, q_lens, layer: LayerSpec, offset: int, *, impl: str):
     """Decode / verify / prefill attention of one layer (queries' K/V already stored)."""
     impl = resolve_impl(impl)
-    args = _kernel_args(layer, offset)
+    args = _kernel_args(layer, offset, impl)
     if impl == "reference":
         return paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
 
     def kernel(q, pool, table, kv_lens, q_lens):
-        return paged_attention(q, pool, table, kv_lens, q_lens, interpret=impl == "interpret",
-                               **args)
+        return paged_attention(q, pool, table, kv_lens, q_lens, **args)
     return _per_kv_head_shard(kernel, 2, 3)(q, pool, table, kv_lens, q_lens)
 
 
@@ -80,13 +86,13 @@ def attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k, block_v, l
                        offset: int, *, causal_in_block: bool, impl: str):
     """DFlash draft-block attention of one draft layer."""
     impl = resolve_impl(impl)
-    args = dict(_kernel_args(layer, offset), causal_in_block=causal_in_block)
+    args = dict(_kernel_args(layer, offset, impl), causal_in_block=causal_in_block)
     if impl == "reference":
         return draft_block_attention_reference(q, pool, table, ctx_lens, block_lens, block_k,
                                                block_v, **args)
 
     def kernel(q, block_k, block_v, pool, table, ctx_lens, block_lens):
         return draft_block_attention(q, pool, table, ctx_lens, block_lens, block_k, block_v,
-                                     interpret=impl == "interpret", **args)
+                                     **args)
     return _per_kv_head_shard(kernel, 4, 3)(q, block_k, block_v, pool, table, ctx_lens,
                                             block_lens)

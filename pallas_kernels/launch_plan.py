@@ -56,7 +56,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
                 pages_per_block: int = 4, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 prefetch_page_ids: bool | None = None,
-                rescale_threshold: float | None = None) -> LaunchPlan:
+                rescale_threshold: float | None = None, fast_fp8: bool = False) -> LaunchPlan:
     """The caller's explicit options, and measured defaults for those left None.
 
     Up to SPEC_MAX_Q query tokens per row (decode, verify, draft block) every
@@ -76,16 +76,17 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     bits on the H200. So spec blocks hold fewer rows than head_dim (16 at
     head dim 32) unless q heads per kv head alone reach it.
 
-    Opt-in, measured on the H200 at GQA 4 (BENCHMARKS.md): fp8 decode with
-    the page ids prefetched is 8% faster (it then reads at copy bandwidth);
-    fp8 verify with 5 stages and rescale_threshold=8 is 10% faster. They are
-    off by default: with all three on, the H200 eval of the default pair (fp8
+    Opt-in (`fast_fp8`, for calls over fp8 KV), measured on the H200 at GQA
+    4 (BENCHMARKS.md): fp8 decode with the page ids prefetched is 8% faster
+    (it then reads at copy bandwidth); fp8 verify with 5 stages and
+    rescale_threshold=8 is 10% faster. They are off by default: with all three on, the H200 eval of the default pair (fp8
     target KV, head dim 32) reported lossless=False at prompt length 128,
     although the compiled decode-vs-verify tests pass with them at head dims
     32 and 128; which one breaks it is not isolated yet. Over bf16 KV they
     lose, and a lazy rescale's block-wide vote made prefill 4-13% slower.
     """
     spec = max_q <= SPEC_MAX_Q
+    fast = fast_fp8 and spec  # prefill keeps its options (the lazy rescale slowed it)
     if rows_per_block is None:
         rows_per_block = max(MIN_ROWS, min(SPEC_ROWS, head_dim // 2)) if spec else 128
     tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
@@ -107,7 +108,9 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
         pages_per_block=pages_per_block, num_splits=num_splits,
         pages_per_split=pages_per_split,
         num_warps=num_warps or (2 if spec or rows <= 32 else 4),
-        num_stages=num_stages or 3,
-        prefetch_page_ids=bool(prefetch_page_ids),
-        rescale_threshold=rescale_threshold or 0.0,
+        num_stages=num_stages or (5 if fast and rows > 16 else 3),
+        prefetch_page_ids=(fast and rows <= 16) if prefetch_page_ids is None
+        else prefetch_page_ids,
+        rescale_threshold=(8.0 if fast else 0.0) if rescale_threshold is None
+        else rescale_threshold,
         warps_split_rows=rows >= head_dim)

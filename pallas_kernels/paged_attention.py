@@ -242,8 +242,10 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
     table_width = batch_table.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    fast_fp8 = launch_options.pop("fast_fp8") and pool.dtype == jnp.float8_e4m3fn
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, table_width=table_width, **launch_options)
+                       head_dim=head_dim, table_width=table_width, fast_fp8=fast_fp8,
+                       **launch_options)
     tokens_per_block, num_q_blocks, rows = plan.tokens_per_block, plan.num_q_blocks, plan.rows
     num_splits = plan.num_splits
 
@@ -333,7 +335,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "compute_dtype", "prefetch_page_ids", "rescale_threshold", "interpret")
+           "compute_dtype", "prefetch_page_ids", "rescale_threshold", "fast_fp8", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -358,6 +360,7 @@ def paged_attention(
     compute_dtype: jnp.dtype | None = None,
     prefetch_page_ids: bool | None = None,
     rescale_threshold: float | None = None,
+    fast_fp8: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
@@ -372,8 +375,9 @@ def paged_attention(
 
     Launch options left None take the values measured on the H200 for the
     query count (`launch_plan.plan_launch`), keeping a row's decode and
-    verify passes bit-for-bit equal. Two opt-in options (off by default, see
-    plan_launch) speed up fp8 decode and verify. `prefetch_page_ids` loads
+    verify passes bit-for-bit equal. `fast_fp8=True` (over fp8 KV, up to 16
+    query tokens) takes the options below that make fp8 decode and verify
+    faster on the H200 (off by default, see plan_launch). `prefetch_page_ids` loads
     each block's page-table entries one iteration ahead, in the loop carry:
     with the table load inside the iteration, Triton's pipeliner waits for
     every load in flight at the top of each one (BENCHMARKS.md); prefetched,
@@ -392,7 +396,7 @@ def paged_attention(
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        rescale_threshold=rescale_threshold, interpret=interpret)
+        rescale_threshold=rescale_threshold, fast_fp8=fast_fp8, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -420,6 +424,7 @@ def draft_block_attention(
     compute_dtype: jnp.dtype | None = None,
     prefetch_page_ids: bool | None = None,
     rescale_threshold: float | None = None,
+    fast_fp8: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
@@ -441,7 +446,7 @@ def draft_block_attention(
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        rescale_threshold=rescale_threshold, interpret=interpret)
+        rescale_threshold=rescale_threshold, fast_fp8=fast_fp8, interpret=interpret)
 
 
 def _combine_splits(o, m, l):
