@@ -17,6 +17,7 @@ from typing import NamedTuple
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
 SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block
 SPEC_ROWS = 32   # at most this many query rows per block for those (2 warps)
+SPEC_SPLIT_PAGES = 32  # key pages per split for those, when rows x kv heads cannot fill the GPU
 NUM_SMS = 132    # H200
 
 
@@ -60,8 +61,9 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     """The caller's explicit options, and measured defaults for those left None.
 
     Up to SPEC_MAX_Q query tokens per row (decode, verify, draft block) every
-    arithmetic field is the same whatever max_q: blocks of at most SPEC_ROWS
-    rows over 2 warps, and key splits chosen from rows x kv heads alone. On
+    arithmetic field is the same whatever max_q and table width: blocks of at
+    most SPEC_ROWS rows over 2 warps, and, when rows x kv heads cannot fill
+    the GPU twice, key splits of SPEC_SPLIT_PAGES pages (else none). On
     the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
     at GQA 4, or 8 at GQA 5-8) or 2 warps over 128 rows changed bits against
     2-warp decode, and so did a split count that followed the number of query
@@ -93,13 +95,22 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     num_q_blocks = _cdiv(max_q, tokens_per_block)
     rows = max(MIN_ROWS, pow2_at_least(tokens_per_block * q_per_kv))
     pages_per_block = min(pages_per_block, pow2_at_least(table_width))
-    if num_splits is None:  # split the keys when the programs cannot fill the GPU twice
-        programs = batch * num_kv_heads * (1 if spec else num_q_blocks)
-        max_splits = max(table_width // (4 * pages_per_block), 1)
-        num_splits = 1
-        while programs * num_splits < 2 * NUM_SMS and num_splits * 2 <= max_splits:
-            num_splits *= 2
-    pages_per_split = _cdiv(_cdiv(table_width, num_splits), pages_per_block) * pages_per_block
+    programs = batch * num_kv_heads * (1 if spec else num_q_blocks)
+    if num_splits is None and spec and programs < 2 * NUM_SMS:
+        # Splits of a fixed size: a row's split boundaries, and so its bits,
+        # must not follow the table width, which follows the batch's longest
+        # row and differs between a plain decode step and a verify step at
+        # the same position. Splits past a row's keys add exact zeros.
+        pages_per_split = _cdiv(SPEC_SPLIT_PAGES, pages_per_block) * pages_per_block
+        num_splits = _cdiv(table_width, pages_per_split)
+    else:
+        if num_splits is None:  # split the keys when the programs cannot fill the GPU twice
+            max_splits = max(table_width // (4 * pages_per_block), 1)
+            num_splits = 1
+            while programs * num_splits < 2 * NUM_SMS and num_splits * 2 <= max_splits:
+                num_splits *= 2
+        pages_per_split = (_cdiv(_cdiv(table_width, num_splits), pages_per_block)
+                           * pages_per_block)
     if rescale_threshold is not None and not 0 <= rescale_threshold <= 16:
         raise ValueError(f"rescale_threshold must be in [0, 16] (p < 2**threshold must fit "
                          f"the dots' f16/bf16), got {rescale_threshold}")

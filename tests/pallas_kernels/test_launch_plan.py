@@ -2,7 +2,8 @@
 
 import pytest
 
-from pallas_kernels.launch_plan import SPEC_MAX_Q, SPEC_ROWS, arithmetic, plan_launch
+from pallas_kernels.launch_plan import (NUM_SMS, SPEC_MAX_Q, SPEC_ROWS, SPEC_SPLIT_PAGES,
+                                        arithmetic, plan_launch)
 
 
 @pytest.mark.parametrize("fast_fp8", [False, True])
@@ -37,7 +38,8 @@ def test_measured_defaults():
     prefill = plan_launch(max_q=2048, **shape)
     assert (prefill.rows, prefill.num_warps, prefill.num_q_blocks, prefill.num_splits) == (
         128, 4, 64, 1)
-    # A 16-token verify at GQA 8 is 128 rows: four 32-row blocks, decode's splits.
+    # A 16-token verify at GQA 8 is 128 rows: four 32-row blocks, decode's
+    # splits (4 rows x kv heads: splits of SPEC_SPLIT_PAGES pages).
     small = dict(batch=2, q_per_kv=8, num_kv_heads=2, head_dim=128, table_width=4096)
     v16 = plan_launch(max_q=16, **small)
     assert (v16.num_q_blocks, v16.rows, v16.num_warps) == (4, 32, 2)
@@ -57,3 +59,18 @@ def test_explicit_options_win_and_bad_threshold_is_named():
     with pytest.raises(ValueError, match="rescale_threshold must be in"):
         plan_launch(batch=1, max_q=1, q_per_kv=1, num_kv_heads=1, head_dim=64,
                     table_width=4, rescale_threshold=20.0)
+
+
+@pytest.mark.parametrize("batch,num_kv_heads", [(4, 2), (64, 8)])
+def test_spec_split_boundaries_do_not_follow_the_table_width(batch, num_kv_heads):
+    """The engine's table width follows the batch's longest row and differs
+    between a plain step and a verify step at the same position."""
+    plans = [plan_launch(batch=batch, max_q=max_q, q_per_kv=4, num_kv_heads=num_kv_heads,
+                         head_dim=128, table_width=width)
+             for width in (16, 64, 1024, 4096) for max_q in (1, 8)]
+    splits = {p.num_splits for p in plans}
+    if batch * num_kv_heads < 2 * NUM_SMS:
+        assert {p.pages_per_split for p in plans} == {SPEC_SPLIT_PAGES}
+        assert splits == {1, 2, 32, 128}
+    else:
+        assert splits == {1}  # one split per row: no boundary at all

@@ -155,6 +155,22 @@ def test_opt_in_fp8_options_keep_verify_equal_to_decode(interpret):
                                 decode_blocking=dict(lazy, prefetch_page_ids=True))
 
 
+def test_wider_tables_change_no_bit(interpret, monkeypatch):
+    """A row's result must not follow the table width (the batch's longest row
+    sets it): decode and verify split the keys at fixed page boundaries, and
+    splits past a row's keys add exact zeros."""
+    import pallas_kernels.launch_plan as launch_plan
+    monkeypatch.setattr(launch_plan, "SPEC_SPLIT_PAGES", 4)  # several splits per row
+    q, pool, table, kv_lens, q_lens = make_case(
+        np.random.default_rng(9), batch=3, max_q=3, num_q_heads=4, num_kv_heads=2,
+        kv_lens=[120, 41, 9], q_lens=[3, 2, 1], table_width=16, kv_dtype=jnp.float8_e4m3fn)
+    wide = jnp.pad(table, ((0, 0), (0, 32)), constant_values=-1)  # 48 pages, all BAD past 16
+    kw = dict(layer_offset=1, pages_per_block=2, interpret=interpret)
+    np.testing.assert_array_equal(
+        np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **kw)),
+        np.asarray(paged_attention(q, pool, wide, kv_lens, q_lens, **kw)))
+
+
 def test_verify_equals_decode_bit_for_bit_over_several_query_blocks(interpret):
     """GQA 8: a verify of 8 tokens is 64 query rows, four 16-row blocks per row
     at head dim 32; all split the keys as decode does (the split count once
