@@ -81,11 +81,12 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     Opt-in (`fast_fp8`, for calls over fp8 KV), measured on the H200 at GQA
     4 (BENCHMARKS.md): fp8 decode with the page ids prefetched is 8% faster
     (it then reads at copy bandwidth); fp8 verify with 5 stages and
-    rescale_threshold=8 is 10% faster. They are off by default: with all three on, the H200 eval of the default pair (fp8
-    target KV, head dim 32) reported lossless=False at prompt length 128,
-    although the compiled decode-vs-verify tests pass with them at head dims
-    32 and 128; which one breaks it is not isolated yet. Over bf16 KV they
-    lose, and a lazy rescale's block-wide vote made prefill 4-13% slower.
+    rescale_threshold=8 is 10% faster. They are off by default: with them
+    on, the H200 eval of the default pair (fp8 target KV, head dim 32)
+    reported lossless=False at prompt length 128, before the head-dim and
+    table-width rules above existed (the likelier causes); the fixed plan
+    has not run that eval yet. Over bf16 KV they lose, and a lazy rescale's
+    block-wide vote made prefill 4-13% slower.
     """
     spec = max_q <= SPEC_MAX_Q
     fast = fast_fp8 and spec  # prefill keeps its options (the lazy rescale slowed it)
