@@ -83,8 +83,8 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     (it then reads at copy bandwidth); fp8 verify with 5 stages and
     rescale_threshold=8 is 10% faster. They are off by default: with them
     on, the H200 eval of the default pair (fp8 target KV, head dim 32)
-    reported lossless=False at prompt length 128, before the head-dim and
-    table-width rules above existed (the likelier causes); the fixed plan
+    reported lossless=False at prompt length 128, before the head-dim rule
+    above existed (the likelier cause; nothing split there); the fixed plan
     has not run that eval yet. Over bf16 KV they lose, and a lazy rescale's
     block-wide vote made prefill 4-13% slower.
     """
