@@ -26,6 +26,7 @@ from pallas_kernels.paged_attention import (draft_block_attention, paged_attenti
 
 BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
 FP8 = jnp.float8_e4m3fn
+KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": FP8}  # by the names the scripts take
 
 
 def make_pool(key, num_pages, dtype, num_layers=1, head_dim=D):

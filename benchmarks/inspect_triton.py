@@ -28,13 +28,9 @@ import subprocess
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import D, FP8, HKV, HQ, setup
+from benchmarks.bench_paged_attention import D, HKV, HQ, KV_DTYPES, setup
 from benchmarks.profile_paged_attention import load_kernel
-
-KV_DTYPES = {"fp8": FP8, "bf16": jnp.bfloat16}
-
 
 def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, q_per_kv: int = HQ // HKV,
               head_dim: int = D, **kernel_kw) -> str:
@@ -125,8 +121,8 @@ def main():
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ir = triton_ir(args.kernel, max_q=args.max_q, kv=args.kv, ctx=args.ctx,
-                   head_dim=args.head_dim, q_per_kv=args.q_per_kv, num_warps=args.warps, pages_per_block=args.pages_per_block,
-                   **args.kernel_kw)
+                   head_dim=args.head_dim, q_per_kv=args.q_per_kv, num_warps=args.warps,
+                   pages_per_block=args.pages_per_block, **args.kernel_kw)
     ir_file = out / f"paged_attention_{args.kv}_q{args.max_q}.ttir"
     ir_file.write_text(ir)
     print(f"{ir_file}: {ir.count(chr(10))} lines of Triton IR")

@@ -19,9 +19,8 @@ import importlib.util
 import re
 
 import jax
-import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import FP8, HKV, HQ, ours, setup
+from benchmarks.bench_paged_attention import HKV, HQ, KV_DTYPES, ours, setup
 from benchmarks.timing import time_call, write_results
 from pallas_kernels.paged_attention import paged_attention
 
@@ -45,7 +44,7 @@ def parse_case(name):
     head = re.match(r"(bf16|fp8)_(?:q(\d+)|prefill(\d+))", name)
     if head is None:
         raise ValueError(f"bad case name {name!r}. {CASE_GRAMMAR}")
-    dtype = FP8 if head.group(1) == "fp8" else jnp.bfloat16
+    dtype = KV_DTYPES[head.group(1)]
     max_q = int(head.group(2) or head.group(3))
     kw = dict(PREFILL_KW) if head.group(3) else {}
     pos = head.end()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from jax.experimental import pallas as pl
+
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
 SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block
 SPEC_ROWS = 32   # at most this many query rows per block for those (2 warps)
@@ -46,10 +48,6 @@ def arithmetic(plan: LaunchPlan) -> tuple:
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
@@ -93,7 +91,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     if rows_per_block is None:
         rows_per_block = max(MIN_ROWS, min(SPEC_ROWS, head_dim // 2)) if spec else 128
     tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
-    num_q_blocks = _cdiv(max_q, tokens_per_block)
+    num_q_blocks = pl.cdiv(max_q, tokens_per_block)
     rows = max(MIN_ROWS, pow2_at_least(tokens_per_block * q_per_kv))
     pages_per_block = min(pages_per_block, pow2_at_least(table_width))
     programs = batch * num_kv_heads * (1 if spec else num_q_blocks)
@@ -102,15 +100,15 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
         # must not follow the table width, which follows the batch's longest
         # row and differs between a plain decode step and a verify step at
         # the same position. Splits past a row's keys add exact zeros.
-        pages_per_split = _cdiv(SPEC_SPLIT_PAGES, pages_per_block) * pages_per_block
-        num_splits = _cdiv(table_width, pages_per_split)
+        pages_per_split = pl.cdiv(SPEC_SPLIT_PAGES, pages_per_block) * pages_per_block
+        num_splits = pl.cdiv(table_width, pages_per_split)
     else:
         if num_splits is None:  # split the keys when the programs cannot fill the GPU twice
             max_splits = max(table_width // (4 * pages_per_block), 1)
             num_splits = 1
             while programs * num_splits < 2 * NUM_SMS and num_splits * 2 <= max_splits:
                 num_splits *= 2
-        pages_per_split = (_cdiv(_cdiv(table_width, num_splits), pages_per_block)
+        pages_per_split = (pl.cdiv(pl.cdiv(table_width, num_splits), pages_per_block)
                            * pages_per_block)
     if rescale_threshold is not None and not 0 <= rescale_threshold <= 16:
         raise ValueError(f"rescale_threshold must be in [0, 16] (p < 2**threshold must fit "
