@@ -34,17 +34,17 @@ def make_pool(key, num_pages, dtype, num_layers=1, head_dim=D):
     return x.astype(dtype)
 
 
-def setup(ctx, dtype, max_q=1, seed=0, num_q_heads=HQ, head_dim=D):
+def setup(ctx, dtype, max_q=1, seed=0, num_q_heads=HQ, head_dim=D, batch=BATCH):
     pages_per_seq = ctx // PAGE
-    num_pages = BATCH * pages_per_seq
+    num_pages = batch * pages_per_seq
     key = jax.random.key(seed)
     pool = make_pool(key, num_pages, dtype, head_dim=head_dim)
     perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
-    table = jnp.asarray(perm.reshape(BATCH, pages_per_seq) * 2)  # page * 2L, L = 1
-    q = jax.random.normal(jax.random.fold_in(key, 1), (BATCH, max_q, num_q_heads, head_dim),
+    table = jnp.asarray(perm.reshape(batch, pages_per_seq) * 2)  # page * 2L, L = 1
+    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, max_q, num_q_heads, head_dim),
                           jnp.bfloat16)
-    kv_lens = jnp.full((BATCH,), ctx, jnp.int32)
-    q_lens = jnp.full((BATCH,), max_q, jnp.int32)
+    kv_lens = jnp.full((batch,), ctx, jnp.int32)
+    q_lens = jnp.full((batch,), max_q, jnp.int32)
     return q, pool, table, kv_lens, q_lens
 
 

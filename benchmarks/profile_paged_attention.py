@@ -6,7 +6,7 @@ run alone for a profiler (ncu) or a compiler dump.
     git show REV:pallas_kernels/paged_attention.py > old_kernel.py
     PYTHONPATH=. python benchmarks/profile_paged_attention.py --baseline old_kernel.py
 
-Shapes are bench_paged_attention's decode case (batch 64, 32 / 8 heads, d 128,
+Shapes are bench_paged_attention's decode case (batch 64 unless a case says, 32 / 8 heads, d 128,
 page 16). A case names its KV dtype, queries per row and kernel options (`--help`);
 every time is beside bf16 decode (`bf16_q1`) from the same run, and with
 `--baseline` beside the same case run by another version of the kernel module.
@@ -20,27 +20,29 @@ import re
 
 import jax
 
-from benchmarks.bench_paged_attention import HKV, HQ, KV_DTYPES, ours, setup
+from benchmarks.bench_paged_attention import BATCH, HKV, HQ, KV_DTYPES, ours, setup
 from benchmarks.timing import time_call, write_results
 from pallas_kernels.paged_attention import paged_attention
 
 CASE_GRAMMAR = """A case name is KV_WORK[_OPTION...]: KV is bf16 or fp8; WORK is qN (N query
 tokens per row: 1 decode, 8 verify) or prefillN (the last N tokens of each
-row as one chunk); OPTIONs: gN query heads per kv head (default 4), rN query
-rows per block, pN pages per block, wN warps, sN pipeline stages (written
-alone or run together: p4w2s5), prefetch (page ids one block ahead), lazyT
-(rescale threshold T), fast (fast_fp8=True). Examples: fp8_q8, fp8_q8_p4w2s5,
-fp8_q1_prefetch_s3, bf16_prefill2048_lazy8, fp8_q8_g8_w2, fp8_q8_fast."""
+row as one chunk); OPTIONs: bN batch rows (default 64), gN query heads per
+kv head (default 4), rN query rows per block, pN pages per block, kN key
+splits, wN warps, sN pipeline stages (written alone or run together:
+p4w2s5), prefetch (page ids one block ahead), lazyT (rescale threshold T),
+fast (fast_fp8=True). Examples: fp8_q8, fp8_q8_p4w2s5, fp8_q1_prefetch_s3,
+bf16_prefill2048_lazy8, fp8_q8_g8_w2, fp8_q8_fast, bf16_q1_b4_k16."""
 # Prefill's own blocking: 128 query rows per block want 4 warps.
 PREFILL_KW = {"rows_per_block": 128, "pages_per_block": 4, "num_warps": 4, "num_stages": 2}
-_OPTION = re.compile(r"_(?:(?P<blocking>(?:[grpws]\d+)+)|(?P<prefetch>prefetch)|(?P<fast>fast)"
+_OPTION = re.compile(r"_(?:(?P<blocking>(?:[bgrpkws]\d+)+)|(?P<prefetch>prefetch)|(?P<fast>fast)"
                      r"|lazy(?P<lazy>\d+(?:\.\d+)?))")
-_KEYS = {"g": "q_per_kv", "r": "rows_per_block", "p": "pages_per_block", "w": "num_warps",
-         "s": "num_stages"}
+_KEYS = {"b": "batch", "g": "q_per_kv", "r": "rows_per_block", "p": "pages_per_block",
+         "k": "num_splits", "w": "num_warps", "s": "num_stages"}
 
 
 def parse_case(name):
-    """(KV dtype, query tokens per row, query heads per kv head, kernel keywords)."""
+    """(KV dtype, query tokens per row, query heads per kv head, batch rows, kernel
+    keywords)."""
     head = re.match(r"(bf16|fp8)_(?:q(\d+)|prefill(\d+))", name)
     if head is None:
         raise ValueError(f"bad case name {name!r}. {CASE_GRAMMAR}")
@@ -53,7 +55,7 @@ def parse_case(name):
         if option is None:
             raise ValueError(f"bad option {name[pos:]!r} in case {name!r}. {CASE_GRAMMAR}")
         if option["blocking"]:
-            for key, value in re.findall(r"([grpws])(\d+)", option["blocking"]):
+            for key, value in re.findall(r"([bgrpkws])(\d+)", option["blocking"]):
                 kw[_KEYS[key]] = int(value)
         elif option["prefetch"]:
             kw["prefetch_page_ids"] = True
@@ -62,7 +64,7 @@ def parse_case(name):
         else:
             kw["rescale_threshold"] = float(option["lazy"])
         pos = option.end()
-    return dtype, max_q, kw.pop("q_per_kv", HQ // HKV), kw
+    return dtype, max_q, kw.pop("q_per_kv", HQ // HKV), kw.pop("batch", BATCH), kw
 
 
 DEFAULT_CASES = ["bf16_q1", "bf16_q8", "fp8_q1", "fp8_q8", "bf16_prefill2048",
@@ -78,8 +80,8 @@ def load_kernel(path):
 
 
 def run_case(name, ctx, calls=None, kernel=paged_attention):
-    dtype, max_q, q_per_kv, kw = parse_case(name)
-    args = setup(ctx, dtype, max_q=max_q, num_q_heads=q_per_kv * HKV)
+    dtype, max_q, q_per_kv, batch, kw = parse_case(name)
+    args = setup(ctx, dtype, max_q=max_q, num_q_heads=q_per_kv * HKV, batch=batch)
     fn = ours(*args, kernel=kernel, **kw)
     if calls is not None:  # for a profiler: compile, then `calls` launches
         for _ in range(calls):

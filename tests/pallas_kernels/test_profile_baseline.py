@@ -23,14 +23,15 @@ def test_baseline_kernel_file_loads_as_a_separate_module_and_runs():
 
 
 def test_case_names_parse_to_kernel_options_and_typos_fail_loudly():
-    dtype, max_q, q_per_kv, kw = parse_case("fp8_q8_p4w2s5_prefetch_lazy8")
-    assert (dtype, max_q, q_per_kv) == (jnp.float8_e4m3fn, 8, 4)
+    dtype, max_q, q_per_kv, batch, kw = parse_case("fp8_q8_p4w2s5_prefetch_lazy8")
+    assert (dtype, max_q, q_per_kv, batch) == (jnp.float8_e4m3fn, 8, 4, 64)
     assert kw == dict(pages_per_block=4, num_warps=2, num_stages=5, prefetch_page_ids=True,
                       rescale_threshold=8.0)
-    assert parse_case("bf16_q1") == (jnp.bfloat16, 1, 4, {})
-    assert parse_case("fp8_q8_fast") == (jnp.float8_e4m3fn, 8, 4, {"fast_fp8": True})
-    assert parse_case("bf16_q8_g8r32") == (jnp.bfloat16, 8, 8, {"rows_per_block": 32})
-    assert parse_case("bf16_prefill2048_s3")[3]["num_stages"] == 3  # overrides prefill's 2
+    assert parse_case("bf16_q1") == (jnp.bfloat16, 1, 4, 64, {})
+    assert parse_case("fp8_q8_fast") == (jnp.float8_e4m3fn, 8, 4, 64, {"fast_fp8": True})
+    assert parse_case("bf16_q8_g8r32") == (jnp.bfloat16, 8, 8, 64, {"rows_per_block": 32})
+    assert parse_case("bf16_q1_b4_k16") == (jnp.bfloat16, 1, 4, 4, {"num_splits": 16})
+    assert parse_case("bf16_prefill2048_s3")[4]["num_stages"] == 3  # overrides prefill's 2
     for bad in ("fp9_q8", "fp8_q8_x", "fp8_q8_lazy", "fp8_q8p4"):
         with pytest.raises(ValueError, match="case name is KV_WORK"):
             parse_case(bad)
