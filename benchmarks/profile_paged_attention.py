@@ -30,11 +30,12 @@ row as one chunk); OPTIONs: bN batch rows (default 64), gN query heads per
 kv head (default 4), rN query rows per block, pN pages per block, kN key
 splits, wN warps, sN pipeline stages (written alone or run together:
 p4w2s5), prefetch (page ids one block ahead), lazyT (rescale threshold T),
-fast (fast_fp8=True). Examples: fp8_q8, fp8_q8_p4w2s5, fp8_q1_prefetch_s3,
-bf16_prefill2048_lazy8, fp8_q8_g8_w2, fp8_q8_fast, bf16_q1_b4_k16."""
+plain (fast_fp8=False: the plain fp8 options). Examples: fp8_q8,
+fp8_q8_p4w2s5, fp8_q1_prefetch_s3, bf16_prefill2048_lazy8, fp8_q8_g8_w2,
+fp8_q8_plain, bf16_q1_b4_k16."""
 # Prefill's own blocking: 128 query rows per block want 4 warps.
 PREFILL_KW = {"rows_per_block": 128, "pages_per_block": 4, "num_warps": 4, "num_stages": 2}
-_OPTION = re.compile(r"_(?:(?P<blocking>(?:[bgrpkws]\d+)+)|(?P<prefetch>prefetch)|(?P<fast>fast)"
+_OPTION = re.compile(r"_(?:(?P<blocking>(?:[bgrpkws]\d+)+)|(?P<prefetch>prefetch)|(?P<plain>plain)"
                      r"|lazy(?P<lazy>\d+(?:\.\d+)?))")
 _KEYS = {"b": "batch", "g": "q_per_kv", "r": "rows_per_block", "p": "pages_per_block",
          "k": "num_splits", "w": "num_warps", "s": "num_stages"}
@@ -59,8 +60,8 @@ def parse_case(name):
                 kw[_KEYS[key]] = int(value)
         elif option["prefetch"]:
             kw["prefetch_page_ids"] = True
-        elif option["fast"]:
-            kw["fast_fp8"] = True
+        elif option["plain"]:
+            kw["fast_fp8"] = False
         else:
             kw["rescale_threshold"] = float(option["lazy"])
         pos = option.end()

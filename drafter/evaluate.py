@@ -112,8 +112,7 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--json", default=None, help="output file (default benchmarks/results/)")
     ap.add_argument("--impl", choices=IMPLS, default="auto",
-                    help="attention kernels (models/attention.py); e.g. pallas_fast_fp8 "
-                         "for the opt-in fp8 launch options")
+                    help="attention kernels (models/attention.py)")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
     prompts = load_prompts()

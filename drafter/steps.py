@@ -107,7 +107,7 @@ def batch_tables(cfg: StepConfig, kv: KVState, slot_ids, table_width: int):
                                               scales=scales)
     else:
         tables = build_batch_tables(rows, kv.page_tables, table_width=width, scales=scales,
-                                    interpret=impl.startswith("interpret"))
+                                    interpret=impl == "interpret")
     if cfg.table_build == "full_capacity":
         tables = tuple(t[slot_ids, :table_width] for t in tables)
     return tables

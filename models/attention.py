@@ -5,10 +5,6 @@
   "interpret"  the same kernels in Pallas interpret mode (CPU; slow, exact)
   "reference"  the kernels' plain-jnp references (CPU tests of whole models)
   "auto"       "pallas" on GPU, "reference" elsewhere
-  "pallas_fast_fp8", "interpret_fast_fp8"
-               the kernels with their opt-in fp8 launch options (`fast_fp8`:
-               faster fp8 decode and verify on the H200; BENCHMARKS.md says
-               what is and is not yet confirmed about them)
 The choice is explicit and static; nothing falls back silently at run time.
 
 Tensor parallelism: a worker on a mesh traces its steps under
@@ -29,8 +25,7 @@ from pallas_kernels.paged_attention import (draft_block_attention,
                                             paged_attention_reference)
 from unified_kv import LayerSpec
 
-IMPLS = ("auto", "pallas", "interpret", "reference", "pallas_fast_fp8", "interpret_fast_fp8")
-FAST_FP8 = "_fast_fp8"
+IMPLS = ("auto", "pallas", "interpret", "reference")
 
 
 def resolve_impl(impl: str) -> str:
@@ -44,8 +39,7 @@ def resolve_impl(impl: str) -> str:
 def _kernel_args(layer: LayerSpec, offset: int, impl: str) -> dict:
     return dict(layer_offset=offset, sliding_window=layer.sliding_window,
                 k_scale=layer.k_scale, v_scale=layer.v_scale,
-                **({} if impl == "reference" else {"interpret": impl.startswith("interpret"),
-                                                   "fast_fp8": impl.endswith(FAST_FP8)}))
+                **({} if impl == "reference" else {"interpret": impl == "interpret"}))
 
 
 def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offset: int):

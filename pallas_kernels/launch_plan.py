@@ -76,15 +76,14 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     bits on the H200. So spec blocks hold fewer rows than head_dim (16 at
     head dim 32) unless q heads per kv head alone reach it.
 
-    Opt-in (`fast_fp8`, for calls over fp8 KV), measured on the H200 at GQA
-    4 (BENCHMARKS.md): fp8 decode with the page ids prefetched is 8% faster
-    (it then reads at copy bandwidth); fp8 verify with 5 stages and
-    rescale_threshold=8 is 10% faster. They are off by default: with them
-    on, the H200 eval of the default pair (fp8 target KV, head dim 32)
-    reported lossless=False at prompt length 128, before the head-dim rule
-    above existed (the likelier cause; nothing split there); the fixed plan
-    has not run that eval yet. Over bf16 KV they lose, and a lazy rescale's
-    block-wide vote made prefill 4-13% slower.
+`fast_fp8` (the kernels pass it for calls over fp8 KV; on by default
+    there), measured on the H200 at GQA 4 (BENCHMARKS.md): fp8 decode with
+    the page ids prefetched is 8% faster (it then reads at copy bandwidth);
+    fp8 verify with 5 stages and rescale_threshold=8 is 10% faster. With
+    them on and the head-dim rule above, the default pair's H200 eval (fp8
+    target KV, head dim 32) is lossless at every prompt length; before that
+    rule it once was not. Over bf16 KV they lose, and a lazy rescale's
+    block-wide vote made prefill 4-13% slower, so neither gets them.
     """
     spec = max_q <= SPEC_MAX_Q
     fast = fast_fp8 and spec  # prefill keeps its options (the lazy rescale slowed it)

@@ -360,7 +360,7 @@ def paged_attention(
     compute_dtype: jnp.dtype | None = None,
     prefetch_page_ids: bool | None = None,
     rescale_threshold: float | None = None,
-    fast_fp8: bool = False,
+    fast_fp8: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
@@ -375,9 +375,10 @@ def paged_attention(
 
     Launch options left None take the values measured on the H200 for the
     query count (`launch_plan.plan_launch`), keeping a row's decode and
-    verify passes bit-for-bit equal. `fast_fp8=True` (over fp8 KV, up to 16
-    query tokens) takes the options below that make fp8 decode and verify
-    faster on the H200 (off by default, see plan_launch). `prefetch_page_ids` loads
+    verify passes bit-for-bit equal. Over fp8 KV, up to 16 query tokens,
+    `fast_fp8` (on by default; False for the plain fp8 options) takes the
+    options below that make fp8 decode and verify faster on the H200 (see
+    plan_launch). `prefetch_page_ids` loads
     each block's page-table entries one iteration ahead, in the loop carry:
     with the table load inside the iteration, Triton's pipeliner waits for
     every load in flight at the top of each one (BENCHMARKS.md); prefetched,
@@ -424,7 +425,7 @@ def draft_block_attention(
     compute_dtype: jnp.dtype | None = None,
     prefetch_page_ids: bool | None = None,
     rescale_threshold: float | None = None,
-    fast_fp8: bool = False,
+    fast_fp8: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1

@@ -28,7 +28,7 @@ def test_case_names_parse_to_kernel_options_and_typos_fail_loudly():
     assert kw == dict(pages_per_block=4, num_warps=2, num_stages=5, prefetch_page_ids=True,
                       rescale_threshold=8.0)
     assert parse_case("bf16_q1") == (jnp.bfloat16, 1, 4, 64, {})
-    assert parse_case("fp8_q8_fast") == (jnp.float8_e4m3fn, 8, 4, 64, {"fast_fp8": True})
+    assert parse_case("fp8_q8_plain") == (jnp.float8_e4m3fn, 8, 4, 64, {"fast_fp8": False})
     assert parse_case("bf16_q8_g8r32") == (jnp.bfloat16, 8, 8, 64, {"rows_per_block": 32})
     assert parse_case("bf16_q1_b4_k16") == (jnp.bfloat16, 1, 4, 4, {"num_splits": 16})
     assert parse_case("bf16_prefill2048_s3")[4]["num_stages"] == 3  # overrides prefill's 2
