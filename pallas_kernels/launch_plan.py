@@ -19,7 +19,10 @@ from jax.experimental import pallas as pl
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
 SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block
 SPEC_ROWS = 32   # at most this many query rows per block for those (2 warps)
-SPEC_SPLIT_PAGES = 32  # key pages per split for those, when rows x kv heads cannot fill the GPU
+# Key pages per split for those, when rows x kv heads cannot fill the GPU. At batch 4 x 8
+# kv heads, 32K context, 128-page splits were 16-27% faster than 32-page ones on the H200;
+# at 4K, 1.1-1.3x faster for decode and 1.3x slower for fp8 verify (BENCHMARKS.md).
+SPEC_SPLIT_PAGES = 128
 NUM_SMS = 132    # H200
 
 

@@ -27,7 +27,7 @@ def test_measured_defaults():
     shape = dict(batch=64, q_per_kv=4, num_kv_heads=8, head_dim=128, table_width=2048)
     decode, verify = plan_launch(max_q=1, **shape), plan_launch(max_q=8, **shape)
     assert (decode.rows, verify.rows, decode.num_warps, verify.num_warps) == (16, 32, 2, 2)
-    for plan in (decode, verify):  # the fast fp8 options are opt-in
+    for plan in (decode, verify):  # the fast fp8 options only where the kernel passes them
         assert (plan.num_stages, plan.prefetch_page_ids, plan.rescale_threshold) == (3, False, 0)
     fast_decode = plan_launch(max_q=1, fast_fp8=True, **shape)
     fast_verify = plan_launch(max_q=8, fast_fp8=True, **shape)
@@ -43,7 +43,7 @@ def test_measured_defaults():
     small = dict(batch=2, q_per_kv=8, num_kv_heads=2, head_dim=128, table_width=4096)
     v16 = plan_launch(max_q=16, **small)
     assert (v16.num_q_blocks, v16.rows, v16.num_warps) == (4, 32, 2)
-    assert v16.num_splits == plan_launch(max_q=1, **small).num_splits == 128
+    assert v16.num_splits == plan_launch(max_q=1, **small).num_splits == 4096 // SPEC_SPLIT_PAGES
     # At head dim 32 a 32-row block would lay its dots out by rows, decode's
     # 16 rows by head_dim: verify-8 at GQA 4 takes two 16-row blocks.
     v8 = plan_launch(max_q=8, **dict(shape, head_dim=32))
@@ -65,12 +65,13 @@ def test_explicit_options_win_and_bad_threshold_is_named():
 def test_spec_split_boundaries_do_not_follow_the_table_width(batch, num_kv_heads):
     """The engine's table width follows the batch's longest row and differs
     between a plain step and a verify step at the same position."""
+    widths = (16, 64, 1024, 4096)
     plans = [plan_launch(batch=batch, max_q=max_q, q_per_kv=4, num_kv_heads=num_kv_heads,
                          head_dim=128, table_width=width)
-             for width in (16, 64, 1024, 4096) for max_q in (1, 8)]
+             for width in widths for max_q in (1, 8)]
     splits = {p.num_splits for p in plans}
     if batch * num_kv_heads < 2 * NUM_SMS:
         assert {p.pages_per_split for p in plans} == {SPEC_SPLIT_PAGES}
-        assert splits == {1, 2, 32, 128}
+        assert splits == {-(-width // SPEC_SPLIT_PAGES) for width in widths}
     else:
         assert splits == {1}  # one split per row: no boundary at all
