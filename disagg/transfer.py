@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from unified_kv import BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, KVState, allocate_pages
+from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, KVState, allocate_pages,
+                        pow2_at_least)
 
 MOVE_PATHS = ("coalesced", "pinned_host", "host", "fragments")
 
@@ -102,7 +103,7 @@ def _bucket(n: int) -> int:
     """Page counts are padded to a few sizes so gather/scatter compile a few times:
     powers of two up to 16 pages, then 8 sizes per octave (padding <= 1/8)."""
     if n <= 16:
-        return 1 << max(n - 1, 0).bit_length()
+        return pow2_at_least(n)
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
 

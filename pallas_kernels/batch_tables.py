@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from unified_kv.spec import BAD_PAGE_INDEX
+from unified_kv.spec import BAD_PAGE_INDEX, pow2_at_least
 
 DEFAULT_BLOCK_PAGES = 128
 
@@ -39,7 +39,7 @@ def bucket_width(num_pages: int, max_pages_per_seq: int, *,
     """
     if num_pages < 0:
         raise ValueError(f"num_pages must be >= 0, got {num_pages=}")
-    width = max(block_pages, 1 << max(num_pages - 1, 0).bit_length())
+    width = max(block_pages, pow2_at_least(num_pages))
     cap = -(-max_pages_per_seq // block_pages) * block_pages
     return min(width, cap)
 

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 from jax.experimental import pallas as pl
 
+from unified_kv.spec import pow2_at_least
+
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
 SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block
 SPEC_ROWS = 32   # at most this many query rows per block for those (2 warps)
@@ -47,10 +49,6 @@ def arithmetic(plan: LaunchPlan) -> tuple:
     the same (test_gpu_compiled)."""
     return (plan.pages_per_block, plan.num_splits, plan.pages_per_split, plan.num_warps,
             plan.rescale_threshold, plan.warps_split_rows)
-
-
-def pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,

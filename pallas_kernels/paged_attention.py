@@ -58,8 +58,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_store import layer_kv
-from pallas_kernels.launch_plan import MIN_ROWS, plan_launch, pow2_at_least
-from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
+from pallas_kernels.launch_plan import MIN_ROWS, plan_launch
+from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE, pow2_at_least
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)  # the softmax runs in base 2

@@ -160,6 +160,12 @@ def max_live_pages(page_size: int, sliding_window: int | None, seq_len: int,
     return min(full, math.ceil(span / page_size) + 1)
 
 
+def pow2_at_least(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): table widths, transfer sizes
+    and kernel blocks round up to these so each compiles for few shapes."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """The whole unified cache: pages, layers, slots and the memory budget.
