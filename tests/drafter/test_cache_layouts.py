@@ -10,7 +10,7 @@ import pytest
 from benchmarks.cache_layouts import (TwoCacheState, kv_memory_bytes, split_config, split_state,
                                       two_cache_decode_step)
 from drafter.engine import Engine
-from drafter.steps import StepConfig, decode_step
+from drafter.steps import decode_step
 from tests.drafter.tiny import tiny_pair
 
 PROMPTS = [list(np.random.default_rng(3).integers(0, 63, n)) for n in (5, 23, 41)]
