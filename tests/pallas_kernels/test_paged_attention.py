@@ -134,25 +134,51 @@ def assert_verify_equals_decode(rng, *, max_q, batch, max_len, interpret, window
 
 
 @pytest.mark.parametrize("kv_dtype,threshold", [
-    (jnp.bfloat16, None), (jnp.float8_e4m3fn, None), (jnp.float8_e4m3fn, 1.0)])
+    (jnp.bfloat16, None), (jnp.float8_e4m3fn, None), (jnp.float8_e4m3fn, 0.0),
+    (jnp.float8_e4m3fn, 1.0)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_verify_equals_decode_bit_for_bit(interpret, kv_dtype, threshold, window):
     # 2 pages of 8 keys per block: windows start mid-block for some queries.
-    # Rescale threshold: the default 0 (eager); at 1 some rows of a block
-    # move their max while others keep theirs.
+    # Rescale threshold: the default (0, eager, over bf16; 8 over fp8), 0 over
+    # fp8, and 1, where some rows of a block move their max while others keep theirs.
     assert_verify_equals_decode(np.random.default_rng(3), max_q=4, batch=8, max_len=90,
                                 num_q_heads=8, num_kv_heads=2, kv_dtype=kv_dtype,
                                 window=window, interpret=interpret,
                                 blocking=dict(pages_per_block=2, rescale_threshold=threshold))
 
 
-def test_opt_in_fp8_options_keep_verify_equal_to_decode(interpret):
+def test_fp8_launch_options_keep_verify_equal_to_decode(interpret):
     """Decode with prefetched page ids, verify without, both lazy (BENCHMARKS.md)."""
     lazy = dict(pages_per_block=2, rescale_threshold=8.0)
     assert_verify_equals_decode(np.random.default_rng(8), max_q=4, batch=6, max_len=90,
                                 num_q_heads=8, num_kv_heads=2, kv_dtype=jnp.float8_e4m3fn,
                                 window=20, interpret=interpret, blocking=dict(lazy, num_stages=5),
                                 decode_blocking=dict(lazy, prefetch_page_ids=True))
+
+
+@pytest.mark.parametrize("kv_dtype,fast_fp8,want", [
+    (jnp.float8_e4m3fn, True, True), (jnp.float8_e4m3fn, False, False),
+    (jnp.bfloat16, True, False)])
+def test_fp8_launch_options_are_the_default_over_fp8_kv_only(monkeypatch, kv_dtype, fast_fp8,
+                                                             want):
+    """The kernel hands plan_launch fast_fp8 only over fp8 pools, and only
+    unless the caller turns it off; the plan then picks the fp8 options."""
+    import pallas_kernels.paged_attention as module
+    plans, plan_launch = [], module.plan_launch
+
+    def recording_plan(**kw):
+        plans.append(plan_launch(**kw))
+        return plans[-1]
+    monkeypatch.setattr(module, "plan_launch", recording_plan)
+    q, pool, table, kv_lens, q_lens = make_case(
+        np.random.default_rng(2), batch=2, max_q=1, num_q_heads=4, num_kv_heads=2,
+        kv_dtype=kv_dtype)
+    kw = {} if fast_fp8 else {"fast_fp8": False}
+    paged_attention.__wrapped__(q, pool, table, kv_lens, q_lens, layer_offset=1,
+                                interpret=True, **kw)
+    (plan,) = plans
+    assert (plan.prefetch_page_ids, plan.rescale_threshold) == ((True, 8.0) if want
+                                                                else (False, 0.0))
 
 
 def test_wider_tables_change_no_bit(interpret, monkeypatch):
