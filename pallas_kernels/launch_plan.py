@@ -62,7 +62,9 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     Up to SPEC_MAX_Q query tokens per row (decode, verify, draft block) every
     arithmetic field is the same whatever max_q and table width: blocks of at
     most SPEC_ROWS rows over 2 warps, and, when rows x kv heads cannot fill
-    the GPU twice, key splits of SPEC_SPLIT_PAGES pages (else none). On
+    the GPU twice, key splits of SPEC_SPLIT_PAGES pages (else none; whether a
+    call splits follows its batch, and the engine's batch is its slot count,
+    the same for a plain and a speculative engine of one configuration). On
     the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
     at GQA 4, or 8 at GQA 5-8) or 2 warps over 128 rows changed bits against
     2-warp decode, and so did a split count that followed the number of query
@@ -77,7 +79,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     bits on the H200. So spec blocks hold fewer rows than head_dim (16 at
     head dim 32) unless q heads per kv head alone reach it.
 
-`fast_fp8` (the kernels pass it for calls over fp8 KV; on by default
+    `fast_fp8` (the kernels pass it for calls over fp8 KV; on by default
     there), measured on the H200 at GQA 4 (BENCHMARKS.md): fp8 decode with
     the page ids prefetched is 8% faster (it then reads at copy bandwidth);
     fp8 verify with 5 stages and rescale_threshold=8 is 10% faster. With
