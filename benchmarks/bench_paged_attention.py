@@ -223,6 +223,9 @@ def main():
     parser.add_argument("--decode-configs", nargs="+", default=None,
                         metavar="PPB,WARPS,STAGES,SPLITS",
                         help="decode configs to sweep (SPLITS 0 = automatic), e.g. 4,2,3,2")
+    parser.add_argument("--decode-only", type=int, nargs="+", default=None, metavar="CTX",
+                        help="only bf16 decode and its baselines, at these contexts: the "
+                             "gap to cuDNN that stays fixed across contexts is per-call cost")
     args = parser.parse_args()
     if args.prefill_only:
         rows = [bench_prefill(prior, dtype=dtype) for dtype in (jnp.bfloat16, FP8)
@@ -242,11 +245,15 @@ def main():
             ppb, w, st, sp = (int(x) for x in c.split(","))
             configs.append((ppb, w, st, sp or None))
     decode = []
-    for ctx in (4096, 32768):
+    for ctx in args.decode_only or (4096, 32768):
         row = bench_decode(ctx, copy_bw, configs)
         decode.append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
               flush=True)
+    if args.decode_only:
+        print("wrote", write_results("paged_attention_decode", {
+            "copy_bandwidth_Bps": copy_bw, "decode": decode}, args.out))
+        return
     fp8_verify = [bench_fp8_and_verify(ctx, {}) for ctx in (4096, 32768)]  # kernel defaults
     for r in fp8_verify:
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
