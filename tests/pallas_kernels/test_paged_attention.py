@@ -1,8 +1,14 @@
-"""Paged decode/verify attention vs its jnp reference on random pools."""
+"""Paged decode/verify attention vs its jnp reference on random pools.
 
+Poisoning: pages no live position uses hold NaN (a read shows), and Pallas
+interpret mode starts every float output as NaN, so rel_err's finiteness
+check catches unwritten output rows (pinned below)."""
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from unified_kv import BAD_PAGE_INDEX
@@ -50,6 +56,14 @@ def rel_err(out, ref):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all(), "non-finite output (an unwritten or poisoned read?)"
     return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-6)
+
+
+def test_interpret_mode_starts_outputs_poisoned():
+    def write_half(o_ref):
+        o_ref[pl.ds(0, 4)] = jnp.zeros(4, jnp.float32)
+    out = np.asarray(pl.pallas_call(write_half, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                                    interpret=True)())
+    assert (out[:4] == 0).all() and np.isnan(out[4:]).all()
 
 
 CASES = [
