@@ -62,9 +62,14 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     Up to SPEC_MAX_Q query tokens per row (decode, verify, draft block) every
     arithmetic field is the same whatever max_q and table width: blocks of at
     most SPEC_ROWS rows over 2 warps, and, when rows x kv heads cannot fill
-    the GPU twice, key splits of SPEC_SPLIT_PAGES pages (else none; whether a
-    call splits follows its batch, and the engine's batch is its slot count,
-    the same for a plain and a speculative engine of one configuration). On
+    the GPU twice, key splits of SPEC_SPLIT_PAGES pages (else none). Whether
+    a call splits follows its batch, which in the engine is its slot count:
+    two engines (plain and speculative, or an aggregated server and a
+    disaggregated generation server) split a row's keys alike, and so agree
+    bit for bit, when both have slots x kv heads below 2 x NUM_SMS or both
+    at or above it (at 8 kv heads: both under 33 slots, or both 33 or more).
+    Splitting always would drop that condition at 4-13% of large-batch
+    decode time on the H200 (BENCHMARKS.md). On
     the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
     at GQA 4, or 8 at GQA 5-8) or 2 warps over 128 rows changed bits against
     2-warp decode, and so did a split count that followed the number of query
