@@ -1,16 +1,52 @@
 #!/usr/bin/env bash
-# One device call: compiled-kernel tests, then every benchmark. Results under $OUT.
-# On a 2-GPU machine the transfer benchmark moves GPU 0 -> GPU 1; the rest use GPU 0.
+# Compiled-kernel tests and every benchmark on the GPU machine; results under $OUT.
+#
+#   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
+#
+# STAGEs: tests, attention, layouts (batch tables, cache layouts, decode speed),
+# eval, transfer. Each fits one 600 s device call (the device tool's limit):
+# every step has its own timeout, so a slow or hung step costs itself, not
+# the call. Arguments other than stage names go to bench_paged_attention.py.
+# DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
+# benchmark moves GPU 0 -> GPU 1; the rest use GPU 0.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels tests/drafter/test_tensor_parallel.py 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
-python3 benchmarks/bench_batch_tables.py --out "$OUT" 2>&1 | tee "$OUT/batch_tables.txt"
-python3 benchmarks/bench_paged_attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/paged_attention.txt"
-python3 benchmarks/bench_paged_attention.py --out "$OUT" --prefill-only 2>&1 | tee "$OUT/paged_attention_prefill.txt"
-python3 benchmarks/bench_cache_layouts.py --out "$OUT" --contexts 4096 131072 1048576 2>&1 | tee "$OUT/cache_layouts.txt"
-python3 benchmarks/bench_decode_speed.py --out "$OUT" 2>&1 | tee "$OUT/decode_speed.txt"
-python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" 2>&1 | tee "$OUT/eval.txt"
-python3 benchmarks/bench_transfer.py --out "$OUT" 2>&1 | tee "$OUT/transfer.txt"
-python3 benchmarks/bench_transfer.py --out "$OUT/e2e" --e2e --no-transfer 2>&1 | tee "$OUT/transfer_e2e.txt"
+stages=() bench_args=()
+for a in "$@"; do
+  case $a in tests|attention|layouts|eval|transfer) stages+=("$a") ;; *) bench_args+=("$a") ;; esac
+done
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention layouts eval transfer)
+run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
+  local limit=$1 name=$2; shift 2
+  if [ -n "${DRY_RUN:-}" ]; then echo "[$limit s] $*"; return; fi
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  [ "${PIPESTATUS[0]}" = 124 ] && echo "$name: stopped at its ${limit}s limit" | tee -a "$OUT/$name.txt"
+}
+[ -z "${DRY_RUN:-}" ] && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem \
+  --format=csv | tee "$OUT/gpu.txt"
+for stage in "${stages[@]}"; do
+  case $stage in
+    tests)
+      # the compiled tests (~6 s each: a compile apiece); the interpret-mode
+      # suite is CI's
+      run 500 pytest_gpu python3 -m pytest -q -p no:cacheprovider \
+        tests/pallas_kernels/test_gpu_compiled.py tests/drafter/test_tensor_parallel.py ;;
+    attention)
+      run 330 paged_attention python3 benchmarks/bench_paged_attention.py --out "$OUT" \
+        "${bench_args[@]}"
+      run 200 paged_attention_prefill python3 benchmarks/bench_paged_attention.py --out "$OUT" \
+        --prefill-only ;;
+    layouts)
+      run 100 batch_tables python3 benchmarks/bench_batch_tables.py --out "$OUT"
+      run 230 cache_layouts python3 benchmarks/bench_cache_layouts.py --out "$OUT" \
+        --contexts 4096 131072 1048576
+      run 230 decode_speed python3 benchmarks/bench_decode_speed.py --out "$OUT" ;;
+    eval)
+      run 450 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" ;;
+    transfer)
+      run 270 transfer python3 benchmarks/bench_transfer.py --out "$OUT"
+      run 270 transfer_e2e python3 benchmarks/bench_transfer.py --out "$OUT/e2e" --e2e \
+        --no-transfer ;;
+  esac
+done
