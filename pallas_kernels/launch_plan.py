@@ -68,7 +68,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     disaggregated generation server) split a row's keys alike, and so agree
     bit for bit, when both have slots x kv heads below 2 x NUM_SMS or both
     at or above it (at 8 kv heads: both under 33 slots, or both 33 or more).
-    Splitting always would drop that condition at 4-13% of large-batch
+    Splitting always would drop that condition at 0-13% of large-batch
     decode time on the H200 (BENCHMARKS.md). On
     the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
     at GQA 4, or 8 at GQA 5-8) or 2 warps over 128 rows changed bits against
