@@ -6,10 +6,11 @@ run alone for a profiler (ncu) or a compiler dump.
     git show REV:pallas_kernels/paged_attention.py > old_kernel.py
     PYTHONPATH=. python benchmarks/profile_paged_attention.py --baseline old_kernel.py
 
-Shapes are bench_paged_attention's decode case (batch 64 unless a case says, 32 / 8 heads, d 128,
-page 16). A case names its KV dtype, queries per row and kernel options (`--help`);
-every time is beside bf16 decode (`bf16_q1`) from the same run, and with
-`--baseline` beside the same case run by another version of the kernel module.
+Shapes are bench_paged_attention's decode case (batch 64 unless a case says,
+32 / 8 heads, d 128, page 16). A case names its KV dtype, queries per row
+and kernel options (`--help`); every time is beside bf16 decode (`bf16_q1`)
+from the same run, and with `--baseline` beside the same case run by another
+version of the kernel module.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ fp8_q8_p4w2s5, fp8_q1_prefetch_s3, bf16_prefill2048_lazy8, fp8_q8_g8_w2,
 fp8_q8_plain, bf16_q1_b4_k16."""
 # Prefill's own blocking: 128 query rows per block want 4 warps.
 PREFILL_KW = {"rows_per_block": 128, "pages_per_block": 4, "num_warps": 4, "num_stages": 2}
-_OPTION = re.compile(r"_(?:(?P<blocking>(?:[bgrpkws]\d+)+)|(?P<prefetch>prefetch)|(?P<plain>plain)"
-                     r"|lazy(?P<lazy>\d+(?:\.\d+)?))")
 _KEYS = {"b": "batch", "g": "q_per_kv", "r": "rows_per_block", "p": "pages_per_block",
          "k": "num_splits", "w": "num_warps", "s": "num_stages"}
+_NUMBERED = f"([{''.join(_KEYS)}])(\\d+)"  # one letter of _KEYS and its number
+_OPTION = re.compile(rf"_(?:(?P<blocking>(?:{_NUMBERED})+)|(?P<prefetch>prefetch)|(?P<plain>plain)"
+                     r"|lazy(?P<lazy>\d+(?:\.\d+)?))")
 
 
 def parse_case(name):
@@ -56,7 +58,7 @@ def parse_case(name):
         if option is None:
             raise ValueError(f"bad option {name[pos:]!r} in case {name!r}. {CASE_GRAMMAR}")
         if option["blocking"]:
-            for key, value in re.findall(r"([bgrpkws])(\d+)", option["blocking"]):
+            for key, value in re.findall(_NUMBERED, option["blocking"]):
                 kw[_KEYS[key]] = int(value)
         elif option["prefetch"]:
             kw["prefetch_page_ids"] = True

@@ -3,11 +3,11 @@ options measured best on the H200 (BENCHMARKS.md).
 
 One job: from the call's shapes and the caller's explicit choices, decide
 query blocks, key splits, warps, pipeline stages, page-id prefetch and the
-rescale threshold (the same defaults over bf16 and fp8 KV). Greedy
-speculative decoding must reproduce plain decoding token for token, so a
-row's 1-query decode pass and its K+1-query verify pass must do the same
-arithmetic; `arithmetic(plan)` names the fields that decide it, and tests
-check that decode and verify plans agree on them.
+rescale threshold (over fp8 KV with `fast_fp8`, its own for the last
+three). Greedy speculative decoding must reproduce plain decoding token for
+token, so a row's 1-query decode pass and its K+1-query verify pass must do
+the same arithmetic; `arithmetic(plan)` names the fields that decide it,
+and tests check that decode and verify plans agree on them.
 """
 
 from __future__ import annotations
