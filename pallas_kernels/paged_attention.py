@@ -335,7 +335,8 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "compute_dtype", "prefetch_page_ids", "rescale_threshold", "fast_fp8", "interpret")
+           "compute_dtype", "prefetch_page_ids", "rescale_threshold", "min_rows", "fast_fp8",
+           "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -360,6 +361,7 @@ def paged_attention(
     compute_dtype: jnp.dtype | None = None,
     prefetch_page_ids: bool | None = None,
     rescale_threshold: float | None = None,
+    min_rows: int | None = None,
     fast_fp8: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
@@ -397,7 +399,8 @@ def paged_attention(
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        rescale_threshold=rescale_threshold, fast_fp8=fast_fp8, interpret=interpret)
+        rescale_threshold=rescale_threshold, min_rows=min_rows, fast_fp8=fast_fp8,
+        interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -425,6 +428,7 @@ def draft_block_attention(
     compute_dtype: jnp.dtype | None = None,
     prefetch_page_ids: bool | None = None,
     rescale_threshold: float | None = None,
+    min_rows: int | None = None,
     fast_fp8: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
@@ -447,7 +451,8 @@ def draft_block_attention(
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        rescale_threshold=rescale_threshold, fast_fp8=fast_fp8, interpret=interpret)
+        rescale_threshold=rescale_threshold, min_rows=min_rows, fast_fp8=fast_fp8,
+        interpret=interpret)
 
 
 def _combine_splits(o, m, l):
