@@ -28,17 +28,15 @@ from pallas_kernels.paged_attention import paged_attention
 CASE_GRAMMAR = """A case name is KV_WORK[_OPTION...]: KV is bf16 or fp8; WORK is qN (N query
 tokens per row: 1 decode, 8 verify) or prefillN (the last N tokens of each
 row as one chunk); OPTIONs: bN batch rows (default 64), gN query heads per
-kv head (default 4), rN query rows per block, mN rows at least (m64 with
-4 warps: wgmma), pN pages per block, kN key splits, wN warps, sN pipeline
-stages (written alone or run together:
+kv head (default 4), rN query rows per block, pN pages per block, kN key
+splits, wN warps, sN pipeline stages (written alone or run together:
 p4w2s5), prefetch (page ids one block ahead), lazyT (rescale threshold T),
 plain (fast_fp8=False: the plain fp8 options). Examples: fp8_q8,
 fp8_q8_p4w2s5, fp8_q1_prefetch_s3, bf16_prefill2048_lazy8, fp8_q8_g8_w2,
 fp8_q8_plain, bf16_q1_b4_k16."""
 # Prefill's own blocking: 128 query rows per block want 4 warps.
 PREFILL_KW = {"rows_per_block": 128, "pages_per_block": 4, "num_warps": 4, "num_stages": 2}
-_KEYS = {"b": "batch", "g": "q_per_kv", "r": "rows_per_block", "m": "min_rows",
-         "p": "pages_per_block",
+_KEYS = {"b": "batch", "g": "q_per_kv", "r": "rows_per_block", "p": "pages_per_block",
          "k": "num_splits", "w": "num_warps", "s": "num_stages"}
 _NUMBERED = f"([{''.join(_KEYS)}])(\\d+)"  # one letter of _KEYS and its number
 _OPTION = re.compile(rf"_(?:(?P<blocking>(?:{_NUMBERED})+)|(?P<prefetch>prefetch)|(?P<plain>plain)"

@@ -40,7 +40,6 @@ class LaunchPlan(NamedTuple):
     prefetch_page_ids: bool
     rescale_threshold: float
     warps_split_rows: bool  # Triton's layout for the dots: rows >= head_dim (see below)
-    warpgroup_mma: bool     # Triton's sm_90 dots: wgmma over >= 64 rows and 4k warps, else mma.sync
 
 
 def arithmetic(plan: LaunchPlan) -> tuple:
@@ -49,7 +48,7 @@ def arithmetic(plan: LaunchPlan) -> tuple:
     to SPEC_ROWS rows per block over 2 warps while the dots' warp layout stays
     the same (test_gpu_compiled)."""
     return (plan.pages_per_block, plan.num_splits, plan.pages_per_split, plan.num_warps,
-            plan.rescale_threshold, plan.warps_split_rows, plan.warpgroup_mma)
+            plan.rescale_threshold, plan.warps_split_rows)
 
 
 def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
@@ -57,8 +56,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
                 pages_per_block: int = 4, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 prefetch_page_ids: bool | None = None,
-                rescale_threshold: float | None = None, min_rows: int | None = None,
-                fast_fp8: bool = False) -> LaunchPlan:
+                rescale_threshold: float | None = None, fast_fp8: bool = False) -> LaunchPlan:
     """The caller's explicit options, and measured defaults for those left None.
 
     Up to SPEC_MAX_Q query tokens per row (decode, verify, draft block) every
@@ -97,20 +95,11 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     """
     spec = max_q <= SPEC_MAX_Q
     fast = fast_fp8 and spec  # prefill keeps its options (the lazy rescale slowed it)
-    if min_rows is None:
-        min_rows = MIN_ROWS
-    if min_rows < MIN_ROWS or min_rows & (min_rows - 1):
-        raise ValueError(f"min_rows must be a power of two >= {MIN_ROWS} (Triton's dot), "
-                         f"got {min_rows}")
     if rows_per_block is None:
-        rows_per_block = max(min_rows, min(SPEC_ROWS, head_dim // 2)) if spec else 128
+        rows_per_block = max(MIN_ROWS, min(SPEC_ROWS, head_dim // 2)) if spec else 128
     tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
     num_q_blocks = pl.cdiv(max_q, tokens_per_block)
-    rows = max(min_rows, pow2_at_least(tokens_per_block * q_per_kv))
-    # Over 2 warps Triton's dots are mma.sync whatever the rows; a spec call
-    # asking for >= 64 rows (min_rows) gets the 4 warps of one warpgroup, wgmma.
-    if num_warps is None:
-        num_warps = 4 if rows >= 64 and (not spec or min_rows >= 64) else 2
+    rows = max(MIN_ROWS, pow2_at_least(tokens_per_block * q_per_kv))
     pages_per_block = min(pages_per_block, pow2_at_least(table_width))
     programs = batch * num_kv_heads * (1 if spec else num_q_blocks)
     if num_splits is None and spec and programs < 2 * NUM_SMS:
@@ -135,11 +124,10 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
         tokens_per_block=tokens_per_block, num_q_blocks=num_q_blocks, rows=rows,
         pages_per_block=pages_per_block, num_splits=num_splits,
         pages_per_split=pages_per_split,
-        num_warps=num_warps,
+        num_warps=num_warps or (2 if spec or rows <= 32 else 4),
         num_stages=num_stages or (5 if fast and rows > 16 else 3),
         prefetch_page_ids=(fast and rows <= 16) if prefetch_page_ids is None
         else prefetch_page_ids,
         rescale_threshold=(8.0 if fast else 0.0) if rescale_threshold is None
         else rescale_threshold,
-        warps_split_rows=rows >= head_dim,
-        warpgroup_mma=rows >= 64 and num_warps % 4 == 0)
+        warps_split_rows=rows >= head_dim)

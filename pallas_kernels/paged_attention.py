@@ -75,7 +75,8 @@ def paged_attention_kernel(
     q_starts_ref,   # i32[batch]: position of the row's first query token
     q_lens_ref,     # i32[batch]: query tokens of the row
     *refs,          # [block_k_ref, block_v_ref: [block_pad, head_dim]] if has_block;
-                    # then outputs o_ref [rows, head_dim], m_ref, l_ref f32[rows]
+                    # then outputs o_ref [rows, head_dim] (f32 when split, else
+                    # q's dtype), and when split m_ref, l_ref f32[rows]
     k_offset: int,
     q_per_kv: int,
     tokens_per_block: int,
@@ -93,9 +94,8 @@ def paged_attention_kernel(
     rescale_threshold: float,
 ):
     if has_block:
-        block_k_ref, block_v_ref, o_ref, m_ref, l_ref = refs
-    else:
-        o_ref, m_ref, l_ref = refs
+        block_k_ref, block_v_ref, *refs = refs
+    o_ref, *split_stats_refs = refs  # m and l only when split: the combine wants them
     program, b = pl.program_id(0), pl.program_id(1)
     q_block, split = program // num_splits, program % num_splits
     rows, head_dim = q_ref.shape
@@ -229,8 +229,10 @@ def paged_attention_kernel(
     out = jnp.where(has_keys[:, None],
                     acc * (v_scale / jnp.where(has_keys, l, 1.0))[:, None], 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
-    m_ref[...] = m
-    l_ref[...] = l
+    if split_stats_refs:
+        m_ref, l_ref = split_stats_refs
+        m_ref[...] = m
+        l_ref[...] = l
 
 
 def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
@@ -302,30 +304,31 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
                      pl.BlockSpec((None, None, head_dim, block_pad),
                                   lambda p, b, h: (b, h, 0, 0))]
     out_rows = (num_splits, batch, num_kv_heads, num_q_blocks * rows)
-    o, m, l = pl.pallas_call(
+    # Unsplit, the kernel writes the result in q's dtype (the same rounding as
+    # casting its f32 after) and no softmax stats: half the output bytes.
+    o_dtype = jnp.float32 if num_splits > 1 else q.dtype
+    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
+                              lambda p, b, h: (p % num_splits, b, h, p // num_splits, 0))]
+    out_shape = [jax.ShapeDtypeStruct(out_rows + (head_dim,), o_dtype)]
+    if num_splits > 1:  # m and l
+        out_specs += 2 * [pl.BlockSpec((None, None, None, rows),
+                                       lambda p, b, h: (p % num_splits, b, h, p // num_splits))]
+        out_shape += 2 * [jax.ShapeDtypeStruct(out_rows, jnp.float32)]
+    o, *split_stats = pl.pallas_call(
         kernel,
         # Query blocks and splits of one (row, kv head) launch side by side (CUDA
         # starts grid x first), so their reads of the same keys meet in L2.
         grid=(num_q_blocks * num_splits, batch, num_kv_heads),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim),
-                         lambda p, b, h: (p % num_splits, b, h, p // num_splits, 0)),  # o
-            pl.BlockSpec((None, None, None, rows),
-                         lambda p, b, h: (p % num_splits, b, h, p // num_splits)),     # m
-            pl.BlockSpec((None, None, None, rows),
-                         lambda p, b, h: (p % num_splits, b, h, p // num_splits)),     # l
-        ],
-        out_shape=[jax.ShapeDtypeStruct(out_rows + (head_dim,), jnp.float32),
-                   jax.ShapeDtypeStruct(out_rows, jnp.float32),
-                   jax.ShapeDtypeStruct(out_rows, jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
                                              num_stages=plan.num_stages),
         interpret=interpret,
         name=(f"paged_attention_q{max_q}_g{q_per_kv}_r{rows}_ppb{plan.pages_per_block}"
               f"_s{num_splits}{'_block' if has_block else ''}"),
     )(*inputs)
-    out = o[0] if num_splits == 1 else _combine_splits(o, m, l)
+    out = o[0] if num_splits == 1 else _combine_splits(o, *split_stats)
     out = out.reshape(batch, num_kv_heads, num_q_blocks, rows, head_dim)
     out = out[:, :, :, :tokens_per_block * q_per_kv].reshape(
         batch, num_kv_heads, num_q_blocks * tokens_per_block, q_per_kv, head_dim)
@@ -335,8 +338,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
            "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "compute_dtype", "prefetch_page_ids", "rescale_threshold", "min_rows", "fast_fp8",
-           "interpret")
+           "compute_dtype", "prefetch_page_ids", "rescale_threshold", "fast_fp8", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -361,7 +363,6 @@ def paged_attention(
     compute_dtype: jnp.dtype | None = None,
     prefetch_page_ids: bool | None = None,
     rescale_threshold: float | None = None,
-    min_rows: int | None = None,
     fast_fp8: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
@@ -399,8 +400,7 @@ def paged_attention(
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        rescale_threshold=rescale_threshold, min_rows=min_rows, fast_fp8=fast_fp8,
-        interpret=interpret)
+        rescale_threshold=rescale_threshold, fast_fp8=fast_fp8, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -428,7 +428,6 @@ def draft_block_attention(
     compute_dtype: jnp.dtype | None = None,
     prefetch_page_ids: bool | None = None,
     rescale_threshold: float | None = None,
-    min_rows: int | None = None,
     fast_fp8: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
@@ -451,8 +450,7 @@ def draft_block_attention(
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
         compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        rescale_threshold=rescale_threshold, min_rows=min_rows, fast_fp8=fast_fp8,
-        interpret=interpret)
+        rescale_threshold=rescale_threshold, fast_fp8=fast_fp8, interpret=interpret)
 
 
 def _combine_splits(o, m, l):

@@ -33,8 +33,6 @@ BLOCKINGS = [  # the default, and the other blockings the benchmarks time
     dict(prefetch_page_ids=True, pages_per_block=2),
     dict(rescale_threshold=8.0),
     dict(rescale_threshold=8.0, prefetch_page_ids=True),
-    dict(min_rows=64),  # one warpgroup's wgmma for decode and verify alike
-    dict(min_rows=64, num_stages=3, rescale_threshold=8.0),
 ]
 
 

@@ -211,22 +211,6 @@ def test_wider_tables_change_no_bit(interpret, monkeypatch):
         np.asarray(paged_attention(q, pool, wide, kv_lens, q_lens, **kw)))
 
 
-@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_64_row_blocks_match_reference_and_keep_verify_equal_to_decode(interpret, kv_dtype):
-    """min_rows=64: decode's 4 rows and verify's 16 padded to one 64-row block
-    (4 warps, wgmma on the H200), ragged and windowed."""
-    blocking = dict(min_rows=64, pages_per_block=2)
-    q, pool, table, kv_lens, q_lens = make_case(
-        np.random.default_rng(11), batch=4, max_q=4, num_q_heads=8, num_kv_heads=2,
-        kv_dtype=kv_dtype, window=20, kv_lens=[90, 37, 4, 0], q_lens=[4, 3, 1, 0])
-    kw = dict(layer_offset=1, sliding_window=20)
-    out = paged_attention(q, pool, table, kv_lens, q_lens, interpret=interpret, **blocking, **kw)
-    assert rel_err(out, paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)) < 2e-2
-    assert_verify_equals_decode(np.random.default_rng(12), max_q=4, batch=6, max_len=90,
-                                num_q_heads=8, num_kv_heads=2, kv_dtype=kv_dtype, window=20,
-                                interpret=interpret, blocking=blocking)
-
-
 def test_verify_equals_decode_bit_for_bit_over_several_query_blocks(interpret):
     """GQA 8: a verify of 8 tokens is 64 query rows, four 16-row blocks per row
     at head dim 32; all split the keys as decode does (the split count once
