@@ -7,6 +7,7 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+FIGURES = {"default_pair.ipynb": "acceptance.png", "paged_attention.ipynb": "paged_attention.png"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -15,8 +16,9 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
-    assert (tmp_path / "acceptance.png").exists()
+    assert (tmp_path / FIGURES[path.name]).exists()
 
 
 def test_there_are_notebooks():
     assert NOTEBOOKS, "notebooks/ has no .ipynb"
+    assert {p.name for p in NOTEBOOKS} == set(FIGURES), "name each notebook's figure in FIGURES"
