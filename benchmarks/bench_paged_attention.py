@@ -200,13 +200,12 @@ def mosaic_gpu_paged(q, pool, table, kv_lens, q_lens, flops, ours_seconds, ours_
     """pallas_kernels.paged_prefill_mgpu on the same pages: time at 2 and 3
     concurrent pipeline steps, and its relative L2 distance from ours."""
     from pallas_kernels.paged_prefill_mgpu import paged_prefill_mgpu
-    interpret = jax.default_backend() == "cpu"
+    args = (q, pool, table, kv_lens, q_lens)
     row, best = {}, None
     for steps in (2, 3):
-        fn = jax.jit(lambda *a, s=steps: paged_prefill_mgpu(
-            *a, layer_offset=0, max_concurrent_steps=s, interpret=interpret))
+        fn = ours(*args, kernel=paged_prefill_mgpu, max_concurrent_steps=steps)
         try:
-            t = time_call(fn, q, pool, table, kv_lens, q_lens, iters=10)
+            t = time_call(fn, *args, iters=10)
         except Exception as e:  # a Mosaic GPU compile error is recorded, not raised
             row[f"mosaic_paged_s{steps}_error"] = f"{type(e).__name__}: {e!s:.400}"
             continue
@@ -216,12 +215,11 @@ def mosaic_gpu_paged(q, pool, table, kv_lens, q_lens, flops, ours_seconds, ours_
     if best is None:
         return row
     t, fn = best
-    ours = paged_attention(q, pool, table, kv_lens, q_lens, layer_offset=0,
-                           interpret=interpret, **ours_cfg).astype(jnp.float32)
-    diff = fn(q, pool, table, kv_lens, q_lens).astype(jnp.float32) - ours
+    ours_out = ours(*args, **ours_cfg)(*args).astype(jnp.float32)
+    diff = fn(*args).astype(jnp.float32) - ours_out
     row.update(mosaic_paged_ms=t * 1e3, mosaic_paged_TFLOPs=flops / t / 1e12,
                speedup_vs_mosaic_paged=t / ours_seconds,
-               mosaic_paged_rel_diff=float(jnp.linalg.norm(diff) / jnp.linalg.norm(ours)))
+               mosaic_paged_rel_diff=float(jnp.linalg.norm(diff) / jnp.linalg.norm(ours_out)))
     print(f"  mosaic paged prefill: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} TFLOP/s, "
           f"ours/mosaic {t / ours_seconds:.2f}x, rel diff {row['mosaic_paged_rel_diff']:.2e}",
           flush=True)
