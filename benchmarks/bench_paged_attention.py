@@ -21,7 +21,8 @@ import numpy as np
 
 from benchmarks.timing import device_copy_bandwidth, time_call, write_results
 from pallas_kernels.kv_store import layer_kv
-from pallas_kernels.paged_attention import (draft_block_attention, paged_attention,
+from pallas_kernels.paged_attention import (draft_block_attention,
+                                            draft_block_attention_reference, paged_attention,
                                             paged_attention_reference)
 
 BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
@@ -259,24 +260,34 @@ def mosaic_gpu_dense(q, k, v, flops, ours_seconds):
 
 
 def error_norms():
-    """Relative L2 error vs the f32 reference, compiled on the device."""
-    from tests.pallas_kernels.test_paged_attention import make_case, rel_err
+    """Relative L2 error vs the f32 reference, compiled on the device: decode (max_q 1),
+    verify (8), a prefill chunk (256) and the draft block (8, `draft`)."""
+    from tests.pallas_kernels.test_paged_attention import make_case, make_draft_case, rel_err
     rng = np.random.default_rng(0)
+    interpret = jax.default_backend() == "cpu"
     rows = []
     for dtype, window, cap, max_q in itertools.product(
-            (jnp.bfloat16, jnp.float8_e4m3fn), (None, 256), (None, 30.0), (1, 8)):
-        q, pool, table, kv_lens, q_lens = make_case(
-            rng, batch=8, max_q=max_q, num_q_heads=32, num_kv_heads=8, head_dim=128,
-            page_size=16, kv_dtype=dtype, window=window,
-            kv_lens=rng.integers(max_q, 3000, 8))
-        kw = dict(layer_offset=1, sliding_window=window, soft_cap=cap,
-                  k_scale=0.5 if dtype != jnp.bfloat16 else 1.0,
-                  v_scale=0.25 if dtype != jnp.bfloat16 else 1.0)
-        out = paged_attention(q, pool, table, kv_lens, q_lens,
-                              interpret=jax.default_backend() == "cpu", **kw)
-        ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)
+            (jnp.bfloat16, jnp.float8_e4m3fn), (None, 256), (None, 30.0),
+            (1, 8, 256, "draft")):
+        fp8 = dtype != jnp.bfloat16
+        if max_q == "draft":
+            args, kw = make_draft_case(rng, ctx=rng.integers(1, 3000, 7), num_q_heads=32,
+                                       num_kv_heads=8, head_dim=128, page_size=16,
+                                       kv_dtype=dtype, window=window)
+            kw["soft_cap"] = cap
+            out = draft_block_attention(*args, interpret=interpret, **kw)
+            ref = draft_block_attention_reference(*args, **kw)
+        else:
+            args = make_case(rng, batch=8, max_q=max_q, num_q_heads=32, num_kv_heads=8,
+                             head_dim=128, page_size=16, kv_dtype=dtype, window=window,
+                             kv_lens=rng.integers(max_q, 3000, 8))
+            kw = dict(layer_offset=1, sliding_window=window, soft_cap=cap,
+                      k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+            out = paged_attention(*args, interpret=interpret, **kw)
+            ref = paged_attention_reference(*args, **kw)
         rows.append({"dtype": jnp.dtype(dtype).name, "window": window, "soft_cap": cap,
                      "max_q": max_q, "rel_err": float(rel_err(out, ref))})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -292,7 +303,15 @@ def main():
     parser.add_argument("--decode-only", type=int, nargs="+", default=None, metavar="CTX",
                         help="only bf16 decode and its baselines, at these contexts: the "
                              "gap to cuDNN that stays fixed across contexts is per-call cost")
+    parser.add_argument("--draft-and-errors", action="store_true",
+                        help="only the draft block's timing and every kernel's error norms")
     args = parser.parse_args()
+    if args.draft_and_errors:
+        draft = [bench_draft_block(ctx, {}) for ctx in (4096, 32768)]
+        print(draft, flush=True)
+        print("wrote", write_results("paged_attention_draft_errors", {
+            "draft_block": draft, "error_norms": error_norms()}, args.out))
+        return
     if args.prefill_only:
         rows = [bench_prefill(prior, dtype=dtype) for dtype in (jnp.bfloat16, FP8)
                 for prior in (0, 8192)]
@@ -330,8 +349,6 @@ def main():
     for r in prefill:
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
     errors = error_norms()
-    for r in errors:
-        print(r)
     print("wrote", write_results("paged_attention", {
         "copy_bandwidth_Bps": copy_bw, "decode": decode, "fp8_and_verify": fp8_verify,
         "draft_block": draft, "prefill": prefill,

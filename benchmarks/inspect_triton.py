@@ -33,8 +33,9 @@ from benchmarks.bench_paged_attention import D, HKV, HQ, KV_DTYPES, setup
 from benchmarks.profile_paged_attention import load_kernel
 
 def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, q_per_kv: int = HQ // HKV,
-              head_dim: int = D, **kernel_kw) -> str:
-    """Triton IR (text) of `paged_attention` from `kernel_file`, lowered for sm_90."""
+              head_dim: int = D, draft: bool = False, **kernel_kw) -> str:
+    """Triton IR (text) of `paged_attention` from `kernel_file` (`draft_block_attention`
+    with `draft`: max_q block queries and the block's own K/V), lowered for sm_90."""
     from jax._src.pallas.triton import lowering
     from jax._src.pallas.triton import pallas_call_registration as registration
 
@@ -50,10 +51,13 @@ def triton_ir(kernel_file: str, *, max_q: int, kv: str, ctx: int, q_per_kv: int 
         modules.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
 
-    kernel = load_kernel(kernel_file)
+    kernel = load_kernel(kernel_file, "draft_block_attention" if draft else "paged_attention")
     # The benchmark's inputs as shapes only: nothing is allocated.
     args = jax.eval_shape(functools.partial(setup, ctx, KV_DTYPES[kv], max_q=max_q,
                                             num_q_heads=q_per_kv * HKV, head_dim=head_dim))
+    if draft:  # the block's own K and V
+        args += 2 * (jax.ShapeDtypeStruct((args[0].shape[0], max_q, HKV, head_dim),
+                                          args[0].dtype),)
     step = jax.jit(lambda *a: kernel(*a, layer_offset=0, **kernel_kw))
     registration.gpu_info_lib.get_gpu_info = lambda: _Hopper()
     lowering.lower_jaxpr_to_triton_module = keep_module
@@ -113,6 +117,8 @@ def main():
     parser.add_argument("--warps", type=int, default=2)
     parser.add_argument("--pages-per-block", type=int, default=4)
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 5])
+    parser.add_argument("--draft", action="store_true",
+                        help="the draft block kernel (max_q block queries) instead")
     parser.add_argument("--kernel-kw", type=json.loads, default={},
                         help='more kernel arguments, e.g. \'{"prefetch_page_ids": true}\'')
     parser.add_argument("--out", default="/tmp/inspect_triton")
@@ -121,9 +127,10 @@ def main():
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ir = triton_ir(args.kernel, max_q=args.max_q, kv=args.kv, ctx=args.ctx,
-                   head_dim=args.head_dim, q_per_kv=args.q_per_kv, num_warps=args.warps,
+                   head_dim=args.head_dim, q_per_kv=args.q_per_kv, draft=args.draft,
+                   num_warps=args.warps,
                    pages_per_block=args.pages_per_block, **args.kernel_kw)
-    ir_file = out / f"paged_attention_{args.kv}_q{args.max_q}.ttir"
+    ir_file = out / f"{'draft_block' if args.draft else 'paged_attention'}_{args.kv}_q{args.max_q}.ttir"
     ir_file.write_text(ir)
     print(f"{ir_file}: {ir.count(chr(10))} lines of Triton IR")
     for stages in args.stages:

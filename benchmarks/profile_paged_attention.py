@@ -74,12 +74,12 @@ DEFAULT_CASES = ["bf16_q1", "bf16_q8", "fp8_q1", "fp8_q8", "bf16_prefill2048",
                  "fp8_prefill2048"]
 
 
-def load_kernel(path):
-    """`paged_attention` of another version of the kernel module (a file)."""
+def load_kernel(path, name="paged_attention"):
+    """`paged_attention` (or another function) of a version of the kernel module (a file)."""
     spec = importlib.util.spec_from_file_location("baseline_paged_attention", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.paged_attention
+    return getattr(module, name)
 
 
 def run_case(name, ctx, calls=None, kernel=paged_attention):

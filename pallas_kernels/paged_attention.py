@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_store import layer_kv
-from pallas_kernels.launch_plan import MIN_ROWS, plan_launch
+from pallas_kernels.launch_plan import MIN_ROWS, SPEC_ROWS, plan_launch
 from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE, pow2_at_least
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -67,18 +67,25 @@ LOG2E = math.log2(math.e)  # the softmax runs in base 2
 
 def paged_attention_kernel(
     # inputs
-    q_ref,          # [rows, head_dim], pre-scaled: row = token-in-block * q_per_kv + head
+    q_ref,          # [max_q * num_q_heads, head_dim]: this batch row's queries, as
+                    # given; with q_in_rows [rows, head_dim], laid out and scaled by XLA
     k_view_ref,     # this kv head's pool as K rows: [kernel_pages * page_size, head_dim]
     v_view_ref,     # the same pool as V^T rows: [kernel_pages * head_dim, page_size]
     table_ref,      # i32[table_width]: this batch row's entries (page * 2L), BAD = -1
     kv_lens_ref,    # i32[batch]: cached positions
-    q_starts_ref,   # i32[batch]: position of the row's first query token
     q_lens_ref,     # i32[batch]: query tokens of the row
     *refs,          # [block_k_ref, block_v_ref: [block_pad, head_dim]] if has_block;
-                    # then outputs o_ref [rows, head_dim] (f32 when split, else
-                    # q's dtype), and when split m_ref, l_ref f32[rows]
+                    # then outputs: unsplit, o_ref in q's dtype and q_ref's layout;
+                    # split, o_ref f32[rows, head_dim] and m_ref, l_ref f32[rows]
     k_offset: int,
+    rows: int,
+    max_q: int,
+    num_q_heads: int,
     q_per_kv: int,
+    logit_scale: float,
+    compute_dtype,
+    q_in_rows: bool,
+    queries_cached: bool,
     tokens_per_block: int,
     pages_per_block: int,
     pages_per_split: int,
@@ -96,17 +103,21 @@ def paged_attention_kernel(
     if has_block:
         block_k_ref, block_v_ref, *refs = refs
     o_ref, *split_stats_refs = refs  # m and l only when split: the combine wants them
-    program, b = pl.program_id(0), pl.program_id(1)
+    program, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_block, split = program // num_splits, program % num_splits
-    rows, head_dim = q_ref.shape
+    head_dim = q_ref.shape[-1]
     table_width = table_ref.shape[0]
     block_k = pages_per_block * page_size
-    kv_len, q_start, q_len = kv_lens_ref[b], q_starts_ref[b], q_lens_ref[b]
+    kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
+    q_start = kv_len - q_len if queries_cached else kv_len  # draft block: after its context
 
     row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     q_tok = q_block * tokens_per_block + row // q_per_kv  # query token index in the row
     q_pos = q_start + q_tok                                # i32[rows]
-    row_valid = (row < tokens_per_block * q_per_kv) & (q_tok < q_len)
+    # Block row -> its (token, q head) row of q's own [max_q * num_q_heads] layout.
+    q_index = q_tok * num_q_heads + kv_head * q_per_kv + row % q_per_kv
+    in_q = (row < tokens_per_block * q_per_kv) & (q_tok < max_q)
+    row_valid = in_q & (q_tok < q_len)
     first_tok = q_block * tokens_per_block
     last_tok = jnp.minimum(q_len, first_tok + tokens_per_block) - 1
     first_pos, last_pos = q_start + first_tok, q_start + last_tok
@@ -128,7 +139,11 @@ def paged_attention_kernel(
     upper = jnp.where(row_valid,
                       jnp.minimum(q_pos, jnp.minimum(key_end, hi * page_size) - 1), -1)
 
-    q = q_ref[...]
+    if q_in_rows:  # else scaled here as by XLA; rows not in q read its row 0, see no key
+        q = q_ref[...]
+    else:
+        q = q_ref[jnp.where(in_q, q_index, 0)].astype(jnp.float32) * logit_scale
+        q = q.astype(compute_dtype)
 
     def softmax_step(carry, logits, visible, v_t):
         """Online-softmax update with base-2 logits f32[rows, keys] and V^T."""
@@ -228,17 +243,23 @@ def paged_attention_kernel(
     has_keys = l > 0
     out = jnp.where(has_keys[:, None],
                     acc * (v_scale / jnp.where(has_keys, l, 1.0))[:, None], 0.0)
-    o_ref[...] = out.astype(o_ref.dtype)
     if split_stats_refs:
+        o_ref[...] = out
         m_ref, l_ref = split_stats_refs
         m_ref[...] = m
         l_ref[...] = l
+    elif q_in_rows:
+        o_ref[...] = out.astype(o_ref.dtype)
+    else:  # straight into q's layout
+        d = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 1)
+        o_index = jnp.where(in_q, q_index, max_q * num_q_heads)  # not in q: masked
+        plgpu.store(o_ref.at[o_index[:, None], d], out.astype(o_ref.dtype), mask=in_q[:, None])
 
 
-def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *,
+def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_cached,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
                     block_causal, compute_dtype, interpret, **launch_options):
-    """Shared wrapper: lay out q rows per kv head and query block, run, combine."""
+    """Shared wrapper: plan the launch, run, combine splits (if any)."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     table_width = batch_table.shape[1]
@@ -250,33 +271,43 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
                        **launch_options)
     tokens_per_block, num_q_blocks, rows = plan.tokens_per_block, plan.num_q_blocks, plan.rows
     num_splits = plan.num_splits
-
-    # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
-    q_pad = jnp.pad(q, ((0, 0), (0, num_q_blocks * tokens_per_block - max_q), (0, 0), (0, 0)))
-    q_rows = q_pad.reshape(batch, num_q_blocks, tokens_per_block, num_kv_heads, q_per_kv,
-                           head_dim).transpose(0, 3, 1, 2, 4, 5)
-    q_rows = q_rows.reshape(batch, num_kv_heads, num_q_blocks, tokens_per_block * q_per_kv,
-                            head_dim)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0),
-                              (0, rows - tokens_per_block * q_per_kv), (0, 0)))
-    q_rows = q_rows.reshape(batch, num_kv_heads, num_q_blocks * rows, head_dim)
-    # q carries every logit scale (softmax, K dequantisation, base 2, and 1 /
-    # soft cap ahead of the tanh), so the loop's logits come straight off the
-    # dot; V's scale is applied once to the output.
-    logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
     # The dots run in q's dtype, or in f16 over fp8 KV: e4m3 -> f16 is one
     # packed hardware conversion per two keys, e4m3 -> bf16 several, and that
     # conversion, not the memory, bounded fp8 decode (BENCHMARKS.md).
     if compute_dtype is None:
         compute_dtype = jnp.float16 if pool.dtype == jnp.float8_e4m3fn else q.dtype
-    q_rows = (q_rows.astype(jnp.float32) * logit_scale).astype(compute_dtype)
     kernel_pages = num_pages * num_layers * 2
     k_view = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
     v_view = pool.reshape(num_kv_heads, kernel_pages * head_dim, page_size)
 
+    # q carries every logit scale (softmax, K dequantisation, base 2, and 1 /
+    # soft cap ahead of the tanh), so the loop's logits come straight off the dot.
+    logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
+    # Decode and verify read q and write the result in q's own layout: the XLA
+    # ops that laid them out cost 3% of a 4K decode. Prefill and the draft
+    # block get q in rows, scaled, from XLA: there a q scaled in the kernel
+    # spilled in the loop (128 rows; the draft block, whose own keys use q
+    # after the loop, ran 1.6x slower), and fp8 prefill read and written in
+    # q's layout was 3% slower (H200, BENCHMARKS.md).
     has_block = block_kv is not None
+    q_in_rows = rows > SPEC_ROWS or has_block
+    if q_in_rows:  # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
+        q_in = jnp.pad(q, ((0, 0), (0, num_q_blocks * tokens_per_block - max_q), (0, 0), (0, 0)))
+        q_in = q_in.reshape(batch, num_q_blocks, tokens_per_block, num_kv_heads,
+                            q_per_kv * head_dim).transpose(0, 3, 1, 2, 4)
+        q_in = jnp.pad(q_in.reshape(batch, num_kv_heads, num_q_blocks, -1, head_dim),
+                       ((0, 0),) * 3 + ((0, rows - tokens_per_block * q_per_kv), (0, 0)))
+        q_in = q_in.reshape(batch, num_kv_heads, num_q_blocks * rows, head_dim)
+        q_in = (q_in.astype(jnp.float32) * logit_scale).astype(compute_dtype)
+        q_spec = pl.BlockSpec((None, None, rows, head_dim),
+                              lambda p, b, h: (b, h, p // num_splits, 0))
+    else:
+        q_in = q.reshape(batch, max_q * num_q_heads, head_dim)
+        q_spec = pl.BlockSpec((None, max_q * num_q_heads, head_dim), lambda p, b, h: (b, 0, 0))
     kernel = functools.partial(
-        paged_attention_kernel, k_offset=2 * layer_offset, q_per_kv=q_per_kv,
+        paged_attention_kernel, k_offset=2 * layer_offset, rows=rows,
+        num_q_heads=num_q_heads, q_per_kv=q_per_kv, queries_cached=queries_cached,
+        max_q=max_q, logit_scale=logit_scale, compute_dtype=compute_dtype, q_in_rows=q_in_rows,
         tokens_per_block=tokens_per_block, pages_per_block=plan.pages_per_block,
         pages_per_split=plan.pages_per_split, num_splits=num_splits, soft_cap=soft_cap,
         sliding_window=sliding_window, block_logit_scale=1.0 / k_scale, v_scale=v_scale,
@@ -284,14 +315,13 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
         prefetch_page_ids=plan.prefetch_page_ids, rescale_threshold=plan.rescale_threshold)
     whole = pl.BlockSpec(memory_space=None)
     in_specs = [
-        pl.BlockSpec((None, None, rows, head_dim),
-                     lambda p, b, h: (b, h, p // num_splits, 0)),             # q rows
+        q_spec,                                                              # q
         pl.BlockSpec((None,) + k_view.shape[1:], lambda p, b, h: (h, 0, 0)),  # pool as K rows
         pl.BlockSpec((None,) + v_view.shape[1:], lambda p, b, h: (h, 0, 0)),  # pool as V^T rows
         pl.BlockSpec((None, table_width), lambda p, b, h: (b, 0)),           # batch table
-        whole, whole, whole,                                                 # kv_lens, q_starts, q_lens
+        whole, whole,                                                        # kv_lens, q_lens
     ]
-    inputs = [q_rows, k_view, v_view, batch_table, kv_lens, q_starts, q_lens]
+    inputs = [q_in, k_view, v_view, batch_table, kv_lens, q_lens]
     if has_block:  # block K [B, Hkv, pad, D] and V^T [B, Hkv, D, pad] (V / v_scale)
         block_pad = max(MIN_ROWS, pow2_at_least(max_q))
         block_k, block_v = (jnp.pad(x, ((0, 0), (0, block_pad - max_q), (0, 0), (0, 0)))
@@ -304,16 +334,19 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
                      pl.BlockSpec((None, None, head_dim, block_pad),
                                   lambda p, b, h: (b, h, 0, 0))]
     out_rows = (num_splits, batch, num_kv_heads, num_q_blocks * rows)
-    # Unsplit, the kernel writes the result in q's dtype (the same rounding as
-    # casting its f32 after) and no softmax stats: half the output bytes.
-    o_dtype = jnp.float32 if num_splits > 1 else q.dtype
-    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
-                              lambda p, b, h: (p % num_splits, b, h, p // num_splits, 0))]
-    out_shape = [jax.ShapeDtypeStruct(out_rows + (head_dim,), o_dtype)]
-    if num_splits > 1:  # m and l
-        out_specs += 2 * [pl.BlockSpec((None, None, None, rows),
-                                       lambda p, b, h: (p % num_splits, b, h, p // num_splits))]
-        out_shape += 2 * [jax.ShapeDtypeStruct(out_rows, jnp.float32)]
+    def rows_index(p, b, h):  # the split's, and the query block's, rows
+        return p % num_splits, b, h, p // num_splits
+
+    if num_splits == 1 and not q_in_rows:  # the result in q's dtype and layout
+        out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q_in.shape, q.dtype)]
+    else:  # in rows: unsplit in q's dtype, or f32 per split with m and l for the combine
+        out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
+                                  lambda *grid: (*rows_index(*grid), 0))]
+        out_shape = [jax.ShapeDtypeStruct(out_rows + (head_dim,),
+                                          q.dtype if num_splits == 1 else jnp.float32)]
+        if num_splits > 1:
+            out_specs += 2 * [pl.BlockSpec((None, None, None, rows), rows_index)]
+            out_shape += 2 * [jax.ShapeDtypeStruct(out_rows, jnp.float32)]
     o, *split_stats = pl.pallas_call(
         kernel,
         # Query blocks and splits of one (row, kv head) launch side by side (CUDA
@@ -328,7 +361,10 @@ def _attention_call(q, pool, batch_table, kv_lens, q_starts, q_lens, block_kv, *
         name=(f"paged_attention_q{max_q}_g{q_per_kv}_r{rows}_ppb{plan.pages_per_block}"
               f"_s{num_splits}{'_block' if has_block else ''}"),
     )(*inputs)
+    if num_splits == 1 and not q_in_rows:
+        return o.reshape(q.shape)
     out = o[0] if num_splits == 1 else _combine_splits(o, *split_stats)
+    # [B, Hkv, num_q_blocks * rows, D] -> [B, max_q, num_q_heads, D]
     out = out.reshape(batch, num_kv_heads, num_q_blocks, rows, head_dim)
     out = out[:, :, :, :tokens_per_block * q_per_kv].reshape(
         batch, num_kv_heads, num_q_blocks * tokens_per_block, q_per_kv, head_dim)
@@ -381,20 +417,17 @@ def paged_attention(
     verify passes bit-for-bit equal. Over fp8 KV, up to 16 query tokens,
     `fast_fp8` (on by default; False for the plain fp8 options) takes the
     options below that make fp8 decode and verify faster on the H200 (see
-    plan_launch). `prefetch_page_ids` loads
-    each block's page-table entries one iteration ahead, in the loop carry:
-    with the table load inside the iteration, Triton's pipeliner waits for
-    every load in flight at the top of each one (BENCHMARKS.md); prefetched,
-    it keeps the next blocks' K/V in flight. It changes no bit.
-    `rescale_threshold` T > 0 moves a row's running max (and rescales its
-    accumulator) only when a block's max passes it by more than T (base 2),
-    so p stays below 2**T and most blocks skip the rescale; 0 rescales
-    whenever the max grows. It changes rounding, not the result.
+    plan_launch). `prefetch_page_ids` loads each block's page-table entries
+    one iteration ahead, so Triton keeps the next blocks' K/V loads in flight
+    (BENCHMARKS.md); it changes no bit. `rescale_threshold` T > 0 moves a
+    row's running max (and rescales its accumulator) only when a block's max
+    passes it by more than T (base 2), so p stays below 2**T and most blocks
+    skip the rescale; 0 rescales whenever the max grows. It changes rounding.
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, pages_per_block, compute_dtype)
     return _attention_call(
-        q, pool, batch_table, kv_lens, kv_lens - q_lens, q_lens, None,
+        q, pool, batch_table, kv_lens, q_lens, None, queries_cached=True,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,
@@ -444,7 +477,7 @@ def draft_block_attention(
                          f"head_dim] = {(q.shape[0], q.shape[1], pool.shape[0], q.shape[3])}, "
                          f"got {block_k.shape=} {block_v.shape=}")
     return _attention_call(
-        q, pool, batch_table, ctx_lens, ctx_lens, block_lens, (block_k, block_v),
+        q, pool, batch_table, ctx_lens, block_lens, (block_k, block_v), queries_cached=False,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,
         rows_per_block=rows_per_block, pages_per_block=pages_per_block,

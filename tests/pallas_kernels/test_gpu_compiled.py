@@ -4,9 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import (draft_block_attention,
+                                            draft_block_attention_reference, paged_attention,
+                                            paged_attention_reference)
 from tests.pallas_kernels.test_paged_attention import (assert_verify_equals_decode, make_case,
-                                                      rel_err)
+                                                      make_draft_case, rel_err)
 
 
 @pytest.mark.gpu
@@ -22,6 +24,20 @@ def test_compiled_attention_matches_reference_at_head_dim_128(kv_dtype, max_q, c
     out = paged_attention(q, pool, table, kv_lens, q_lens, compute_dtype=compute_dtype,
                           interpret=False, **kw)
     assert rel_err(out, paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 512])
+def test_compiled_draft_block_matches_reference_at_head_dim_128(kv_dtype, causal, window):
+    rng = np.random.default_rng(3)
+    args, kw = make_draft_case(rng, ctx=[0, *rng.integers(1, 4000, 14)], num_q_heads=32,
+                               num_kv_heads=8, head_dim=128, page_size=16, kv_dtype=kv_dtype,
+                               window=window, causal=causal)
+    out = draft_block_attention(*args, interpret=False, **kw)
+    assert rel_err(out, draft_block_attention_reference(*args, **kw)) < 1e-2
+    assert (np.asarray(out[-1], np.float32) == 0).all()  # the padding row
 
 
 BLOCKINGS = [  # the default, and the other blockings the benchmarks time

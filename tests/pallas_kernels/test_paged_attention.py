@@ -252,8 +252,9 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("rows_per_block", [16, 64])  # q scaled in the kernel / by XLA
 @pytest.mark.parametrize("name,kwargs", PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
-def test_chunked_prefill_matches_reference(interpret, name, kwargs):
+def test_chunked_prefill_matches_reference(interpret, name, kwargs, rows_per_block):
     """Chunks longer than one query block: several query blocks per row, ragged."""
     rng = np.random.default_rng(len(name))
     q, pool, table, kv_lens, q_lens = make_case(rng, **kwargs)
@@ -261,7 +262,7 @@ def test_chunked_prefill_matches_reference(interpret, name, kwargs):
     args = dict(layer_offset=0, sliding_window=kwargs.get("window"),
                 k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
     ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
-    out = paged_attention(q, pool, table, kv_lens, q_lens, rows_per_block=16,
+    out = paged_attention(q, pool, table, kv_lens, q_lens, rows_per_block=rows_per_block,
                           pages_per_block=2, interpret=interpret, **args)
     assert rel_err(out, ref) < 2e-2
     mask = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
@@ -276,33 +277,37 @@ DRAFT_CASES = [
 ]
 
 
+def make_draft_case(rng, *, ctx, num_q_heads, num_kv_heads, window=None, block=8,
+                    kv_dtype=jnp.bfloat16, head_dim=32, page_size=8, causal=False):
+    """A draft block per row of `ctx` context positions, plus a padding row:
+    (draft_block_attention's arrays, its keyword arguments)."""
+    batch = len(ctx) + 1
+    _, pool, table, ctx_lens, _ = make_case(
+        rng, batch=batch, max_q=block, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, kv_dtype=kv_dtype, window=window,
+        kv_lens=list(ctx) + [0], q_lens=[0] * batch)
+    block_lens = jnp.asarray([block] * len(ctx) + [0], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, block, num_q_heads, head_dim)), jnp.bfloat16)
+    bk, bv = (jnp.asarray(rng.standard_normal((batch, block, num_kv_heads, head_dim)),
+                          jnp.bfloat16) for _ in range(2))
+    fp8 = pool.dtype == jnp.float8_e4m3fn
+    kw = dict(layer_offset=1, causal_in_block=causal, sliding_window=window,
+              k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+    return (q, pool, table, ctx_lens, block_lens, bk, bv), kw
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name,kwargs", DRAFT_CASES, ids=[c[0] for c in DRAFT_CASES])
 def test_draft_block_matches_reference(interpret, name, kwargs, causal):
     from pallas_kernels.paged_attention import (draft_block_attention,
                                                 draft_block_attention_reference)
-    rng = np.random.default_rng(len(name) + causal)
-    block = 8
-    ctx = [0, 9, 16, 41, 57]  # ctx 0: a row drafting with no context yet
-    batch = len(ctx) + 1      # plus a padding row
-    _, pool, table, ctx_lens, _ = make_case(
-        rng, batch=batch, max_q=block, num_q_heads=kwargs["num_q_heads"],
-        num_kv_heads=kwargs["num_kv_heads"], kv_dtype=kwargs.get("kv_dtype", jnp.bfloat16),
-        window=kwargs["window"], kv_lens=ctx + [0], q_lens=[0] * batch)
-    block_lens = jnp.asarray([block] * len(ctx) + [0], jnp.int32)
-    shape_q = (batch, block, kwargs["num_q_heads"], 32)
-    shape_kv = (batch, block, kwargs["num_kv_heads"], 32)
-    q = jnp.asarray(rng.standard_normal(shape_q), jnp.bfloat16)
-    bk = jnp.asarray(rng.standard_normal(shape_kv), jnp.bfloat16)
-    bv = jnp.asarray(rng.standard_normal(shape_kv), jnp.bfloat16)
-    fp8 = pool.dtype == jnp.float8_e4m3fn
-    args = dict(layer_offset=1, causal_in_block=causal, sliding_window=kwargs["window"],
-                k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
-    ref = draft_block_attention_reference(q, pool, table, ctx_lens, block_lens, bk, bv, **args)
+    # ctx 0: a row drafting with no context yet
+    args, kw = make_draft_case(np.random.default_rng(len(name) + causal),
+                               ctx=[0, 9, 16, 41, 57], causal=causal, **kwargs)
+    ref = draft_block_attention_reference(*args, **kw)
     for splits, prefetch in ((1, False), (2, True)):
-        out = draft_block_attention(q, pool, table, ctx_lens, block_lens, bk, bv,
-                                    pages_per_block=2, num_splits=splits,
-                                    prefetch_page_ids=prefetch, interpret=interpret, **args)
+        out = draft_block_attention(*args, pages_per_block=2, num_splits=splits,
+                                    prefetch_page_ids=prefetch, interpret=interpret, **kw)
         assert rel_err(out, ref) < 2e-2, f"splits={splits} {prefetch=}"
         assert (np.asarray(out[-1], np.float32) == 0).all()  # padding row
 
