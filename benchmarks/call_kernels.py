@@ -48,31 +48,37 @@ def run(args):
     jax.block_until_ready(out)
 
 
-def summarize(path, calls):
+def kernel_times(path, calls):
+    """{kernel name: (ns per call, launches per call, median ns, grid, registers)} over
+    the last `calls` repeats of the kernel sequence that ends the ncu CSV at `path`."""
     rows = list(csv.DictReader(io.StringIO(
         "".join(line for line in open(path) if line.startswith('"')))))
-    kernels = []  # (name, metric -> value) in launch order
-    by_id = {}
+    kernels, by_id = [], {}  # (name, metric -> value) in launch order
     for r in rows:
-        key = r["ID"]
-        if key not in by_id:
-            by_id[key] = (r["Kernel Name"], {})
-            kernels.append(by_id[key])
-        by_id[key][1][r["Metric Name"]] = r["Metric Value"].replace(",", "")
+        if r["ID"] not in by_id:
+            by_id[r["ID"]] = (r["Kernel Name"], {})
+            kernels.append(by_id[r["ID"]])
+        by_id[r["ID"]][1][r["Metric Name"]] = r["Metric Value"].replace(",", "")
     names = [name for name, _ in kernels]
-    period = next(p for p in range(1, len(names) // calls + 1)
-                  if names[-calls * p:] == names[-p:] * calls)
+    period = next((p for p in range(1, len(names) // calls + 1)
+                   if names[-calls * p:] == names[-p:] * calls), None)
+    if period is None:
+        raise ValueError(f"{path}: its last kernels are not {calls} repeats of one call's "
+                         f"kernels ({len(names)} kernels); was --calls {calls} the run's?")
     times, meta = defaultdict(list), {}
     for name, m in kernels[-calls * period:]:
         times[name].append(float(m["gpu__time_duration.sum"]))
         meta[name] = (m.get("launch__grid_size"), m.get("launch__registers_per_thread"))
+    return {name: (sum(ts) / calls, len(ts) // calls, statistics.median(ts), *meta[name])
+            for name, ts in times.items()}
+
+
+def summarize(path, calls):
     total = 0.0
-    for name, ts in times.items():
-        per_call = sum(ts) / calls
+    for name, (per_call, launches, median, grid, regs) in kernel_times(path, calls).items():
         total += per_call
-        grid, regs = meta[name]
-        print(f"{per_call / 1e3:9.2f} us/call  x{len(ts) // calls}  median "
-              f"{statistics.median(ts) / 1e3:9.2f} us  grid {grid} regs {regs}  {name[:90]}")
+        print(f"{per_call / 1e3:9.2f} us/call  x{launches}  median {median / 1e3:9.2f} us  "
+              f"grid {grid} regs {regs}  {name[:90]}")
     print(f"{total / 1e3:9.2f} us/call in all")
 
 
