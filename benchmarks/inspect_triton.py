@@ -128,9 +128,10 @@ def main():
     out.mkdir(parents=True)
     ir = triton_ir(args.kernel, max_q=args.max_q, kv=args.kv, ctx=args.ctx,
                    head_dim=args.head_dim, q_per_kv=args.q_per_kv, draft=args.draft,
-                   num_warps=args.warps,
-                   pages_per_block=args.pages_per_block, **args.kernel_kw)
-    ir_file = out / f"{'draft_block' if args.draft else 'paged_attention'}_{args.kv}_q{args.max_q}.ttir"
+                   num_warps=args.warps, pages_per_block=args.pages_per_block,
+                   **args.kernel_kw)
+    kernel_name = "draft_block" if args.draft else "paged_attention"
+    ir_file = out / f"{kernel_name}_{args.kv}_q{args.max_q}.ttir"
     ir_file.write_text(ir)
     print(f"{ir_file}: {ir.count(chr(10))} lines of Triton IR")
     for stages in args.stages:
