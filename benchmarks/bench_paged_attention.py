@@ -49,6 +49,15 @@ def setup(ctx, dtype, max_q=1, seed=0, num_q_heads=HQ, head_dim=D, batch=BATCH):
     return q, pool, table, kv_lens, q_lens
 
 
+def dense_kv(k_pages, v_pages, pages):
+    """K and V of `layer_kv` gathered by the rows' page ids [batch, pages per row]
+    into contiguous [batch, seq, num_kv_heads, head_dim], as dense attention takes them."""
+    num_kv_heads, _, _, head_dim = k_pages.shape
+    return tuple(x[:, pages].transpose(1, 2, 3, 0, 4).reshape(pages.shape[0], -1, num_kv_heads,
+                                                               head_dim)
+                 for x in (k_pages, v_pages))
+
+
 def kv_bytes(ctx, dtype):
     return BATCH * ctx * HKV * D * 2 * jnp.dtype(dtype).itemsize
 
@@ -101,8 +110,7 @@ def bench_decode(ctx, copy_bw, configs):
     except Exception as e:
         row["jax_op_error"] = f"{e!s:.300}"
     # cuDNN dense attention on contiguous K/V: [B, T, Hkv, D].
-    k_dense = k_pages[:, block_tables].transpose(1, 2, 3, 0, 4).reshape(BATCH, ctx, HKV, D)
-    v_dense = v_pages[:, block_tables].transpose(1, 2, 3, 0, 4).reshape(BATCH, ctx, HKV, D)
+    k_dense, v_dense = dense_kv(k_pages, v_pages, block_tables)
     del k_pages, v_pages
     for impl in ("cudnn", "xla"):
         try:
@@ -178,8 +186,7 @@ def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
         f"prefill prior={prior} {jnp.dtype(dtype).name}",
         lambda t: f"{flops / t / 1e12:.1f} TFLOP/s", iters=10)
     row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TFLOPs=flops / t / 1e12)
-    kd, vd = (x[:, table // 2].transpose(1, 2, 3, 0, 4).reshape(batch, total, HKV, D)
-              .astype(jnp.bfloat16) for x in layer_kv(pool, 0))
+    kd, vd = (x.astype(jnp.bfloat16) for x in dense_kv(*layer_kv(pool, 0), table // 2))
     mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
     for impl in ("xla", "cudnn"):
         try:
@@ -262,14 +269,14 @@ def mosaic_gpu_dense(q, k, v, flops, ours_seconds):
 def error_norms():
     """Relative L2 error vs the f32 reference, compiled on the device: decode (max_q 1),
     verify (8), a prefill chunk (256) and the draft block (8, `draft`)."""
-    from tests.pallas_kernels.test_paged_attention import make_case, make_draft_case, rel_err
+    from tests.pallas_kernels.test_paged_attention import (kv_scales, make_case,
+                                                          make_draft_case, rel_err)
     rng = np.random.default_rng(0)
     interpret = jax.default_backend() == "cpu"
     rows = []
     for dtype, window, cap, max_q in itertools.product(
             (jnp.bfloat16, jnp.float8_e4m3fn), (None, 256), (None, 30.0),
             (1, 8, 256, "draft")):
-        fp8 = dtype != jnp.bfloat16
         if max_q == "draft":
             args, kw = make_draft_case(rng, ctx=rng.integers(1, 3000, 7), num_q_heads=32,
                                        num_kv_heads=8, head_dim=128, page_size=16,
@@ -282,7 +289,7 @@ def error_norms():
                              head_dim=128, page_size=16, kv_dtype=dtype, window=window,
                              kv_lens=rng.integers(max_q, 3000, 8))
             kw = dict(layer_offset=1, sliding_window=window, soft_cap=cap,
-                      k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+                      **kv_scales(args[1]))
             out = paged_attention(*args, interpret=interpret, **kw)
             ref = paged_attention_reference(*args, **kw)
         rows.append({"dtype": jnp.dtype(dtype).name, "window": window, "soft_cap": cap,

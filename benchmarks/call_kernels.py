@@ -24,20 +24,14 @@ from collections import defaultdict
 def run(args):
     import jax
 
-    from benchmarks.bench_paged_attention import (BATCH, D, HKV, KV_DTYPES, ours, setup)
+    from benchmarks.bench_paged_attention import KV_DTYPES, dense_kv, ours, setup
     from pallas_kernels.kv_store import layer_kv
 
     q, pool, table, kv_lens, q_lens = setup(args.ctx, KV_DTYPES[args.kv], max_q=args.max_q)
     if args.impl == "ours":
         fn, fn_args = ours(q, pool, table, kv_lens, q_lens), (q, pool, table, kv_lens, q_lens)
     else:
-        k_pages, v_pages = layer_kv(pool, 0)
-        pages = table // 2
-
-        def dense(x):
-            return x[:, pages].transpose(1, 2, 3, 0, 4).reshape(BATCH, args.ctx, HKV, D)
-
-        k, v = dense(k_pages), dense(v_pages)
+        k, v = dense_kv(*layer_kv(pool, 0), table // 2)
         fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                                   implementation=args.impl))
         fn_args = (q, k, v)

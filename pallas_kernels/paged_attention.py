@@ -256,12 +256,21 @@ def paged_attention_kernel(
         plgpu.store(o_ref.at[o_index[:, None], d], out.astype(o_ref.dtype), mask=in_q[:, None])
 
 
+def kernel_views(pool):
+    """The pool as K rows [num_kv_heads, kernel_pages * page_size, head_dim] and as
+    V^T rows [num_kv_heads, kernel_pages * head_dim, page_size] (module docstring)."""
+    num_kv_heads, num_pages, num_layers, _, page_size, head_dim = pool.shape
+    kernel_pages = num_pages * num_layers * 2
+    return (pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim),
+            pool.reshape(num_kv_heads, kernel_pages * head_dim, page_size))
+
+
 def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_cached,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
                     block_causal, compute_dtype, interpret, **launch_options):
     """Shared wrapper: plan the launch, run, combine splits (if any)."""
     batch, max_q, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
+    num_kv_heads, _, _, _, page_size, _ = pool.shape
     table_width = batch_table.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
@@ -276,9 +285,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_
     # conversion, not the memory, bounded fp8 decode (BENCHMARKS.md).
     if compute_dtype is None:
         compute_dtype = jnp.float16 if pool.dtype == jnp.float8_e4m3fn else q.dtype
-    kernel_pages = num_pages * num_layers * 2
-    k_view = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
-    v_view = pool.reshape(num_kv_heads, kernel_pages * head_dim, page_size)
+    k_view, v_view = kernel_views(pool)
 
     # q carries every logit scale (softmax, K dequantisation, base 2, and 1 /
     # soft cap ahead of the tanh), so the loop's logits come straight off the dot.

@@ -33,10 +33,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_attention import LOG2E, MASK_VALUE, static_validate_inputs
+from pallas_kernels.paged_attention import (LOG2E, MASK_VALUE, kernel_views,
+                                            static_validate_inputs)
 from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
 
 BLOCK_Q = 64        # query rows per program: one warpgroup's wgmma M
+
+
+def _bf16_tiles(columns):
+    """Shared-memory transforms for bf16 tiles `columns` wide: 8-row tiles,
+    swizzled over the row's 2 * columns bytes (what wgmma reads)."""
+    return plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(2 * columns)
 
 
 def _prefill_kernel(table_gmem, lens_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, o_smem,
@@ -99,8 +106,7 @@ def _prefill_kernel(table_gmem, lens_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_sme
         acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
         return acc, m_next, l_next
 
-    k_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    vt_tiles = (plgpu.TilingTransform((8, page_size)), plgpu.SwizzleTransform(2 * page_size))
+    k_tiles, vt_tiles = _bf16_tiles(64), _bf16_tiles(page_size)
     in_specs = ([plgpu.BlockSpec((page_size, head_dim),
                                  lambda s, j=j: (kernel_page(s, j), 0), transforms=k_tiles)
                  for j in range(pages_per_step)]
@@ -146,7 +152,7 @@ def paged_prefill_mgpu(
         raise NotImplementedError(f"paged_prefill_mgpu takes bf16 q and pool, got {q.dtype=} "
                                   f"{pool.dtype=}; use paged_attention for fp8 pools")
     batch, max_q, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
+    num_kv_heads, _, _, _, page_size, _ = pool.shape
     if head_dim % 64 or page_size not in (16, 32, 64):
         raise NotImplementedError(f"paged_prefill_mgpu needs head_dim % 64 == 0 and page_size "
                                   f"16, 32 or 64 (V^T pages swizzle at 2 * page_size bytes), "
@@ -156,11 +162,8 @@ def paged_prefill_mgpu(
     # q carries the softmax scale in base 2, so the logits come straight off the dot.
     q_scaled = (q.astype(jnp.float32) * (sm_scale * LOG2E)).astype(jnp.bfloat16)
     q_scaled = jnp.pad(q_scaled, ((0, 0), (0, padded_q - max_q), (0, 0), (0, 0)))
-    kernel_pages = num_pages * num_layers * 2
-    k_view = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
-    v_view = pool.reshape(num_kv_heads, kernel_pages * head_dim, page_size)
-    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    p_tiles = (plgpu.TilingTransform((8, page_size)), plgpu.SwizzleTransform(2 * page_size))
+    k_view, v_view = kernel_views(pool)
+    tiles, p_tiles = _bf16_tiles(64), _bf16_tiles(page_size)
     kernel = functools.partial(
         _prefill_kernel, q_per_kv=num_q_heads // num_kv_heads, k_offset=2 * layer_offset,
         page_size=page_size, head_dim=head_dim, table_width=batch_table.shape[1],

@@ -52,6 +52,12 @@ def make_case(rng, *, batch, max_q, num_q_heads, num_kv_heads, head_dim=32, page
             jnp.asarray(kv_lens), jnp.asarray(q_lens))
 
 
+def kv_scales(pool):
+    """The K/V scales make_case's pools are drawn for (fp8 stores value / scale)."""
+    fp8 = pool.dtype == jnp.float8_e4m3fn
+    return dict(k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+
+
 def rel_err(out, ref):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all(), "non-finite output (an unwritten or poisoned read?)"
@@ -91,9 +97,8 @@ CASES = [
 def test_kernel_matches_reference(interpret, name, kwargs, soft_cap):
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     q, pool, table, kv_lens, q_lens = make_case(rng, **kwargs)
-    fp8 = pool.dtype == jnp.float8_e4m3fn
     args = dict(layer_offset=1, sliding_window=kwargs.get("window"), soft_cap=soft_cap,
-                k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+                **kv_scales(pool))
     ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
     # Rescale thresholds: 1 moves a row's reference max at some blocks and not
     # at others; 8 (what the benchmarks time) mostly keeps the first block's.
@@ -258,9 +263,7 @@ def test_chunked_prefill_matches_reference(interpret, name, kwargs, rows_per_blo
     """Chunks longer than one query block: several query blocks per row, ragged."""
     rng = np.random.default_rng(len(name))
     q, pool, table, kv_lens, q_lens = make_case(rng, **kwargs)
-    fp8 = pool.dtype == jnp.float8_e4m3fn
-    args = dict(layer_offset=0, sliding_window=kwargs.get("window"),
-                k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+    args = dict(layer_offset=0, sliding_window=kwargs.get("window"), **kv_scales(pool))
     ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
     out = paged_attention(q, pool, table, kv_lens, q_lens, rows_per_block=rows_per_block,
                           pages_per_block=2, interpret=interpret, **args)
@@ -290,9 +293,8 @@ def make_draft_case(rng, *, ctx, num_q_heads, num_kv_heads, window=None, block=8
     q = jnp.asarray(rng.standard_normal((batch, block, num_q_heads, head_dim)), jnp.bfloat16)
     bk, bv = (jnp.asarray(rng.standard_normal((batch, block, num_kv_heads, head_dim)),
                           jnp.bfloat16) for _ in range(2))
-    fp8 = pool.dtype == jnp.float8_e4m3fn
     kw = dict(layer_offset=1, causal_in_block=causal, sliding_window=window,
-              k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
+              **kv_scales(pool))
     return (q, pool, table, ctx_lens, block_lens, bk, bv), kw
 
 
