@@ -8,7 +8,7 @@
 
 V pages hold V^T (the same bytes as [page_size, head_dim], read as
 [head_dim, page_size]) so the attention kernels' P.V dot reads its key axis
-contiguous (see paged_attention.py); `layer_kv` reads both back key-major.
+contiguous (see pool_layout.py); `layer_kv` reads both back key-major.
 
 Lowering: two XLA scatters (K rows, V columns); under a jitted step with the
 state donated they update the pool in place and move only the new tokens'
@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.pool_layout import kernel_views
 from unified_kv.spec import BAD_PAGE_INDEX
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value; casting beyond gives NaN
@@ -74,16 +75,18 @@ def write_kv(
     kernel_pages = num_pages * num_layers * 2
     k_page = jnp.where(writable, (page * num_layers + layer_offset) * 2, kernel_pages)
     slot = (pos % page_size).reshape(-1)
-    # K: rows of [kv heads, kernel_pages * page_size, head_dim]; out of range drops.
+    # K: rows of the pool's K-row view (pool_layout); out of range drops.
     k_rows = (k_page * page_size).reshape(-1) + slot
     k_new = quantize(k, k_scale, pool.dtype).transpose(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim)
-    pool = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
-    pool = pool.at[:, k_rows].set(k_new, mode="drop")
-    # V: column `slot` of V page k_page + 1 in [kv heads, kernel_pages, head_dim, page_size].
+    k_view, _ = kernel_views(pool)
+    pool = k_view.at[:, k_rows].set(k_new, mode="drop").reshape(pool.shape)
+    # V: column `slot` of V page k_page + 1 in the V^T-row view, as [kv heads,
+    # kernel_pages, head_dim, page_size].
     v_new = quantize(v, v_scale, pool.dtype).reshape(-1, num_kv_heads, head_dim)
-    pool = pool.reshape(num_kv_heads, kernel_pages, head_dim, page_size)
-    pool = pool.at[:, (k_page + 1).reshape(-1), :, slot].set(v_new, mode="drop")
-    return pool.reshape(num_kv_heads, num_pages, num_layers, 2, page_size, head_dim), ok
+    _, v_view = kernel_views(pool)
+    v_pages = v_view.reshape(num_kv_heads, kernel_pages, head_dim, page_size)
+    v_pages = v_pages.at[:, (k_page + 1).reshape(-1), :, slot].set(v_new, mode="drop")
+    return v_pages.reshape(pool.shape), ok
 
 
 def layer_kv(pool: jax.Array, layer_offset: int) -> tuple[jax.Array, jax.Array]:

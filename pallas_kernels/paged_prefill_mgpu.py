@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_attention import (LOG2E, MASK_VALUE, kernel_views,
-                                            static_validate_inputs)
+from pallas_kernels.paged_attention import LOG2E, MASK_VALUE
+from pallas_kernels.pool_layout import kernel_views, static_validate_inputs
 from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
 
 BLOCK_Q = 64        # query rows per program: one warpgroup's wgmma M

@@ -65,6 +65,19 @@ def test_compiled_verify_equals_decode_bit_for_bit(kv_dtype, window, blocking):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("window", [None, 100])
+def test_compiled_verify_equals_decode_bit_for_bit_with_soft_cap(kv_dtype, window):
+    """Gemma-style logit soft cap: the tanh and its scale sit between the q.K
+    dot and the softmax, where the compiler may fuse differently around the
+    mask; decode and verify must still round alike."""
+    assert_verify_equals_decode(
+        np.random.default_rng(6), max_q=8, batch=16, num_q_heads=32, num_kv_heads=8,
+        head_dim=128, page_size=16, kv_dtype=kv_dtype, window=window, max_len=3000,
+        blocking=dict(soft_cap=30.0), interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,max_q,head_dim", [
     (32, 4, 8, 128), (40, 8, 8, 128), (32, 8, 16, 128), (64, 8, 16, 128), (8, 8, 8, 128),
     (8, 2, 8, 32), (16, 2, 8, 32), (8, 2, 8, 64)])

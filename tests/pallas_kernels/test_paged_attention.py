@@ -128,6 +128,28 @@ def test_verify_rows_are_causal_among_themselves(interpret):
                                np.asarray(solo[:, 0], np.float32), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("blocking", [dict(), dict(num_splits=2), dict(rows_per_block=64),
+                                      dict(rescale_threshold=8.0)],
+                         ids=["direct", "split", "rows", "lazy"])
+def test_queries_past_q_len_change_no_other_bit(interpret, blocking):
+    """Query tokens past q_len (and padding rows) hold whatever the caller left
+    there. NaN in them must leave every live query's bits alone and still give
+    zeros (a kernel variant that skipped the mask in blocks every live row sees
+    whole let those rows attend: BENCHMARKS.md, ninth session)."""
+    rng = np.random.default_rng(11)
+    q, pool, table, kv_lens, q_lens = make_case(
+        rng, batch=4, max_q=3, num_q_heads=8, num_kv_heads=2, window=40,
+        kv_lens=[70, 0, 55, 64], q_lens=[1, 0, 3, 2])
+    past = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
+    kw = dict(layer_offset=1, sliding_window=40, pages_per_block=2, interpret=interpret,
+              **blocking)
+    out = np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **kw), np.float32)
+    q_nan = jnp.where(jnp.asarray(past)[:, :, None, None], jnp.nan, q)
+    out_nan = np.asarray(paged_attention(q_nan, pool, table, kv_lens, q_lens, **kw), np.float32)
+    np.testing.assert_array_equal(out_nan, out)
+    assert (out[past] == 0).all() and np.isfinite(out).all()
+
+
 def assert_verify_equals_decode(rng, *, max_q, batch, max_len, interpret, window,
                                 blocking=None, decode_blocking=None, **case):
     """Greedy speculative decoding is lossless only if query i of a K+1-query
