@@ -17,7 +17,7 @@ import numpy as np
 
 from benchmarks.bench_paged_attention import FP8, ours, setup
 from benchmarks.timing import time_call, write_results
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.paged_decode_mgpu import paged_decode_mgpu
 
 INTERPRET = jax.default_backend() == "cpu"
