@@ -41,8 +41,9 @@ def test_mosaic_decode_matches_reference(interpret, name, case, layer_offset):
 
 
 def test_mosaic_verify_equals_decode_bit_for_bit(interpret):
-    """Query i of a verify pass == the decode pass at its position, every bit."""
-    max_q = 4
+    """Query i of a verify pass == the decode pass at its position, every bit
+    (32 query rows against decode's 16: wgmma's N differs)."""
+    max_q = 8
     q, pool, table, kv_lens, q_lens = make_case(
         np.random.default_rng(3), batch=2, max_q=max_q, num_q_heads=8, num_kv_heads=2,
         head_dim=64, page_size=16, kv_dtype=FP8, kv_lens=[131, 70], q_lens=[max_q, max_q])
