@@ -130,7 +130,8 @@ def main():
         return
     variants = {v: variant_kw(v) for v in args.variants.split(",")}
     results = {"checks": {}, "ms": {}}
-    for name in [] if args.skip_checks else variants:  # each in its own process: a crash there (illegal address) stays there
+    # each check in its own process: a crash there (an illegal address) stays there
+    for name in [] if args.skip_checks else variants:
         proc = subprocess.run([sys.executable, __file__, "--check-only", name],
                               capture_output=True, text=True, timeout=300)
         lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "Deprecat" not in x]

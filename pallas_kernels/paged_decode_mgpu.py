@@ -13,17 +13,17 @@ so decode (N = 16) and verify-8 (N = 32) share every column's arithmetic
 
 One program per (batch row, kv head), one warpgroup; the loop streams the
 row's pages 4 (64 keys) per step through `stages` slots of TMA copies,
-their table entries read a step ahead. Query row c is query token
+their table entries (the row's table, in shared memory) read a step ahead. Query row c is query token
 c // q_per_kv, head c % q_per_kv. No window, soft cap or key splits yet.
 
 Measured on the H200 (BENCHMARKS.md, tenth session), batch 64, GQA 4: at
-4K keys decode 0.241 ms and verify-8 0.241 ms (1.00x) against the Triton
-kernel's 0.137 / 0.162 ms (1.18x); at 32K keys, batch 32, 0.727 / 0.886 ms
-(1.22x) against 0.539 / 0.662 ms (1.23x). Verify costs what decode costs
-at 4K, but decode is 1.3-1.8x slower than Triton's. Mosaic GPU's profiler
-(`profile_dir`) puts a decode step at 2.7-2.8 us: 0.8 in the table reads
-and the issue of the step's 8 page copies, 0.36 in the cross-warp max,
-0.36 + 0.25 in the q.K dot and the fp8 conversions, 0.17 in the P.V dot.
+4K keys decode 0.234 ms and verify-8 0.236 ms (1.01x) against the Triton
+kernel's 0.137 / 0.159 ms (1.16x); at 32K keys, batch 32, 0.727 / 0.886 ms
+(1.22x) against 0.539 / 0.662 ms (1.23x). Verify costs what decode costs,
+but decode is 1.35-1.71x slower than Triton's. Mosaic GPU's profiler
+(`profile_dir`) puts a decode step at 2.7 us: 0.53 issuing the step's 8
+page copies, 0.35 in the cross-warp max, 0.35 + 0.27 in the q.K dot and
+the fp8 conversions, 0.18 in the P.V dot, the rest spread thin.
 Pools of 2 GiB or more are refused (MAX_POOL_BYTES).
 """
 
@@ -57,19 +57,26 @@ def _tiles(dtype, columns):
     return (tiling, plgpu.SwizzleTransform(swizzle)) if swizzle >= 32 else (tiling,)
 
 
-def _decode_kernel(table_gmem, lens_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, k_smem,
-                   v_smem, p_smem, o_smem, q_barrier, kv_barriers, *a_smem, q_per_kv, k_offset,
-                   page_size, head_dim, table_width, kernel_pages, cols, stages, v_scale):
+def _decode_kernel(table_gmem, lens_gmem, q_gmem, k_gmem, v_gmem, o_gmem, table_smem, q_smem,
+                   k_smem, v_smem, p_smem, o_smem, q_barrier, kv_barriers, *a_smem, q_per_kv,
+                   k_offset, page_size, head_dim, table_width, kernel_pages, cols, stages,
+                   v_scale):
     b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
     kv_len, q_len = lens_gmem[0, b], lens_gmem[1, b]
     q_start = kv_len - q_len
     pages = KEYS // page_size
+    # The row's table comes to shared memory with q: a table read in the loop then costs
+    # a shared-memory load, not a global one (0.3 us a step on the H200).
+    plgpu.copy_gmem_to_smem(table_gmem.at[b], table_smem, q_barrier)
     plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, q_barrier)
     num_steps = pl.cdiv(kv_len, KEYS)
+    plgpu.barrier_wait(q_barrier)
 
     def table_entries(step):  # the step's table entries, as loaded (read a step ahead)
-        return tuple(table_gmem[b, jnp.minimum(step * pages + j, table_width - 1)]
-                     for j in range(pages))
+        cols = table_smem.shape[1]
+        return tuple(table_smem[idx // cols, idx % cols]
+                     for idx in (jnp.minimum(step * pages + j, table_width - 1)
+                                 for j in range(pages)))
 
     def issue(step, entries):  # K pages and V^T pages: 2 * pages copies on the slot's barrier
         slot = step % stages
@@ -88,7 +95,6 @@ def _decode_kernel(table_gmem, lens_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem
         @pl.when(s < num_steps)
         def _():
             issue(s, table_entries(s))
-    plgpu.barrier_wait(q_barrier)
 
     layout = plgpu.Layout.WGMMA
     key = plgpu.broadcasted_iota(jnp.int32, (KEYS, cols), 0, layout=layout)
@@ -220,6 +226,14 @@ def paged_decode_mgpu(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, cols - rows), (0, 0)))
     q_rows = (q_rows.astype(jnp.float32) * (sm_scale * k_scale * LOG2E)).astype(jnp.float16)
     k_view, v_view = kernel_views(pool)
+    # The table as rows of 128 entries (a copy moves at most 256 along a dimension),
+    # padded with BAD entries, which the kernel reads as the null page.
+    width = batch_table.shape[1]
+    table = jnp.pad(batch_table, ((0, 0), (0, -width % 128)), constant_values=BAD_PAGE_INDEX)
+    table = table.reshape(batch, -1, 128)
+    if table.shape[1] > 256:
+        raise NotImplementedError(f"paged_decode_mgpu takes tables up to 32768 entries, got "
+                                  f"{width}")
     kernel = functools.partial(
         _decode_kernel, q_per_kv=q_per_kv, k_offset=2 * layer_offset, page_size=page_size,
         head_dim=head_dim, table_width=batch_table.shape[1], cols=cols,
@@ -231,6 +245,7 @@ def paged_decode_mgpu(
         out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, head_dim, cols), q.dtype),
         grid=(batch, num_kv_heads), grid_names=("b", "h"),
         scratch_types=[
+            plgpu.SMEM(table.shape[1:], jnp.int32),
             plgpu.SMEM((cols, head_dim), f16, transforms=_tiles(f16, head_dim)),
             plgpu.SMEM((stages, KEYS, head_dim), pool.dtype,
                        transforms=_tiles(pool.dtype, head_dim)),
@@ -240,7 +255,7 @@ def paged_decode_mgpu(
             # fits a 16-key page (64-byte swizzle wants K >= 32).
             plgpu.SMEM((KEYS, cols), f16, transforms=_tiles(f16, 16)),
             plgpu.SMEM((head_dim, cols), q.dtype, transforms=_tiles(q.dtype, cols)),
-            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=2),  # table and q
             plgpu.Barrier(num_arrivals=2 * pages, num_barriers=stages),
         ] + ([plgpu.SMEM((KEYS, head_dim), f16, transforms=_tiles(f16, head_dim)),
               plgpu.SMEM((pages, head_dim, page_size), f16, transforms=_tiles(f16, page_size))]
@@ -251,7 +266,7 @@ def paged_decode_mgpu(
             **(dict(profile_space=8 * batch_table.shape[1], profile_dir=profile_dir,
                     profile_bounds_check=True) if profile_dir else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(batch_table, jnp.stack([kv_lens, q_lens]), q_rows, k_view.reshape(-1, head_dim),
+    )(table, jnp.stack([kv_lens, q_lens]), q_rows, k_view.reshape(-1, head_dim),
       v_view.reshape(-1, page_size))
     # [B, Hkv, D, cols] -> [B, max_q, Hq, D]
     out = out.transpose(0, 1, 3, 2)[:, :, :rows]
