@@ -32,6 +32,7 @@ for stage in "${stages[@]}"; do
       # suite is CI's
       run 500 pytest_gpu python3 -m pytest -q -p no:cacheprovider \
         tests/pallas_kernels/test_gpu_compiled.py tests/pallas_kernels/test_paged_prefill_mgpu.py \
+        tests/pallas_kernels/test_paged_decode_mgpu.py \
         tests/drafter/test_tensor_parallel.py ;;
     attention)
       run 330 paged_attention python3 benchmarks/bench_paged_attention.py --out "$OUT" \

@@ -79,12 +79,16 @@ def test_compiled_mosaic_decode_matches_reference_at_head_dim_128():
     assert rel_err(out, ref) < 1e-2
 
 
-def test_mosaic_decode_refuses_pools_past_the_size_it_ran_at():
-    """Traced only (eval_shape): a 4 GiB pool is refused by name before any copy."""
-    pool = jax.ShapeDtypeStruct((8, 1 << 17, 1, 2, 16, 128), FP8)
+@pytest.mark.parametrize("pages,table_width,match", [
+    (1 << 17, 8, "GiB"),      # a 4 GiB pool
+    (1 << 10, 40000, "32768 entries"),
+])
+def test_mosaic_decode_refuses_what_it_has_not_run(pages, table_width, match):
+    """Traced only (eval_shape): refused by name before any copy."""
+    pool = jax.ShapeDtypeStruct((8, pages, 1, 2, 16, 128), FP8)
     q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    table = jax.ShapeDtypeStruct((2, table_width), jnp.int32)
     lens = jax.ShapeDtypeStruct((2,), jnp.int32)
-    with pytest.raises(NotImplementedError, match="GiB"):
+    with pytest.raises(NotImplementedError, match=match):
         jax.eval_shape(lambda *a: paged_decode_mgpu(*a, layer_offset=0, interpret=True),
                        q, pool, table, lens, lens)
