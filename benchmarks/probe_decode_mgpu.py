@@ -23,13 +23,9 @@ from benchmarks.timing import time_call, write_results
 from pallas_kernels.paged_attention import paged_attention_reference
 import pallas_kernels.paged_decode_mgpu as paged_decode_mgpu_module
 from pallas_kernels.paged_decode_mgpu import paged_decode_mgpu
+from tests.pallas_kernels.test_paged_attention import rel_err
 
 INTERPRET = jax.default_backend() == "cpu"
-
-
-def rel_err(out, ref):
-    out, ref = (np.asarray(x, np.float32) for x in (out, ref))
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def variant_kw(name):
@@ -52,7 +48,7 @@ def check(a_via_smem, stages):
         print("ran", a_via_smem, stages, max_q, flush=True)
         ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, layer_offset=0)
         live = np.asarray(jnp.arange(max_q)[None, :] < q_lens[:, None])
-        res[f"err_q{max_q}"] = rel_err(np.asarray(out)[live], np.asarray(ref)[live])
+        res[f"err_q{max_q}"] = float(rel_err(np.asarray(out)[live], np.asarray(ref)[live]))
         res[f"dead_rows_zero_q{max_q}"] = bool(np.all(np.asarray(out, np.float32)[~live] == 0))
         if max_q == 8:  # query i of row 0 == decode at its position
             same = []
@@ -107,20 +103,9 @@ def main():
     parser.add_argument("--profile-dir", default=None,
                         help="run the first variant once per query count with Mosaic GPU's "
                              "profiler writing there, and print each phase's share")
-    parser.add_argument("--calls", type=int, default=None,
-                        help="run the first variant this many times per query count, untimed "
-                             "(for ncu)")
     args = parser.parse_args()
     if args.profile_dir:
         profile_phases(args)
-        return
-    if args.calls:
-        name = args.variants.split(",")[0]
-        for max_q in (1, 8):
-            a = setup(args.ctx[0], FP8, max_q=max_q, batch=args.batch)
-            fn = ours(*a, kernel=paged_decode_mgpu, **variant_kw(name))
-            for _ in range(args.calls):
-                jax.block_until_ready(fn(*a))
         return
     if args.pool_limit:
         paged_decode_mgpu_module.MAX_POOL_BYTES = int(args.pool_limit)

@@ -13,8 +13,9 @@ so decode (N = 16) and verify-8 (N = 32) share every column's arithmetic
 
 One program per (batch row, kv head), one warpgroup; the loop streams the
 row's pages 4 (64 keys) per step through `stages` slots of TMA copies,
-their table entries (the row's table, in shared memory) read a step ahead. Query row c is query token
-c // q_per_kv, head c % q_per_kv. No window, soft cap or key splits yet.
+their table entries (the row's table, in shared memory) read a step ahead.
+Query row c is query token c // q_per_kv, head c % q_per_kv. No window, soft
+cap or key splits yet.
 
 Measured on the H200 (BENCHMARKS.md, tenth session), batch 64, GQA 4: at
 4K keys decode 0.234 ms and verify-8 0.236 ms (1.01x) against the Triton
@@ -38,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import LOG2E, MASK_VALUE
-from pallas_kernels.pool_layout import kernel_views, static_validate_inputs
+from pallas_kernels.pool_layout import kernel_views, smem_tiles, static_validate_inputs
 from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
 
 KEYS = 64   # keys per step: wgmma's M
@@ -47,14 +48,6 @@ COLS = 16   # wgmma's N is the query rows padded to a multiple of this
 # address, indexed by head then row or flat (BENCHMARKS.md); 4K keys (0.5 GB) ran. Most
 # likely a 32-bit byte offset, so pools stay under 2 GiB until that is found.
 MAX_POOL_BYTES = 1 << 31
-
-
-def _tiles(dtype, columns):
-    """8-row tiles swizzled over one row's bytes (what TMA and wgmma read)."""
-    row_bytes = columns * jnp.dtype(dtype).itemsize
-    swizzle = min(128, row_bytes)
-    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
-    return (tiling, plgpu.SwizzleTransform(swizzle)) if swizzle >= 32 else (tiling,)
 
 
 def _decode_kernel(table_gmem, lens_gmem, q_gmem, k_gmem, v_gmem, o_gmem, table_smem, q_smem,
@@ -236,7 +229,7 @@ def paged_decode_mgpu(
                                   f"{width}")
     kernel = functools.partial(
         _decode_kernel, q_per_kv=q_per_kv, k_offset=2 * layer_offset, page_size=page_size,
-        head_dim=head_dim, table_width=batch_table.shape[1], cols=cols,
+        head_dim=head_dim, table_width=width, cols=cols,
         kernel_pages=k_view.shape[1] // page_size, stages=stages, v_scale=v_scale)
     pages = KEYS // page_size
     f16 = jnp.float16
@@ -246,19 +239,20 @@ def paged_decode_mgpu(
         grid=(batch, num_kv_heads), grid_names=("b", "h"),
         scratch_types=[
             plgpu.SMEM(table.shape[1:], jnp.int32),
-            plgpu.SMEM((cols, head_dim), f16, transforms=_tiles(f16, head_dim)),
+            plgpu.SMEM((cols, head_dim), f16, transforms=smem_tiles(f16, head_dim)),
             plgpu.SMEM((stages, KEYS, head_dim), pool.dtype,
-                       transforms=_tiles(pool.dtype, head_dim)),
+                       transforms=smem_tiles(pool.dtype, head_dim)),
             plgpu.SMEM((stages, pages, head_dim, page_size), pool.dtype,
-                       transforms=_tiles(pool.dtype, page_size)),
+                       transforms=smem_tiles(pool.dtype, page_size)),
             # P^T as wgmma's B, a page of keys per dot: 32-byte swizzle, whose K group (16)
             # fits a 16-key page (64-byte swizzle wants K >= 32).
-            plgpu.SMEM((KEYS, cols), f16, transforms=_tiles(f16, 16)),
-            plgpu.SMEM((head_dim, cols), q.dtype, transforms=_tiles(q.dtype, cols)),
+            plgpu.SMEM((KEYS, cols), f16, transforms=smem_tiles(f16, 16)),
+            plgpu.SMEM((head_dim, cols), q.dtype, transforms=smem_tiles(q.dtype, cols)),
             plgpu.Barrier(num_arrivals=2),  # table and q
             plgpu.Barrier(num_arrivals=2 * pages, num_barriers=stages),
-        ] + ([plgpu.SMEM((KEYS, head_dim), f16, transforms=_tiles(f16, head_dim)),
-              plgpu.SMEM((pages, head_dim, page_size), f16, transforms=_tiles(f16, page_size))]
+        ] + ([plgpu.SMEM((KEYS, head_dim), f16, transforms=smem_tiles(f16, head_dim)),
+              plgpu.SMEM((pages, head_dim, page_size), f16,
+                         transforms=smem_tiles(f16, page_size))]
              if a_via_smem else []),
         compiler_params=plgpu.CompilerParams(
             reduction_scratch_bytes=4 * 128 * 4 * 4,

@@ -34,16 +34,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import LOG2E, MASK_VALUE
-from pallas_kernels.pool_layout import kernel_views, static_validate_inputs
+from pallas_kernels.pool_layout import kernel_views, smem_tiles, static_validate_inputs
 from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
 
 BLOCK_Q = 64        # query rows per program: one warpgroup's wgmma M
-
-
-def _bf16_tiles(columns):
-    """Shared-memory transforms for bf16 tiles `columns` wide: 8-row tiles,
-    swizzled over the row's 2 * columns bytes (what wgmma reads)."""
-    return plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(2 * columns)
 
 
 def _prefill_kernel(table_gmem, lens_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, o_smem,
@@ -106,7 +100,7 @@ def _prefill_kernel(table_gmem, lens_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_sme
         acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
         return acc, m_next, l_next
 
-    k_tiles, vt_tiles = _bf16_tiles(64), _bf16_tiles(page_size)
+    k_tiles, vt_tiles = smem_tiles(jnp.bfloat16, 64), smem_tiles(jnp.bfloat16, page_size)
     in_specs = ([plgpu.BlockSpec((page_size, head_dim),
                                  lambda s, j=j: (kernel_page(s, j), 0), transforms=k_tiles)
                  for j in range(pages_per_step)]
@@ -163,7 +157,7 @@ def paged_prefill_mgpu(
     q_scaled = (q.astype(jnp.float32) * (sm_scale * LOG2E)).astype(jnp.bfloat16)
     q_scaled = jnp.pad(q_scaled, ((0, 0), (0, padded_q - max_q), (0, 0), (0, 0)))
     k_view, v_view = kernel_views(pool)
-    tiles, p_tiles = _bf16_tiles(64), _bf16_tiles(page_size)
+    tiles, p_tiles = smem_tiles(jnp.bfloat16, 64), smem_tiles(jnp.bfloat16, page_size)
     kernel = functools.partial(
         _prefill_kernel, q_per_kv=num_q_heads // num_kv_heads, k_offset=2 * layer_offset,
         page_size=page_size, head_dim=head_dim, table_width=batch_table.shape[1],

@@ -33,6 +33,19 @@ def kernel_views(pool):
             pool.reshape(num_kv_heads, kernel_pages * head_dim, page_size))
 
 
+def smem_tiles(dtype, columns):
+    """Mosaic GPU shared-memory transforms for a page (or tile) `columns` wide: 8-row
+    tiles swizzled over one row's bytes, up to 128 (what TMA writes and wgmma reads);
+    rows under 32 bytes are tiled but not swizzled."""
+    # Imported here: only the Mosaic GPU kernels need it, not the Triton ones.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, columns * itemsize)
+    tiling = plgpu.TilingTransform((8, swizzle // itemsize))
+    return (tiling, plgpu.SwizzleTransform(swizzle)) if swizzle >= 32 else (tiling,)
+
+
 def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, pages_per_block, compute_dtype) -> None:
     """Trace-time checks of an attention call's arguments (shapes, dtypes,

@@ -58,6 +58,16 @@ def kv_scales(pool):
     return dict(k_scale=0.5 if fp8 else 1.0, v_scale=0.25 if fp8 else 1.0)
 
 
+def past_q_len(q_lens, max_q):
+    """bool[batch, max_q]: the query tokens past each row's q_len (all of a padding row)."""
+    return np.arange(max_q)[None, :] >= np.asarray(q_lens)[:, None]
+
+
+def assert_zero_past_q_len(out, q_lens):
+    """Query tokens past q_len (and padding rows) are zeros, not garbage."""
+    assert (np.asarray(out, np.float32)[past_q_len(q_lens, out.shape[1])] == 0).all()
+
+
 def rel_err(out, ref):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all(), "non-finite output (an unwritten or poisoned read?)"
@@ -110,9 +120,7 @@ def test_kernel_matches_reference(interpret, name, kwargs, soft_cap):
                               rescale_threshold=threshold, interpret=interpret, **args)
         assert out.shape == q.shape
         assert rel_err(out, ref) < 2e-2, f"{name} splits={splits} {compute} {threshold=}"
-        # Query tokens past q_len (and padding rows) are zeros, not garbage.
-        mask = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
-        assert (np.asarray(out, np.float32)[mask] == 0).all()
+        assert_zero_past_q_len(out, q_lens)
 
 
 def test_verify_rows_are_causal_among_themselves(interpret):
@@ -140,7 +148,7 @@ def test_queries_past_q_len_change_no_other_bit(interpret, blocking):
     q, pool, table, kv_lens, q_lens = make_case(
         rng, batch=4, max_q=3, num_q_heads=8, num_kv_heads=2, window=40,
         kv_lens=[70, 0, 55, 64], q_lens=[1, 0, 3, 2])
-    past = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
+    past = past_q_len(q_lens, q.shape[1])
     kw = dict(layer_offset=1, sliding_window=40, pages_per_block=2, interpret=interpret,
               **blocking)
     out = np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **kw), np.float32)
@@ -151,25 +159,26 @@ def test_queries_past_q_len_change_no_other_bit(interpret, blocking):
 
 
 def assert_verify_equals_decode(rng, *, max_q, batch, max_len, interpret, window,
-                                blocking=None, decode_blocking=None, **case):
+                                blocking=None, decode_blocking=None, attention=paged_attention,
+                                **case):
     """Greedy speculative decoding is lossless only if query i of a K+1-query
     verify pass gets exactly what a 1-query decode pass at its position gets:
     the same key blocks and arithmetic, whatever the masks (windowed rows
     included, whose earliest visible page differs per query). Decode takes
     `decode_blocking` where given (launch options that only schedule loads
-    may differ), else `blocking`."""
+    may differ), else `blocking`. `attention` is the kernel (another lowering
+    with paged_attention's signature; a window is passed only where given)."""
     q, pool, table, kv_lens, q_lens = make_case(
         rng, batch=batch, max_q=max_q, window=window, q_lens=np.full(batch, max_q),
         kv_lens=rng.integers(max_q, max_len, batch), **case)
-    kw = dict(layer_offset=1, sliding_window=window, k_scale=0.5, v_scale=0.25,
-              interpret=interpret)
-    verify = np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **kw,
-                                        **(blocking or {})))
+    kw = dict(layer_offset=1, k_scale=0.5, v_scale=0.25, interpret=interpret)
+    if window is not None:
+        kw["sliding_window"] = window
+    verify = np.asarray(attention(q, pool, table, kv_lens, q_lens, **kw, **(blocking or {})))
     kw.update((blocking if decode_blocking is None else decode_blocking) or {})
     ones = jnp.ones((batch,), jnp.int32)
     for i in range(max_q):
-        decode = paged_attention(q[:, i:i + 1], pool, table, kv_lens - (max_q - 1 - i), ones,
-                                 **kw)
+        decode = attention(q[:, i:i + 1], pool, table, kv_lens - (max_q - 1 - i), ones, **kw)
         np.testing.assert_array_equal(np.asarray(decode)[:, 0], verify[:, i],
                                       err_msg=f"query {i}")
 
@@ -290,8 +299,7 @@ def test_chunked_prefill_matches_reference(interpret, name, kwargs, rows_per_blo
     out = paged_attention(q, pool, table, kv_lens, q_lens, rows_per_block=rows_per_block,
                           pages_per_block=2, interpret=interpret, **args)
     assert rel_err(out, ref) < 2e-2
-    mask = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
-    assert (np.asarray(out, np.float32)[mask] == 0).all()
+    assert_zero_past_q_len(out, q_lens)
 
 
 DRAFT_CASES = [

@@ -8,7 +8,9 @@ import pytest
 
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.paged_decode_mgpu import paged_decode_mgpu
-from tests.pallas_kernels.test_paged_attention import kv_scales, make_case, rel_err
+from tests.pallas_kernels.test_paged_attention import (assert_verify_equals_decode,
+                                                      assert_zero_past_q_len, kv_scales,
+                                                      make_case, rel_err)
 
 FP8 = jnp.float8_e4m3fn
 CASES = [  # ragged rows, a padding row, rows shorter than max_q; unused pages are NaN
@@ -36,22 +38,16 @@ def test_mosaic_decode_matches_reference(interpret, name, case, layer_offset):
     ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, layer_offset=layer_offset,
                                     **kv_scales(pool))
     assert rel_err(out, ref) < 1e-2
-    mask = np.arange(q.shape[1])[None, :] >= np.asarray(q_lens)[:, None]
-    assert (np.asarray(out, np.float32)[mask] == 0).all()  # rows past q_len, padding rows
+    assert_zero_past_q_len(out, q_lens)
 
 
 def test_mosaic_verify_equals_decode_bit_for_bit(interpret):
     """Query i of a verify pass == the decode pass at its position, every bit
     (32 query rows against decode's 16: wgmma's N differs)."""
-    max_q = 8
-    q, pool, table, kv_lens, q_lens = make_case(
-        np.random.default_rng(3), batch=2, max_q=max_q, num_q_heads=8, num_kv_heads=2,
-        head_dim=64, page_size=16, kv_dtype=FP8, kv_lens=[131, 70], q_lens=[max_q, max_q])
-    verify = np.asarray(call(q, pool, table, kv_lens, q_lens, 0, interpret))
-    for i in range(max_q):
-        decode = call(q[:, i:i + 1], pool, table, kv_lens - max_q + 1 + i,
-                      jnp.ones_like(q_lens), 0, interpret)
-        np.testing.assert_array_equal(np.asarray(decode)[:, 0], verify[:, i])
+    assert_verify_equals_decode(np.random.default_rng(3), max_q=8, batch=2, max_len=140,
+                                interpret=interpret, window=None, attention=paged_decode_mgpu,
+                                num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                                kv_dtype=FP8)
 
 
 @pytest.mark.parametrize("change,match", [
