@@ -54,3 +54,32 @@ def test_decode_and_verify_lay_their_dots_out_alike(tmp_path, kv, head_dim, q_pe
         layouts.append(inspect_triton.compile_for_hopper(ir_file, num_warps=2,
                                                          num_stages=3)["mma_warps"])
     assert layouts[0] == layouts[1] == ["[1, 2]"], layouts
+
+
+def accumulator_definitions(ir):
+    """The line defining each tt.dot's accumulator operand (its third)."""
+    lines = ir.splitlines()
+    definitions = []
+    for line in lines:
+        if "tt.dot" not in line:
+            continue
+        acc = line.split("tt.dot", 1)[1].split(",")[2].split()[0]
+        definitions.append(next((d for d in lines if d.strip().startswith(f"{acc} =")),
+                                f"{acc} (a block argument)"))
+    return definitions
+
+
+def test_triton_s_own_ttir_passes_fold_the_accumulator_into_the_p_v_dot(tmp_path):
+    """XLA runs Triton's TTIR passes on a Pallas kernel; `triton.compile` skips
+    them for an IR file, and without them `acc + dot(p, v)` stays an add after
+    a dot from zero (255 registers where the H200 took 222; BENCHMARKS.md)."""
+    pytest.importorskip("triton", reason="pip install '.[inspect]' to compile the IR")
+    from triton.backends.compiler import GPUTarget
+    ir_file = tmp_path / "kernel.ttir"
+    ir_file.write_text(fp8_verify_ir())
+    raw_qk, raw_pv = accumulator_definitions(ir_file.read_text())
+    assert "tt.splat" in raw_pv  # Pallas's dot starts from zeros
+    passed = inspect_triton.run_ttir_passes(ir_file, GPUTarget("cuda", 90, 32), num_warps=2)
+    qk, pv = accumulator_definitions(passed.read_text())
+    assert "arith.constant" in qk  # q.K still starts from zeros
+    assert "arith.constant" not in pv and "tt.splat" not in pv, pv  # acc carried in the dot
