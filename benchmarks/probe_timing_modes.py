@@ -161,6 +161,10 @@ def main():
                         help="other versions of pallas_kernels/paged_attention.py")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--verify-options", type=json.loads, nargs="*", default=[],
+                        help="launch options for verify only (ones that change no bit: "
+                             "stages, page-id prefetch), each timed beside default decode, "
+                             "e.g. '{\"prefetch_page_ids\": true, \"num_stages\": 3}'")
     parser.add_argument("--sustained", type=int, default=0,
                         help="also this many back-to-back calls, each kernel timed, with "
                              "nvidia-smi sampling clocks and power")
@@ -169,13 +173,16 @@ def main():
     kernels = {"repo": paged_attention} | {k: load_kernel(k) for k in args.kernel}
     rows = []
     for ctx in args.ctx:
-        for name, kernel in kernels.items():
+        runs = [(name, kernel, {}) for name, kernel in kernels.items()]
+        runs += [(f"repo, verify {json.dumps(kw)}", paged_attention, kw)
+                 for kw in args.verify_options]
+        for name, kernel, verify_kw in runs:
             row = {"ctx": ctx, "kernel": name}
-            if ctx == args.ctx[0] and not args.skip_checks:
+            if ctx == args.ctx[0] and not args.skip_checks and not verify_kw:
                 row["check"] = check(kernel)
             for max_q in (1, 8):
                 inputs = setup(ctx, FP8, max_q=max_q)
-                fn = ours(*inputs, kernel=kernel)
+                fn = ours(*inputs, kernel=kernel, **(verify_kw if max_q > 1 else {}))
                 tag = f"q{max_q}"
                 row[f"{tag}_b2b_ms"] = time_call(fn, *inputs) * 1e3
                 try:
