@@ -44,9 +44,11 @@ from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE
 
 KEYS = 64   # keys per step: wgmma's M
 COLS = 16   # wgmma's N is the query rows padded to a multiple of this
-# On the H200, batch 64 x 32K keys (a 4.3 GB fp8 pool) made the page copies hit an illegal
-# address, indexed by head then row or flat (BENCHMARKS.md); 4K keys (0.5 GB) ran. Most
-# likely a 32-bit byte offset, so pools stay under 2 GiB until that is found.
+# Pools of 2 GiB or more stay refused until an illegal address is explained: on the H200,
+# after this kernel decoded batch 64 x 32K keys (a 4.3 GB fp8 pool) correctly, the next
+# kernel in the process (Triton verify on a fresh pool) reported one; alone, 30 calls on
+# such a pool were correct, and single TMA copies past byte 2^32 were too
+# (benchmarks/probe_mgpu_large_pool.py, BENCHMARKS.md, eleventh session).
 MAX_POOL_BYTES = 1 << 31
 
 
@@ -200,8 +202,8 @@ def paged_decode_mgpu(
     if pool.size >= MAX_POOL_BYTES:
         raise NotImplementedError(
             f"paged_decode_mgpu takes pools under {MAX_POOL_BYTES >> 30} GiB, got "
-            f"{pool.size / 2**30:.1f} GiB: on the H200 a 4.3 GB pool made its page copies hit "
-            "an illegal address (a 0.5 GB one ran); use paged_attention")
+            f"{pool.size / 2**30:.1f} GiB: on the H200 a run on a 4.3 GB pool was followed by an "
+            "illegal address not yet explained (pools under 2 GiB ran); use paged_attention")
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, _, _, _, page_size, _ = pool.shape
     if head_dim % 64 or KEYS % page_size or page_size < 16:
