@@ -30,6 +30,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 
 from benchmarks.bench_paged_attention import FP8, ours, setup
 from benchmarks.profile_paged_attention import load_kernel
@@ -58,7 +59,6 @@ def kernel_events(trace_dir):
 def check(kernel, interpret=False):
     """fp8 verify-8 against the reference, and verify == decode bit for bit (head
     dim 128, GQA 4 and 8, 16-key pages, windowed and full)."""
-    import numpy as np
     result = {}
     case = dict(num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
                 kv_dtype=FP8)
@@ -117,25 +117,9 @@ class GpuSampler:
                 "thermal_share": sum(bool(r & 0x60) for r in reasons) / len(rows)}
 
 
-def sustained(fn, args, calls):
-    """`calls` back-to-back calls under the profiler and the sampler: each kernel's
-    device time early and late in the run."""
-    with GpuSampler() as sampler:
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d):
-                out = None
-                for _ in range(calls):
-                    out = fn(*args)
-                jax.block_until_ready(out)
-            durs = [dur for _, dur in kernel_events(d)]
-    windows = {"first_50": durs[:50], "calls_200_250": durs[200:250],
-               "last_50": durs[-50:]}
-    return {"kernels": len(durs), "run_s": sum(durs) / 1e6,
-            **{f"{k}_median_us": statistics.median(v) for k, v in windows.items() if v},
-            "gpu": sampler.summary()}
-
-
-def traced(fn, args, calls, pause=None):
+def trace_kernels(fn, args, calls, pause=None):
+    """(ts, dur) in us of each paged-attention kernel of `calls` calls of fn(*args),
+    back to back, or each after a sync and `pause` seconds."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             out = None
@@ -145,13 +129,28 @@ def traced(fn, args, calls, pause=None):
                     time.sleep(pause)
                 out = fn(*args)
             jax.block_until_ready(out)
-        events = kernel_events(d)
+        return kernel_events(d)
+
+
+def traced(fn, args, calls, pause=None):
+    events = trace_kernels(fn, args, calls, pause)
     durs = [dur for _, dur in events]
     gaps = [t1 - (t0 + d0) for (t0, d0), (t1, _) in zip(events, events[1:])]
-    return {"kernels": len(events),
-            "median_us": statistics.median(durs) if durs else None,
-            "mean_us": statistics.fmean(durs) if durs else None,
+    return {"kernels": len(events), "median_us": statistics.median(durs),
+            "mean_us": statistics.fmean(durs),
             "median_gap_us": statistics.median(gaps) if gaps else None}
+
+
+def sustained(fn, args, calls):
+    """`calls` back-to-back calls under the profiler and the sampler: each kernel's
+    device time early and late in the run."""
+    with GpuSampler() as sampler:
+        durs = [dur for _, dur in trace_kernels(fn, args, calls)]
+    windows = {"first_50": durs[:50], "calls_200_250": durs[200:250],
+               "last_50": durs[-50:]}
+    return {"kernels": len(durs), "run_s": sum(durs) / 1e6,
+            **{f"{k}_median_us": statistics.median(v) for k, v in windows.items() if v},
+            "gpu": sampler.summary()}
 
 
 def main():
