@@ -4,9 +4,9 @@
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
 # STAGEs: tests, attention, timing (fp8 decode vs verify-8 per kernel, cool and
-# sustained), layouts (batch tables, cache layouts, decode speed), eval, transfer. Each fits one 600 s device call (the device tool's limit):
-# every step has its own timeout, so a slow or hung step costs itself, not
-# the call. Arguments other than stage names go to bench_paged_attention.py.
+# sustained), layouts (batch tables, cache layouts, decode speed), eval,
+# transfer. Each fits one 600 s device call (the device tool's limit): every
+# step has its own timeout, so a slow or hung step costs itself, not the call. Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
 # benchmark moves GPU 0 -> GPU 1; the rest use GPU 0.
 set -uo pipefail
