@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: time the kernel variants, then profile the named cases with
-# ncu (needs a machine where ncu reads counters): occupancy, issue rate, and the
-# executed-instruction mix and warp-stall samples per SASS opcode, the most
-# stalled instructions, and the SASS table itself (sass_CASE.csv.gz).
+# ncu (needs a machine where ncu reads counters): occupancy, issue rate, each
+# pipe's utilisation (tensor, ALU, FMA, LSU, ...), and the executed-instruction
+# mix and warp-stall samples per SASS opcode, the most stalled instructions,
+# and the SASS table itself (sass_CASE.csv.gz).
 #   OUT=dir [VARIANTS=0] bash benchmarks/profile_gpu.sh [case ...]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -13,11 +14,14 @@ fi
 for c in "$@"; do
   timeout 200 ncu --clock-control none -k regex:paged --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section InstructionStats \
-    --section Occupancy --section LaunchStats --section SourceCounters -o "/tmp/rep_$c" -f \
+    --section Occupancy --section LaunchStats --section SourceCounters \
+    --section ComputeWorkloadAnalysis -o "/tmp/rep_$c" -f \
     python3 benchmarks/profile_paged_attention.py --calls 2 --case "$c" > "/tmp/ncu_$c.log" 2>&1
   ncu -i "/tmp/rep_$c.ncu-rep" --print-summary none > "$OUT/ncu_$c.txt" 2>&1
   ncu -i "/tmp/rep_$c.ncu-rep" --print-summary none --print-details all \
     --section WarpStateStats > "$OUT/ncu_stalls_$c.txt" 2>&1
+  ncu -i "/tmp/rep_$c.ncu-rep" --print-summary none --print-details all \
+    --section ComputeWorkloadAnalysis > "$OUT/ncu_pipes_$c.txt" 2>&1
   ncu -i "/tmp/rep_$c.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$c.csv" 2>&1
   python3 - "$c" <<'PY' | tee "$OUT/opcodes_$c.txt"
 import collections, csv, sys
