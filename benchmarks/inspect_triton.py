@@ -21,6 +21,7 @@ Shapes are bench_paged_attention's decode case.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import re
@@ -114,7 +115,16 @@ def compile_for_hopper(ir_file: Path, *, num_warps: int, num_stages: int) -> dic
               "mma_warps": sorted(set(re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = (\[[\d, ]+\])",
                                                  kernel.asm["ttgir"]))),
               "wait_group": [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]}
+    return report | sass_report(cubin)
+
+
+def sass_report(cubin: Path) -> dict:
+    """Registers, spills and the key loop's instruction mix of a cubin, with the CUDA
+    tools that ship in the `triton` package; the SASS goes beside the cubin."""
+    import triton
+
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    report = {}
     if (tools / "cuobjdump").exists():
         usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", cubin],
                                capture_output=True, text=True).stdout
@@ -123,9 +133,34 @@ def compile_for_hopper(ir_file: Path, *, num_warps: int, num_stages: int) -> dic
     if (tools / "nvdisasm").exists():
         sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True,
                               text=True).stdout
-        stem.with_suffix(stem.suffix + ".sass").write_text(sass)
+        cubin.with_suffix(".sass").write_text(sass)
         report["spill_instructions"] = len(re.findall(r"\b(?:LDL|STL)\b", sass))
+        loop = loop_opcodes(sass)
+        report["loop_instructions"] = sum(loop.values())
+        # register-to-register moves: ptxas gathering mma.sync operand fragments
+        report["loop_register_moves"] = loop["IMAD.MOV.U32"] + loop["MOV"]
     return report
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcode counts of the longest loop in nvdisasm output: the instructions from a
+    backward branch's target label up to the branch (predicates dropped)."""
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        found = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)(.*);", line)
+        if found:
+            instructions.append((found.group(1), found.group(2)))
+    spans = [(labels[target.group(1)], end) for end, (op, rest) in enumerate(instructions)
+             if op == "BRA" and (target := re.search(r"(\.L_x_\d+)", rest))
+             and labels.get(target.group(1), end + 1) <= end]
+    if not spans:
+        return collections.Counter()
+    start, end = max(spans, key=lambda span: span[1] - span[0])
+    return collections.Counter(op for op, _ in instructions[start:end + 1])
 
 
 def main():
