@@ -8,10 +8,11 @@ Pallas lowers the kernel to Triton IR for an abstract sm_90 device (jax needs
 no GPU for that), Triton's own TTIR passes run on it as XLA runs them, and
 the `triton` package (`pip install ".[inspect]"`; a CPU machine suffices)
 compiles it for sm_90 once per pipeline stage count. Each
-compile reports its shared memory, registers per thread, and the
-`cp.async.wait_group` counts in the PTX: a count of 0 inside the key loop
+compile reports its shared memory, registers per thread, the
+`cp.async.wait_group` counts in the PTX (a count of 0 inside the key loop
 means every iteration waits for every load in flight, i.e. the loads are not
-pipelined across iterations. The IR, PTX and SASS go to `--out`.
+pipelined across iterations), and the key loop's SASS instructions and
+register moves. The IR, PTX and SASS go to `--out`.
 
 The triton package is not the one inside XLA (which compiles the kernel on
 the H200), so what it shows is evidence to time on the GPU, not a timing.
