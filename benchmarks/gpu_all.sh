@@ -6,7 +6,8 @@
 # STAGEs: tests, attention, timing (fp8 decode vs verify-8 per kernel, cool and
 # sustained), layouts (batch tables, cache layouts, decode speed), eval,
 # transfer. Each fits one 600 s device call (the device tool's limit): every
-# step has its own timeout, so a slow or hung step costs itself, not the call. Arguments other than stage names go to bench_paged_attention.py.
+# step has its own timeout, so a slow or hung step costs itself, not the call.
+# Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
 # benchmark moves GPU 0 -> GPU 1; the rest use GPU 0.
 set -uo pipefail
@@ -14,7 +15,10 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
-  case $a in tests|attention|timing|layouts|eval|transfer) stages+=("$a") ;; *) bench_args+=("$a") ;; esac
+  case $a in
+    tests|attention|timing|layouts|eval|transfer) stages+=("$a") ;;
+    *) bench_args+=("$a") ;;
+  esac
 done
 [ ${#stages[@]} -eq 0 ] && stages=(tests attention timing layouts eval transfer)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt

@@ -115,7 +115,8 @@ def main():
     parser.add_argument("--decode-only", action="store_true",
                         help="only the paged_decode_mgpu cases, not the single copies")
     parser.add_argument("--interpret", action="store_true",
-                        help="jax's GPU interpreter (a CPU check of the script; use a small --gib)")
+                        help="jax's GPU interpreter (a CPU check of the script; "
+                             "use a small --gib)")
     args = parser.parse_args()
     if args.case:
         case = json.loads(args.case)
