@@ -39,38 +39,56 @@ except ImportError:  # compiling needs no torch; timing does
 async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-D, PAGE, PAGES_PER_BLOCK, KV_HEADS = 128, 16, 4, 8
-BK = PAGE * PAGES_PER_BLOCK
+D, PAGE, PAGES_PER_BLOCK, KV_HEADS, GQA = 128, 16, 4, 8, 4
+# The same numbers for the kernel (Gluon reads only constexpr globals).
+D_, PAGE_, PPB_, KV_HEADS_, GQA_ = map(gl.constexpr, (D, PAGE, PAGES_PER_BLOCK, KV_HEADS, GQA))
+BK_ = gl.constexpr(PAGE * PAGES_PER_BLOCK)
+PAGE_PAIR_ = gl.constexpr(2 * PAGE * D)  # a page's K and V^T, side by side in the pool
+
+
+@gluon.jit
+def block_page_ids(table_ptr, block, key, head_pages, num_blocks):
+    """Pool page of each key of a block (key: its index in the block), or of page 0 of
+    this head past the row's last block."""
+    return head_pages + gl.load(table_ptr + block * PPB_ + key // PAGE_,
+                                mask=block < num_blocks, other=0)
 
 
 @gluon.jit
 def k_offsets(page, key, d):
     """Offsets of a block's K [BK, D] from the pool's first K page: key j is row j % PAGE
     of its page; each key's D bytes are contiguous."""
-    return (page.to(gl.int64) * 4096 + (key % 16) * 128)[:, None] + d[None, :]
+    return (page.to(gl.int64) * PAGE_PAIR_ + (key % PAGE_) * D_)[:, None] + d[None, :]
 
 
 @gluon.jit
 def v_offsets(page, key, d):
     """Offsets of a block's V^T [D, BK] from the pool's first V^T page: key j at its
-    page's [D, PAGE] tile, column j % PAGE; 16 keys (one page) are contiguous."""
-    offsets = (page.to(gl.int64) * 4096 + key % 16)[None, :] + d[:, None] * 16
-    return gl.max_contiguous(gl.multiple_of(offsets, [1, 16]), [1, 16])
+    page's [D, PAGE] tile, column j % PAGE; a page's keys are contiguous."""
+    offsets = (page.to(gl.int64) * PAGE_PAIR_ + key % PAGE_)[None, :] + d[:, None] * PAGE_
+    return gl.max_contiguous(gl.multiple_of(offsets, [1, PAGE_]), [1, PAGE_])
+
+
+@gluon.jit
+def copy_block(k_slot, v_slot, k_pool, vt_pool, k_page, v_page, kj, kd, vj, vd, block,
+               num_blocks):
+    """Start a block's K and V^T copies into one pipeline slot (none past the last)."""
+    async_load(k_slot, k_pool + k_offsets(k_page, kj, kd),
+               mask=(kj[:, None] * 0 + block) < num_blocks)
+    async_load(v_slot, vt_pool + v_offsets(v_page, vj, vd),
+               mask=(vd[:, None] * 0 + block) < num_blocks)
+    async_copy.commit_group()
 
 
 @gluon.jit
 def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_width,
                       num_pages, ROWS: gl.constexpr, TOKENS: gl.constexpr,
                       STAGES: gl.constexpr):
-    """One program: one (batch row, kv head) of 8 kv heads. q f16[ROWS, D] (tokens x q
-    heads, scaled for base 2); the pool fp8[kv heads, num_pages, 2, PAGE * D] holds each
+    """One program: one (batch row, kv head). q f16[ROWS, D] (tokens x q heads, scaled
+    for base 2); the pool fp8[kv heads, num_pages, 2, PAGE * D] holds each
     page's K [PAGE, D] and V^T [D, PAGE] side by side, as the unified cache's pools do
     (k_pool points at the first K page, vt_pool at the first V^T page); table
     i32[batch, table_width]; the row's TOKENS queries end at kv_len - 1."""
-    D: gl.constexpr = 128
-    PAGE: gl.constexpr = 16
-    PPB: gl.constexpr = 4
-    BK: gl.constexpr = 64
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 2],
                                                   instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -79,64 +97,52 @@ def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_wi
     v_ld: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [2, 1], [1, 0])
     k_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
     v_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0])
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK, D], k_sl)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BK], v_sl)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK_, D_], k_sl)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D_, BK_], v_sl)
     pid = gl.program_id(0)
-    table_ptr = table_ptr + (pid // 8) * table_width
-    head_pages = (pid % 8) * num_pages              # this kv head's pages in the pool
-    num_blocks = gl.cdiv(gl.cdiv(kv_len, PAGE), PPB)
+    table_ptr = table_ptr + (pid // KV_HEADS_) * table_width
+    head_pages = (pid % KV_HEADS_) * num_pages      # this kv head's pages in the pool
+    num_blocks = gl.cdiv(gl.cdiv(kv_len, PAGE_), PPB_)
 
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
-    c = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
-    q = gl.load(q_ptr + pid * ROWS * D + r[:, None] * D + c[None, :])   # held for the loop
+    c = gl.arange(0, D_, layout=gl.SliceLayout(0, a_layout))
+    q = gl.load(q_ptr + pid * ROWS * D_ + r[:, None] * D_ + c[None, :])   # held for the loop
 
     # K rows: key j of a block is row (page[j // PAGE] * PAGE + j % PAGE) of the K pool.
-    kj = gl.arange(0, BK, layout=gl.SliceLayout(1, k_ld))
-    kd = gl.max_contiguous(gl.multiple_of(gl.arange(0, D, layout=gl.SliceLayout(0, k_ld)), 16),
-                           16)
+    kj = gl.arange(0, BK_, layout=gl.SliceLayout(1, k_ld))
+    kd = gl.max_contiguous(gl.multiple_of(gl.arange(0, D_, layout=gl.SliceLayout(0, k_ld)),
+                                          16), 16)
     # V^T: [D, BK] of a block, key j at page[j // PAGE]'s [D, PAGE] tile, column j % PAGE.
-    vd = gl.arange(0, D, layout=gl.SliceLayout(1, v_ld))
-    vj = gl.arange(0, BK, layout=gl.SliceLayout(0, v_ld))
+    vd = gl.arange(0, D_, layout=gl.SliceLayout(1, v_ld))
+    vj = gl.arange(0, BK_, layout=gl.SliceLayout(0, v_ld))
 
     for s in gl.static_range(STAGES - 1):  # the pipeline's first blocks
-        kp = head_pages + gl.load(table_ptr + s * PPB + kj // PAGE, mask=s < num_blocks,
-                                  other=0)
-        vp = head_pages + gl.load(table_ptr + s * PPB + vj // PAGE, mask=s < num_blocks,
-                                  other=0)
-        async_load(k_smem.index(s), k_pool + k_offsets(kp, kj, kd),
-                   mask=(kj[:, None] * 0 + s) < num_blocks)
-        async_load(v_smem.index(s), vt_pool + v_offsets(vp, vj, vd),
-                   mask=(vd[:, None] * 0 + s) < num_blocks)
-        async_copy.commit_group()
+        copy_block(k_smem.index(s), v_smem.index(s), k_pool, vt_pool,
+                   block_page_ids(table_ptr, s, kj, head_pages, num_blocks),
+                   block_page_ids(table_ptr, s, vj, head_pages, num_blocks),
+                   kj, kd, vj, vd, s, num_blocks)
 
     rows_m = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-    upper = kv_len - TOKENS + rows_m // 4          # each query's own position (GQA 4)
-    keys_m = gl.arange(0, BK, layout=gl.SliceLayout(0, mma))
-    acc = gl.zeros([ROWS, D], gl.float32, layout=mma)
+    upper = kv_len - TOKENS + rows_m // GQA_       # each query's own position
+    keys_m = gl.arange(0, BK_, layout=gl.SliceLayout(0, mma))
+    acc = gl.zeros([ROWS, D_], gl.float32, layout=mma)
     m_i = gl.full([ROWS], -1e30, gl.float32, layout=gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, mma))
     # Page ids one block ahead of the copies, so no copy waits on its table load.
-    kp = head_pages + gl.load(table_ptr + (STAGES - 1) * PPB + kj // PAGE,
-                              mask=STAGES - 1 < num_blocks, other=0)
-    vp = head_pages + gl.load(table_ptr + (STAGES - 1) * PPB + vj // PAGE,
-                              mask=STAGES - 1 < num_blocks, other=0)
+    kp = block_page_ids(table_ptr, STAGES - 1, kj, head_pages, num_blocks)
+    vp = block_page_ids(table_ptr, STAGES - 1, vj, head_pages, num_blocks)
     for i in range(num_blocks):
         nxt = i + STAGES - 1
-        slot_n = nxt % STAGES
-        async_load(k_smem.index(slot_n), k_pool + k_offsets(kp, kj, kd),
-                   mask=(kj[:, None] * 0 + nxt) < num_blocks)
-        async_load(v_smem.index(slot_n), vt_pool + v_offsets(vp, vj, vd),
-                   mask=(vd[:, None] * 0 + nxt) < num_blocks)
-        async_copy.commit_group()
-        more = nxt + 1 < num_blocks
-        kp = head_pages + gl.load(table_ptr + (nxt + 1) * PPB + kj // PAGE, mask=more, other=0)
-        vp = head_pages + gl.load(table_ptr + (nxt + 1) * PPB + vj // PAGE, mask=more, other=0)
+        copy_block(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_pool, vt_pool,
+                   kp, vp, kj, kd, vj, vd, nxt, num_blocks)
+        kp = block_page_ids(table_ptr, nxt + 1, kj, head_pages, num_blocks)
+        vp = block_page_ids(table_ptr, nxt + 1, vj, head_pages, num_blocks)
         async_copy.wait_group(STAGES - 1)
         cta_barrier()
         slot = i % STAGES
         k_t = k_smem.index(slot).permute((1, 0)).load(b_layout)           # K^T fp8 [D, BK]
-        s_ = mma_v2(q, k_t.to(gl.float16), gl.zeros([ROWS, BK], gl.float32, layout=mma))
-        visible = (i * BK + keys_m)[None, :] <= upper[:, None]
+        s_ = mma_v2(q, k_t.to(gl.float16), gl.zeros([ROWS, BK_], gl.float32, layout=mma))
+        visible = (i * BK_ + keys_m)[None, :] <= upper[:, None]
         s_ = gl.where(visible, s_, -1e30)
         m_new = gl.maximum(m_i, gl.max(s_, axis=1))
         corr = gl.exp2(m_i - m_new)
@@ -147,8 +153,9 @@ def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_wi
                      acc * corr[:, None])
         m_i = m_new
         cta_barrier()
-    cols_m = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
-    gl.store(o_ptr + pid * ROWS * D + rows_m[:, None] * D + cols_m[None, :], acc / l_i[:, None])
+    cols_m = gl.arange(0, D_, layout=gl.SliceLayout(0, mma))
+    gl.store(o_ptr + pid * ROWS * D_ + rows_m[:, None] * D_ + cols_m[None, :],
+             acc / l_i[:, None])
 
 
 def compile_for_hopper(rows, tokens, stages=3, out_dir=None):
@@ -199,7 +206,7 @@ def reference(q, pool, table, ctx, tokens):
     v = v.transpose(0, 1).reshape(q.shape[0], -1, D)[:, :ctx]
     s = q.float() @ k.transpose(1, 2)
     pos = torch.arange(ctx, device="cuda")
-    upper = ctx - tokens + torch.arange(q.shape[1], device="cuda") // 4
+    upper = ctx - tokens + torch.arange(q.shape[1], device="cuda") // GQA
     s = s.masked_fill(pos[None, None, :] > upper[None, :, None], float("-inf"))
     p = torch.exp2(s - s.amax(-1, keepdim=True))
     return (p @ v) / p.sum(-1, keepdim=True)
@@ -251,8 +258,8 @@ def main():
         case = make_case(2, 1000, rows, seed=1)
         out, fn = launch(case, 1000, tokens)
         fn()
-        ref = reference(*case, 1000, tokens)[:, : 4 * tokens]
-        err = float((out[:, : 4 * tokens] - ref).norm() / ref.norm())
+        ref = reference(*case, 1000, tokens)[:, : GQA * tokens]
+        err = float((out[:, : GQA * tokens] - ref).norm() / ref.norm())
         results["checks"].append({"tokens": tokens, "rel_err": err})
         print(f"{tokens} token(s): relative error {err:.2e}", flush=True)
     for ctx, in_order in [(ctx, o) for ctx in args.ctx for o in (False, True)]:
