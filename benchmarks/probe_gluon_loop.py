@@ -16,7 +16,7 @@ splits or the lazy rescale, and it is not wired into the models (that needs jax-
 Timing needs a CUDA GPU and torch (both on the H200); `--compile-only` compiles the loop
 for sm_90 with any Triton that has Gluon (`pip install '.[inspect]'`) and reports its
 registers, spills and loop instructions, as `inspect_triton.py` does for the Pallas
-kernel. Results: BENCHMARKS.md, twelfth session, item 5.
+kernel. Results: BENCHMARKS.md, twelfth session item 5 and thirteenth session.
 """
 
 from __future__ import annotations
@@ -47,26 +47,26 @@ PAGE_PAIR_ = gl.constexpr(2 * PAGE * D)  # a page's K and V^T, side by side in t
 
 
 @gluon.jit
-def block_page_ids(table_ptr, block, key, head_pages, num_blocks):
-    """Pool page of each key of a block (key: its index in the block), or of page 0 of
-    this head past the row's last block."""
-    return head_pages + gl.load(table_ptr + block * PPB_ + key // PAGE_,
-                                mask=block < num_blocks, other=0)
+def block_page_ids(table_ptr, block, key, num_blocks):
+    """Page of each key of a block (key: its index in the block), or page 0 past the
+    row's last block."""
+    return gl.load(table_ptr + block * PPB_ + key // PAGE_, mask=block < num_blocks, other=0)
 
 
 @gluon.jit
 def k_offsets(page, key, d):
-    """Offsets of a block's K [BK, D] from the pool's first K page: key j is row j % PAGE
-    of its page; each key's D bytes are contiguous."""
-    return (page.to(gl.int64) * PAGE_PAIR_ + (key % PAGE_) * D_)[:, None] + d[None, :]
+    """Offsets of a block's K [BK, D] from its kv head's first K page: key j is row
+    j % PAGE of its page; each key's D bytes are contiguous."""
+    return (page * PAGE_PAIR_ + (key % PAGE_) * D_)[:, None] + d[None, :]
 
 
 @gluon.jit
-def v_offsets(page, key, d):
-    """Offsets of a block's V^T [D, BK] from the pool's first V^T page: key j at its
-    page's [D, PAGE] tile, column j % PAGE; a page's keys are contiguous."""
-    offsets = (page.to(gl.int64) * PAGE_PAIR_ + key % PAGE_)[None, :] + d[:, None] * PAGE_
-    return gl.max_contiguous(gl.multiple_of(offsets, [1, PAGE_]), [1, PAGE_])
+def v_offsets(page, d, key):
+    """Offsets of a block's V^T pages [PPB, D, PAGE] from its kv head's first V^T page:
+    each page's [D, PAGE] tile is 2 KB contiguous, copied whole (see v_sl)."""
+    offsets = ((page * PAGE_PAIR_)[:, None, None] + (d * PAGE_)[None, :, None]
+               + key[None, None, :])
+    return gl.max_contiguous(gl.multiple_of(offsets, [1, 1, PAGE_]), [1, 1, PAGE_])
 
 
 @gluon.jit
@@ -75,8 +75,8 @@ def copy_block(k_slot, v_slot, k_pool, vt_pool, k_page, v_page, kj, kd, vj, vd, 
     """Start a block's K and V^T copies into one pipeline slot (none past the last)."""
     async_load(k_slot, k_pool + k_offsets(k_page, kj, kd),
                mask=(kj[:, None] * 0 + block) < num_blocks)
-    async_load(v_slot, vt_pool + v_offsets(v_page, vj, vd),
-               mask=(vd[:, None] * 0 + block) < num_blocks)
+    async_load(v_slot.reshape([PPB_, D_, PAGE_]), vt_pool + v_offsets(v_page, vd, vj),
+               mask=(vd[None, :, None] * 0 + block) < num_blocks)
     async_copy.commit_group()
 
 
@@ -93,15 +93,22 @@ def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_wi
                                                   instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    k_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [2, 1], [1, 0])  # 16-byte copies
-    v_ld: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [2, 1], [1, 0])
+    # 16-byte copies; 8 lanes per 128-byte K row ([8, 4] lanes read 1.10x slower)
+    k_ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [2, 1], [1, 0])
+    v_ld: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [1, 2, 1], [2, 1, 0])
     k_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
-    v_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0])
+    # V^T pages [PPB * D, PAGE] unswizzled: each page's 2 KB lands contiguous, as it lies in
+    # the pool. A [D, BK] tile (a page's 16 bytes per 64-byte row, swizzled) scattered each
+    # 128-byte line over 8 rows and the copies went to L2 a sector at a time: 4x the L2
+    # requests, decode at 3.4 TB/s (BENCHMARKS.md, thirteenth session).
+    v_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BK_, D_], k_sl)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D_, BK_], v_sl)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, PPB_ * D_, PAGE_], v_sl)
     pid = gl.program_id(0)
     table_ptr = table_ptr + (pid // KV_HEADS_) * table_width
-    head_pages = (pid % KV_HEADS_) * num_pages      # this kv head's pages in the pool
+    # This kv head's pages: a 64-bit base once, 32-bit offsets within the head.
+    head_base = (pid % KV_HEADS_).to(gl.int64) * num_pages * PAGE_PAIR_
+    k_pool, vt_pool = k_pool + head_base, vt_pool + head_base
     num_blocks = gl.cdiv(gl.cdiv(kv_len, PAGE_), PPB_)
 
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
@@ -112,14 +119,15 @@ def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_wi
     kj = gl.arange(0, BK_, layout=gl.SliceLayout(1, k_ld))
     kd = gl.max_contiguous(gl.multiple_of(gl.arange(0, D_, layout=gl.SliceLayout(0, k_ld)),
                                           16), 16)
-    # V^T: [D, BK] of a block, key j at page[j // PAGE]'s [D, PAGE] tile, column j % PAGE.
-    vd = gl.arange(0, D_, layout=gl.SliceLayout(1, v_ld))
-    vj = gl.arange(0, BK_, layout=gl.SliceLayout(0, v_ld))
+    # V^T: [PPB, D, PAGE], the block's pages' tiles; one table entry per page.
+    vpage = gl.arange(0, PPB_, layout=gl.SliceLayout(1, gl.SliceLayout(2, v_ld)))
+    vd = gl.arange(0, D_, layout=gl.SliceLayout(0, gl.SliceLayout(2, v_ld)))
+    vj = gl.arange(0, PAGE_, layout=gl.SliceLayout(0, gl.SliceLayout(1, v_ld)))
 
     for s in gl.static_range(STAGES - 1):  # the pipeline's first blocks
         copy_block(k_smem.index(s), v_smem.index(s), k_pool, vt_pool,
-                   block_page_ids(table_ptr, s, kj, head_pages, num_blocks),
-                   block_page_ids(table_ptr, s, vj, head_pages, num_blocks),
+                   block_page_ids(table_ptr, s, kj, num_blocks),
+                   block_page_ids(table_ptr, s, vpage * PAGE_, num_blocks),
                    kj, kd, vj, vd, s, num_blocks)
 
     rows_m = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
@@ -129,16 +137,18 @@ def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_wi
     m_i = gl.full([ROWS], -1e30, gl.float32, layout=gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, mma))
     # Page ids one block ahead of the copies, so no copy waits on its table load.
-    kp = block_page_ids(table_ptr, STAGES - 1, kj, head_pages, num_blocks)
-    vp = block_page_ids(table_ptr, STAGES - 1, vj, head_pages, num_blocks)
+    kp = block_page_ids(table_ptr, STAGES - 1, kj, num_blocks)
+    vp = block_page_ids(table_ptr, STAGES - 1, vpage * PAGE_, num_blocks)
     for i in range(num_blocks):
+        # Block i is in once its group is; after the barrier every warp is also done with
+        # block i - 1, so its slot takes block i + STAGES - 1 (no barrier at the loop's end).
+        async_copy.wait_group(STAGES - 2)
+        cta_barrier()
         nxt = i + STAGES - 1
         copy_block(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), k_pool, vt_pool,
                    kp, vp, kj, kd, vj, vd, nxt, num_blocks)
-        kp = block_page_ids(table_ptr, nxt + 1, kj, head_pages, num_blocks)
-        vp = block_page_ids(table_ptr, nxt + 1, vj, head_pages, num_blocks)
-        async_copy.wait_group(STAGES - 1)
-        cta_barrier()
+        kp = block_page_ids(table_ptr, nxt + 1, kj, num_blocks)
+        vp = block_page_ids(table_ptr, nxt + 1, vpage * PAGE_, num_blocks)
         slot = i % STAGES
         k_t = k_smem.index(slot).permute((1, 0)).load(b_layout)           # K^T fp8 [D, BK]
         s_ = mma_v2(q, k_t.to(gl.float16), gl.zeros([ROWS, BK_], gl.float32, layout=mma))
@@ -148,11 +158,11 @@ def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_wi
         corr = gl.exp2(m_i - m_new)
         p = gl.exp2(s_ - m_new[:, None])
         l_i = l_i * corr + gl.sum(p, axis=1)
-        v = v_smem.index(slot).permute((1, 0)).load(b_layout)             # V fp8 [BK, D]
+        v_pages = v_smem.index(slot).reshape([PPB_, D_, PAGE_]).permute((0, 2, 1))
+        v = v_pages.reshape([BK_, D_]).load(b_layout)                     # V fp8 [BK, D]
         acc = mma_v2(gl.convert_layout(p.to(gl.float16), a_layout), v.to(gl.float16),
                      acc * corr[:, None])
         m_i = m_new
-        cta_barrier()
     cols_m = gl.arange(0, D_, layout=gl.SliceLayout(0, mma))
     gl.store(o_ptr + pid * ROWS * D_ + rows_m[:, None] * D_ + cols_m[None, :],
              acc / l_i[:, None])
@@ -175,7 +185,9 @@ def compile_for_hopper(rows, tokens, stages=3, out_dir=None):
         constexprs={"ROWS": rows, "TOKENS": tokens, "STAGES": stages},
         attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})  # 16-byte aligned pointers
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
-    cubin = Path(out_dir or tempfile.mkdtemp()) / f"gluon_loop_r{rows}_s{stages}.cubin"
+    out_dir = Path(out_dir or tempfile.mkdtemp())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cubin = out_dir / f"gluon_loop_r{rows}_s{stages}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     return sass_report(cubin)
 
