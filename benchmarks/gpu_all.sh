@@ -37,14 +37,16 @@ for stage in "${stages[@]}"; do
       run 500 pytest_gpu python3 -m pytest -q -p no:cacheprovider \
         tests/pallas_kernels/test_gpu_compiled.py tests/pallas_kernels/test_paged_prefill_mgpu.py \
         tests/pallas_kernels/test_paged_decode_mgpu.py \
+        tests/pallas_kernels/test_paged_attention_gluon.py tests/pallas_kernels/test_gluon_call.py \
         tests/drafter/test_tensor_parallel.py ;;
     attention)
       run 330 paged_attention python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         "${bench_args[@]}"
       run 200 paged_attention_prefill python3 benchmarks/bench_paged_attention.py --out "$OUT" \
-        --prefill-only ;;
+        --prefill-only
+      run 240 gluon_attention python3 benchmarks/bench_gluon_attention.py --out "$OUT" ;;
     timing)
-      run 300 timing_modes python3 benchmarks/probe_timing_modes.py --ctx 32768 4096 \
+      run 300 timing_modes python3 benchmarks/probe_timing_modes.py --ctx 16384 4096 \
         --sustained 1500 --out "$OUT" ;;
     layouts)
       run 100 batch_tables python3 benchmarks/bench_batch_tables.py --out "$OUT"

@@ -170,7 +170,7 @@ def main():
                                                 / "paged_attention.py"))
     parser.add_argument("--max-q", type=int, default=8)
     parser.add_argument("--kv", choices=list(KV_DTYPES), default="fp8")
-    parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--ctx", type=int, default=16384)
     parser.add_argument("--head-dim", type=int, default=D)
     parser.add_argument("--q-per-kv", type=int, default=HQ // HKV)
     parser.add_argument("--warps", type=int, default=2)

@@ -11,8 +11,8 @@ the A-operand layout the fp8 keys need. This probe writes the decode / verify lo
 way over the issue's shapes (32 / 8 heads, head dim 128, 16-key pages in random order,
 4-page blocks, 2 warps, fp8 K and V^T pipelined through shared memory with cp.async) and
 times a 1-token decode block (16 rows at GQA 4) against an 8-token verify block (32 rows)
-with torch on the GPU. It covers paging and the causal mask; not windows, soft cap, key
-splits or the lazy rescale, and it is not wired into the models (that needs jax-triton).
+with torch on the GPU. It covers paging and the causal mask only; the kernel the models
+use, with the whole contract, is `pallas_kernels/paged_attention_gluon.py`.
 Timing needs a CUDA GPU and torch (both on the H200); `--compile-only` compiles the loop
 for sm_90 with any Triton that has Gluon (`pip install '.[inspect]'`) and reports its
 registers, spills and loop instructions, as `inspect_triton.py` does for the Pallas
@@ -30,14 +30,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from pallas_kernels.paged_attention_gluon import async_load, cta_barrier
+
 try:
     import torch
 except ImportError:  # compiling needs no torch; timing does
     torch = None
 
-# Names that moved between Triton releases (3.6 on the H200, 3.9 on a CPU machine).
-async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 D, PAGE, PAGES_PER_BLOCK, KV_HEADS, GQA = 128, 16, 4, 8, 4
 # The same numbers for the kernel (Gluon reads only constexpr globals).
@@ -81,14 +80,13 @@ def copy_block(k_slot, v_slot, k_pool, vt_pool, k_page, v_page, kj, kd, vj, vd, 
 
 
 @gluon.jit
-def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_width,
-                      num_pages, ROWS: gl.constexpr, TOKENS: gl.constexpr,
+def paged_loop_kernel(q_ptr, pool, table_ptr, kv_len, table_width, num_pages,
+                      o_ptr, ROWS: gl.constexpr, TOKENS: gl.constexpr,
                       STAGES: gl.constexpr):
     """One program: one (batch row, kv head). q f16[ROWS, D] (tokens x q heads, scaled
     for base 2); the pool fp8[kv heads, num_pages, 2, PAGE * D] holds each
-    page's K [PAGE, D] and V^T [D, PAGE] side by side, as the unified cache's pools do
-    (k_pool points at the first K page, vt_pool at the first V^T page); table
-    i32[batch, table_width]; the row's TOKENS queries end at kv_len - 1."""
+    page's K [PAGE, D] and V^T [D, PAGE] side by side, as the unified cache's pools do;
+    table i32[batch, table_width]; the row's TOKENS queries end at kv_len - 1."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 2],
                                                   instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -108,7 +106,8 @@ def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_wi
     table_ptr = table_ptr + (pid // KV_HEADS_) * table_width
     # This kv head's pages: a 64-bit base once, 32-bit offsets within the head.
     head_base = (pid % KV_HEADS_).to(gl.int64) * num_pages * PAGE_PAIR_
-    k_pool, vt_pool = k_pool + head_base, vt_pool + head_base
+    k_pool = pool + head_base
+    vt_pool = k_pool + PAGE_ * D_  # a page's V^T follows its K
     num_blocks = gl.cdiv(gl.cdiv(kv_len, PAGE_), PPB_)
 
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
@@ -170,21 +169,15 @@ def paged_loop_kernel(q_ptr, k_pool, vt_pool, table_ptr, o_ptr, kv_len, table_wi
 
 def compile_for_hopper(rows, tokens, stages=3, out_dir=None):
     """The kernel compiled for sm_90 on any machine; inspect_triton's SASS report."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from benchmarks.inspect_triton import sass_report
+    from pallas_kernels.gluon_call import compile_gluon
 
-    signature = {"q_ptr": "*fp16", "k_pool": "*fp8e4nv", "vt_pool": "*fp8e4nv",
-                 "table_ptr": "*i32", "o_ptr": "*fp32", "kv_len": "i32", "table_width": "i32",
-                 "num_pages": "i32", "ROWS": "constexpr", "TOKENS": "constexpr",
+    signature = {"q_ptr": "*fp16", "pool": "*fp8e4nv",
+                 "table_ptr": "*i32", "kv_len": "i32", "table_width": "i32", "num_pages": "i32",
+                 "o_ptr": "*fp32", "ROWS": "constexpr", "TOKENS": "constexpr",
                  "STAGES": "constexpr"}
-    source = GluonASTSource(
-        fn=paged_loop_kernel, signature=signature,
-        constexprs={"ROWS": rows, "TOKENS": tokens, "STAGES": stages},
-        attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})  # 16-byte aligned pointers
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
+    kernel = compile_gluon(paged_loop_kernel, tuple(signature.items()),
+                           (("ROWS", rows), ("STAGES", stages), ("TOKENS", tokens)), 2, 90)
     out_dir = Path(out_dir or tempfile.mkdtemp())
     out_dir.mkdir(parents=True, exist_ok=True)
     cubin = out_dir / f"gluon_loop_r{rows}_s{stages}.cubin"
@@ -227,9 +220,8 @@ def reference(q, pool, table, ctx, tokens):
 def launch(case, ctx, tokens, stages=3):
     q, pool, table = case
     out = torch.empty(q.shape, device="cuda", dtype=torch.float32)
-    flat = pool.view(-1)
     return out, lambda: paged_loop_kernel[(q.shape[0],)](
-        q, flat, flat[PAGE * D:], table, out, ctx, table.shape[1], pool.shape[1],
+        q, pool, table, ctx, table.shape[1], pool.shape[1], out,
         ROWS=q.shape[1], TOKENS=tokens, STAGES=stages, num_warps=2)
 
 

@@ -1,6 +1,6 @@
 """fp8 decode vs verify-8 timed three ways in one process, per kernel version.
 
-    PYTHONPATH=. python benchmarks/probe_timing_modes.py [--ctx 32768 4096]
+    PYTHONPATH=. python benchmarks/probe_timing_modes.py [--ctx 16384 4096]
         [--kernel FILE ...] [--out DIR]
 
 1. back to back: `time_call` (50 queued calls, one sync, median of 5), what
@@ -155,7 +155,7 @@ def sustained(fn, args, calls):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ctx", type=int, nargs="*", default=[32768])
+    parser.add_argument("--ctx", type=int, nargs="*", default=[16384])
     parser.add_argument("--kernel", nargs="*", default=[],
                         help="other versions of pallas_kernels/paged_attention.py")
     parser.add_argument("--calls", type=int, default=50)

@@ -195,7 +195,8 @@ def paged_decode_mgpu(
 ) -> jax.Array:
     """`paged_attention`'s decode / verify (no window, no soft cap) over fp8
     pages, in Mosaic GPU. Returns [batch, max_q, num_q_heads, head_dim] in q's dtype."""
-    static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset, None, 1, None)
+    static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset, None, 1, None,
+                           max_pool_elements=None)  # its own MAX_POOL_BYTES guard speaks
     if pool.dtype != jnp.float8_e4m3fn:
         raise NotImplementedError(f"paged_decode_mgpu takes fp8 pools, got {pool.dtype=}; "
                                   "use paged_attention")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+MAX_POOL_ELEMENTS = 2**31  # element offsets up to 2^31 - 1 fit Pallas Triton's int32
+
 
 def kernel_views(pool):
     """The pool as K rows [num_kv_heads, kernel_pages * page_size, head_dim] and as
@@ -47,9 +49,11 @@ def smem_tiles(dtype, columns):
 
 
 def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
-                           sliding_window, pages_per_block, compute_dtype) -> None:
+                           sliding_window, pages_per_block, compute_dtype,
+                           max_pool_elements=MAX_POOL_ELEMENTS) -> None:
     """Trace-time checks of an attention call's arguments (shapes, dtypes,
-    static options); each error names the argument and what it must be."""
+    static options); each error names the argument and what it must be.
+    max_pool_elements: the kernel's addressing limit (None: 64-bit offsets)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, max_q, num_q_heads, head_dim], got {q.shape=}")
     if pool.ndim != 6 or pool.shape[3] != 2:
@@ -57,6 +61,17 @@ def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                          f"head_dim], got {pool.shape=}")
     batch, _, num_q_heads, head_dim = q.shape
     num_kv_heads, _, num_layers, _, page_size, pool_head_dim = pool.shape
+    if max_pool_elements is not None and pool.size > max_pool_elements:
+        # Pallas Triton computes the kernels' element offsets in 32 bits: past 2^31 they
+        # wrap and the kernel reads other memory without an error (an fp8 pool of 2^32
+        # elements gave a relative error of 3e3 on the H200, BENCHMARKS.md thirteenth
+        # session), so such pools are refused here.
+        gib = max_pool_elements * pool.dtype.itemsize / 2**30
+        raise ValueError(
+            f"pool has {pool.size:,} elements ({pool.shape}); the Pallas attention kernels "
+            f"address at most 2^31 elements (32-bit offsets): {gib:g} GiB of "
+            f"{pool.dtype}. Size the pools under that (pools follow "
+            "CacheSpec.memory_budget_bytes)")
     if head_dim != pool_head_dim:
         raise ValueError(f"q head_dim={head_dim} != pool head_dim={pool_head_dim}")
     if num_q_heads % num_kv_heads:

@@ -108,3 +108,23 @@ def test_compiled_fp8_options_keep_verify_equal_to_decode(fast_fp8, head_dim, wi
         np.random.default_rng(5), max_q=8, batch=16, num_q_heads=8, num_kv_heads=2,
         head_dim=head_dim, page_size=16, kv_dtype=jnp.float8_e4m3fn, window=window,
         max_len=600, interpret=False, blocking=dict(fast_fp8=fast_fp8))
+
+
+def large_pool_case(pages):
+    """An fp8 pool [8, pages, 1, 2, 16, 128] and two rows: row 0 on its last 256 pages
+    (the last kv head's last bytes), 8 queries; row 1 on its first, 1 query."""
+    import jax
+
+    pool = jax.random.normal(jax.random.key(0), (8, pages, 1, 2, 16, 128),
+                             jnp.bfloat16).astype(jnp.float8_e4m3fn)
+    table = jnp.stack([jnp.arange(pages - 256, pages), jnp.arange(256)]).astype(jnp.int32) * 2
+    q = jax.random.normal(jax.random.key(1), (2, 8, 32, 128), jnp.bfloat16)
+    return q, pool, table, jnp.array([4096, 4000], jnp.int32), jnp.array([8, 1], jnp.int32)
+
+
+@pytest.mark.gpu
+def test_compiled_attention_on_a_pool_of_2_31_elements():
+    """The largest pool the kernels take (32-bit offsets; larger ones are refused)."""
+    args = large_pool_case(2**31 // (8 * 2 * 16 * 128))
+    out = paged_attention(*args, layer_offset=0)
+    assert rel_err(out, paged_attention_reference(*args, layer_offset=0)) < 1e-2

@@ -278,6 +278,21 @@ def test_invalid_inputs_raise_at_trace_time(change, match):
         paged_attention(interpret=True, **args)
 
 
+def test_pools_past_32_bit_offsets_are_refused():
+    """Pallas Triton's element offsets are 32-bit: a pool past 2^31 elements would be read
+    at wrapped offsets without an error on the GPU, so it is refused at trace time."""
+    def trace(num_pages):
+        pool = jax.ShapeDtypeStruct((8, num_pages, 1, 2, 16, 128), jnp.float8_e4m3fn)
+        return jax.eval_shape(
+            lambda pool: paged_attention(jnp.zeros((2, 1, 32, 128), jnp.bfloat16), pool,
+                                         jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32),
+                                         jnp.ones((2,), jnp.int32), layer_offset=0), pool)
+
+    assert trace(2**31 // (8 * 2 * 16 * 128)).shape == (2, 1, 32, 128)  # exactly 2^31: fits
+    with pytest.raises(ValueError, match="at most 2\\^31 elements"):
+        trace(2**31 // (8 * 2 * 16 * 128) + 1)
+
+
 PREFILL_CASES = [
     ("prefill_full", dict(batch=3, max_q=40, num_q_heads=8, num_kv_heads=2,
                           kv_lens=[40, 70, 23], q_lens=[40, 33, 7])),

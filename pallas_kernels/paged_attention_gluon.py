@@ -1,0 +1,284 @@
+"""Paged decode / verify attention in Gluon (Triton's layout-explicit language), for the GPU.
+
+The same contract as `paged_attention.paged_attention` for decode and verify (1..16 query
+tokens per row; its pure-jnp reference `paged_attention_reference` is this kernel's
+reference too): query i of row b sits at kv_lens[b] - q_lens[b] + i, sees the cached keys
+at positions <= its own (and > position - sliding_window), GQA, fp8 e4m3 or bf16 KV with
+per-layer scales, soft cap, ragged rows, padding rows (q_len 0) and query tokens past q_len
+give zeros. One program: one (query block, row, kv head), up to 32 query rows (tokens x q
+heads of the kv head), 2 warps.
+
+Why a second kernel: Pallas Triton picks the dots' register layouts itself. Over fp8 KV it
+reloads q from shared memory every key block and ptxas rebuilds its mma.sync fragments
+with register moves (BENCHMARKS.md, twelfth session); here q is loaded once, scaled, into
+the A-operand layout and held in registers. K is copied with cp.async into a swizzled
+[BK, D] tile; each V^T page lands whole and unswizzled ([PPB * D, PAGE]), as it lies in
+the pool, so the copies reach L2 a line at a time (a [D, BK] tile made 4x the L2
+requests: thirteenth session). Offsets into the pool are 64-bit, so pools past 2^31
+elements (which Pallas Triton's 32-bit offsets refuse) work.
+
+Blocks are PPB pages on a grid aligned to page 0, and a row's 1-query decode and its
+K+1-query verify run the same per-row arithmetic (rows are independent in the dots and
+the softmax), so greedy speculative decoding reproduces plain decoding bit for bit
+(tested compiled). No key splits: launch it when batch x kv heads fill the GPU
+(`use_gluon`). GPU only (`gluon_call`); on CPU the Pallas kernel runs in interpret mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from pallas_kernels.gluon_call import gluon_call
+from pallas_kernels.launch_plan import NUM_SMS, SPEC_MAX_Q, plan_launch
+from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS, static_validate_inputs
+from unified_kv.spec import BAD_PAGE_INDEX
+
+# Names that moved between Triton releases (3.6 on the H200, 3.9 on a CPU machine).
+async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+LOG2E = math.log2(math.e)
+KV_DTYPES = {jnp.dtype(jnp.float8_e4m3fn): "fp8", jnp.dtype(jnp.bfloat16): "bf16"}
+BLOCK_KEYS, STAGES, NUM_WARPS = 64, 3, 2  # keys per block: pages_per_block = 64 / page
+# The same values for the kernel (Gluon reads only constexpr globals).
+MASK_ = gl.constexpr(-0.7 * 3.4028234663852886e38)  # finite: a row with no key stays exact
+BAD_ = gl.constexpr(BAD_PAGE_INDEX)
+LOG2E_ = gl.constexpr(LOG2E)
+
+
+@gluon.jit
+def _page_entries(table_row, block, key, hi_block, table_width, PAGE: gl.constexpr,
+                  PPB: gl.constexpr):
+    """Table entry of each key's page (BAD past the row's blocks or the table)."""
+    index = block * PPB + key // PAGE
+    return gl.load(table_row + index, mask=(block < hi_block) & (index < table_width),
+                   other=BAD_)
+
+
+@gluon.jit
+def _kernel_pages(entries, layer_pages):
+    """Kernel page ids (page * 2L + 2 * layer offset) of table entries, 64-bit; BAD entries
+    (in front of a window, past a row's last page) read the null page (page 0, zeros)."""
+    return (gl.where(entries == BAD_, 0, entries) + layer_pages).to(gl.int64)
+
+
+@gluon.jit
+def _copy_block(k_slot, v_slot, head_pool, table_row, block, hi_block, table_width,
+                layer_pages, kj, kd, vpage, vd, vj, PAGE: gl.constexpr, PPB: gl.constexpr,
+                D: gl.constexpr):
+    """Start one block's K [BK, D] and V^T [PPB * D, PAGE] copies (none past hi_block).
+    Its table entries load here: loading them a block ahead made verify 8% slower on the
+    H200 (more registers live across the loop; BENCHMARKS.md, thirteenth session)."""
+    k_page = _kernel_pages(_page_entries(table_row, block, kj, hi_block, table_width,
+                                         PAGE, PPB), layer_pages)
+    k_off = (k_page * (PAGE * D) + (kj % PAGE) * D)[:, None] + kd[None, :]
+    async_load(k_slot, head_pool + k_off, mask=(kj[:, None] * 0 + block) < hi_block)
+    v_page = _kernel_pages(_page_entries(table_row, block, vpage * PAGE, hi_block,
+                                         table_width, PAGE, PPB), layer_pages) + 1
+    v_off = ((v_page * (PAGE * D))[:, None, None] + (vd * PAGE)[None, :, None]
+             + vj[None, None, :])
+    v_off = gl.max_contiguous(gl.multiple_of(v_off, [1, 1, PAGE]), [1, 1, PAGE])
+    async_load(v_slot.reshape([PPB, D, PAGE]), head_pool + v_off,
+               mask=(vd[None, :, None] * 0 + block) < hi_block)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def paged_attention_kernel(
+        q_ptr, pool_ptr, table_ptr, kv_lens_ptr, q_lens_ptr,
+        table_width, head_pages, layer_pages, window, logit_scale, cap_log2e, v_scale,
+        o_ptr,
+        MAX_Q: gl.constexpr, HQ: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
+        PAGE: gl.constexpr, PPB: gl.constexpr, ROWS: gl.constexpr, TOKENS: gl.constexpr,
+        STAGES: gl.constexpr, KV_FP8: gl.constexpr, HAS_WINDOW: gl.constexpr,
+        HAS_CAP: gl.constexpr):
+    """Program (query block, row b, kv head h). q and o [batch, MAX_Q, HQ, D] in q's
+    layout; the pool [kv heads, head_pages, PAGE * D] (head_pages = pages x layers x 2, K
+    then V^T per page and layer); table i32[batch, table_width] of page * 2L (BAD = -1);
+    layer_pages = 2 x layer offset; window 0 unless HAS_WINDOW; q x logit_scale gives
+    base-2 logits (divided by the soft cap when HAS_CAP: then tanh(s) x cap_log2e)."""
+    KW: gl.constexpr = 4 if KV_FP8 else 2
+    CDT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
+    KV_DT: gl.constexpr = gl.float8e4nv if KV_FP8 else gl.bfloat16
+    VEC: gl.constexpr = 16 if KV_FP8 else 8                 # elements per 16-byte copy
+    K_LANES: gl.constexpr = D // VEC if D // VEC < 32 else 32  # lanes along a K row
+    V_VEC: gl.constexpr = VEC if VEC < PAGE else PAGE
+    V_LANES: gl.constexpr = PAGE // V_VEC
+    ROW_BYTES: gl.constexpr = D * (1 if KV_FP8 else 2)
+    BK: gl.constexpr = PPB * PAGE
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 2],
+                                                  instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    k_ld: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // K_LANES, K_LANES], [2, 1], [1, 0])
+    v_ld: gl.constexpr = gl.BlockedLayout([1, 1, V_VEC], [1, 32 // V_LANES, V_LANES],
+                                          [1, 2, 1], [2, 1, 0])
+    k_sl: gl.constexpr = gl.SwizzledSharedLayout(
+        vec=VEC, per_phase=128 // ROW_BYTES if ROW_BYTES < 128 else 1,
+        max_phase=ROW_BYTES // 16 if ROW_BYTES < 128 else 8, order=[1, 0])
+    # V^T pages unswizzled: each page's [D, PAGE] tile lands contiguous, as in the pool.
+    v_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    k_smem = gl.allocate_shared_memory(KV_DT, [STAGES, BK, D], k_sl)
+    v_smem = gl.allocate_shared_memory(KV_DT, [STAGES, PPB * D, PAGE], v_sl)
+
+    q_block, b, h = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    kv_len = gl.load(kv_lens_ptr + b)
+    q_len = gl.load(q_lens_ptr + b)
+    q_start = kv_len - q_len
+    table_row = table_ptr + b * table_width
+    head_pool = pool_ptr + h.to(gl.int64) * head_pages * (PAGE * D)  # 64-bit base
+
+    # q rows: (token, q head of this kv head), loaded once, scaled, held in registers.
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
+    tok = q_block * TOKENS + r // GQA
+    in_q = (r < TOKENS * GQA) & (tok < MAX_Q)
+    q_row = (b * MAX_Q + tok) * HQ + h * GQA + r % GQA
+    q = gl.load(q_ptr + q_row[:, None] * D + c[None, :], mask=in_q[:, None], other=0.0)
+    q = (q.to(gl.float32) * logit_scale).to(CDT)
+
+    # The keys this block's queries can see: blocks [lo_block, hi_block).
+    first_tok = q_block * TOKENS
+    last_tok = gl.minimum(q_len, first_tok + TOKENS) - 1
+    key_end = gl.minimum(kv_len, q_start + last_tok + 1)
+    lo_block = 0
+    if HAS_WINDOW:  # the block holding the earliest query's window start
+        lo_block = gl.maximum(q_start + first_tok - window + 1, 0) // BK
+    hi_block = gl.cdiv(gl.cdiv(key_end, PAGE), PPB)
+    num_blocks = gl.maximum(hi_block - lo_block, 0) * (last_tok >= first_tok).to(gl.int32)
+
+    kj = gl.arange(0, BK, layout=gl.SliceLayout(1, k_ld))
+    kd = gl.max_contiguous(gl.multiple_of(gl.arange(0, D, layout=gl.SliceLayout(0, k_ld)),
+                                          VEC), VEC)
+    vpage = gl.arange(0, PPB, layout=gl.SliceLayout(1, gl.SliceLayout(2, v_ld)))
+    vd = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, v_ld)))
+    vj = gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(1, v_ld)))
+    for stage in gl.static_range(STAGES - 1):  # the pipeline's first blocks
+        _copy_block(k_smem.index(stage), v_smem.index(stage), head_pool, table_row,
+                    lo_block + stage, hi_block, table_width, layer_pages, kj, kd, vpage, vd,
+                    vj, PAGE, PPB, D)
+
+    rows_m = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    tok_m = q_block * TOKENS + rows_m // GQA
+    q_pos = q_start + tok_m
+    valid = (rows_m < TOKENS * GQA) & (tok_m < q_len)
+    upper = gl.where(valid, gl.minimum(q_pos, key_end - 1), -1)  # last key each row sees
+    keys_m = gl.arange(0, BK, layout=gl.SliceLayout(0, mma))
+    acc = gl.zeros([ROWS, D], gl.float32, layout=mma)
+    m_i = gl.full([ROWS], MASK_, gl.float32, layout=gl.SliceLayout(1, mma))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, mma))
+    for i in range(num_blocks):
+        # Block i is in once its copy group is; past the barrier every warp is done with
+        # block i - 1, whose slot then takes block i + STAGES - 1.
+        async_copy.wait_group(STAGES - 2)
+        cta_barrier()
+        nxt = i + STAGES - 1
+        _copy_block(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), head_pool,
+                    table_row, lo_block + nxt, hi_block, table_width, layer_pages, kj, kd,
+                    vpage, vd, vj, PAGE, PPB, D)
+        slot = i % STAGES
+        k_t = k_smem.index(slot).permute((1, 0)).load(b_layout)
+        logits = mma_v2(q, k_t.to(CDT), gl.zeros([ROWS, BK], gl.float32, layout=mma))
+        if HAS_CAP:  # tanh(x) = 1 - 2 / (e^2x + 1)
+            logits = (1.0 - 2.0 / (gl.exp2(logits * (2.0 * LOG2E_)) + 1.0)) * cap_log2e
+        k_pos = (lo_block + i) * BK + keys_m
+        visible = k_pos[None, :] <= upper[:, None]
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > (q_pos - window)[:, None])
+        logits = gl.where(visible, logits, MASK_)
+        m_new = gl.maximum(m_i, gl.max(logits, axis=1))
+        # A row with nothing visible yet keeps m == MASK_: subtract 0 so its masked
+        # logits still underflow to p == 0.
+        m_sub = gl.where(m_new == MASK_, 0.0, m_new)
+        corr = gl.exp2(m_i - m_sub)
+        p = gl.exp2(logits - m_sub[:, None])
+        l_i = l_i * corr + gl.sum(p, axis=1)
+        v_pages = v_smem.index(slot).reshape([PPB, D, PAGE]).permute((0, 2, 1))
+        v = v_pages.reshape([BK, D]).load(b_layout)
+        acc = mma_v2(gl.convert_layout(p.to(CDT), a_layout), v.to(CDT), acc * corr[:, None])
+        m_i = m_new
+    async_copy.wait_group(0)  # no copy outlives the program
+
+    # Rows that saw no key (past q_len, padding rows) have l == 0: zeros.
+    has_keys = l_i > 0
+    out = gl.where(has_keys[:, None],
+                   acc * (v_scale / gl.where(has_keys, l_i, 1.0))[:, None], 0.0)
+    in_q_m = (rows_m < TOKENS * GQA) & (tok_m < MAX_Q)
+    o_row = (b * MAX_Q + tok_m) * HQ + h * GQA + rows_m % GQA
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
+    gl.store(o_ptr + o_row[:, None] * D + cols[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=in_q_m[:, None])
+
+
+def supports(q, pool) -> str | None:
+    """None if the Gluon kernel takes this call, else why not (for `use_gluon`)."""
+    if jnp.dtype(pool.dtype) not in KV_DTYPES:
+        return f"pool dtype {pool.dtype} (the Gluon kernel reads fp8 e4m3 or bf16 KV)"
+    if q.shape[1] > SPEC_MAX_Q:
+        return f"{q.shape[1]} query tokens per row (decode / verify: at most {SPEC_MAX_Q})"
+    head_dim, page_size = pool.shape[-1], pool.shape[-2]
+    if head_dim not in (32, 64, 128) or page_size not in (8, 16, 32, 64):
+        return f"head_dim {head_dim} / page_size {page_size} (32-128 / 8-64)"
+    return None
+
+
+def use_gluon(q, pool) -> bool:
+    """The decode / verify lowering on a GPU: the Gluon kernel over fp8 KV when it takes
+    the call and batch x kv heads fill the GPU twice (it has no key splits; the Pallas
+    kernel splits below that), and over any KV it takes past the Pallas kernels'
+    2^31-element pools. Follows the batch, heads and pool only, never max_q, so a row's
+    decode and verify passes take the same kernel and agree bit for bit."""
+    if jax.default_backend() != "gpu" or supports(q, pool) is not None:
+        return False
+    if pool.size > MAX_POOL_ELEMENTS:
+        return True
+    return pool.dtype == jnp.float8_e4m3fn and q.shape[0] * pool.shape[0] >= 2 * NUM_SMS
+
+
+def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=None,
+           soft_cap=None, k_scale=1.0, v_scale=1.0):
+    """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens), constexprs
+    and grid for a call; `supports` must hold."""
+    batch, max_q, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
+    q_per_kv = num_q_heads // num_kv_heads
+    plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, table_width=batch_table.shape[1], num_splits=1)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
+    scalars = (batch_table.shape[1], num_pages * num_layers * 2, 2 * layer_offset,
+               sliding_window or 0, float(logit_scale),
+               float(0.0 if soft_cap is None else soft_cap * LOG2E), float(v_scale))
+    constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
+                      PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
+                      TOKENS=plan.tokens_per_block, STAGES=STAGES,
+                      KV_FP8=pool.dtype == jnp.float8_e4m3fn,
+                      HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None)
+    return scalars, constexprs, (plan.num_q_blocks, batch, num_kv_heads)
+
+
+def paged_attention_gluon(q, pool, batch_table, kv_lens, q_lens, *, layer_offset,
+                          sliding_window=None, sm_scale=None, soft_cap=None, k_scale=1.0,
+                          v_scale=1.0):
+    """`paged_attention` for decode / verify, compiled from Gluon (module docstring).
+    Trace-time errors name what it does not take (`supports`)."""
+    static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
+                           sliding_window, 1, None, max_pool_elements=None)
+    reason = supports(q, pool)
+    if reason is not None:
+        raise ValueError(f"paged_attention_gluon does not take {reason}; use "
+                         "paged_attention (Pallas)")
+    scalars, constexprs, grid = launch(
+        q, pool, batch_table, layer_offset=layer_offset, sliding_window=sliding_window,
+        sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+    return gluon_call(
+        paged_attention_kernel, q, pool, batch_table, kv_lens, q_lens, *scalars,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=grid, num_warps=NUM_WARPS,
+        constexprs=constexprs,
+        name=f"paged_attention_gluon_q{q.shape[1]}_g{constexprs['GQA']}_r{constexprs['ROWS']}")
