@@ -7,8 +7,11 @@ order).
 Per context and KV dtype: ms per call of each kernel (`timing.time_call`: back-to-back
 calls, median of 5), verify-8 / decode, KV read rate against the device copy bandwidth
 measured in the same run, and each kernel's relative error against the pure-jnp reference
-on two rows. The Pallas kernel refuses pools past 2^31 elements (an fp8 pool at 32K, batch
-64): its cells are then absent.
+on two rows. Over bf16, also the issue's decode baselines on the same data
+(`bench_paged_attention.decode_baselines`: jax's paged attention op, with its own
+error, and cuDNN / XLA dense attention on the K/V laid out contiguously). The Pallas
+kernel refuses pools past 2^31 elements (fp8 or bf16 at 32K, batch 64): its cells are
+then absent.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import FP8, HKV, D, kv_bytes, ours, setup
+from benchmarks.bench_paged_attention import (FP8, HKV, D, decode_baselines, kv_bytes,
+                                              ours, setup)
 from benchmarks.timing import device_copy_bandwidth, time_call, write_results
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.paged_attention_gluon import paged_attention_gluon
@@ -56,13 +60,18 @@ def bench(ctx, dtype, copy_bw):
     if "pallas" in kernels:
         for name in ("decode", "verify8"):
             row[f"pallas_over_gluon_{name}"] = row[f"pallas_{name}_ms"] / row[f"gluon_{name}_ms"]
+    if dtype == jnp.bfloat16:  # the issue's decode baselines: the jax op, cuDNN, XLA
+        for name, value in decode_baselines(q, pool, table, kv_lens).items():
+            row[name] = value
+            if name.endswith("_ms"):
+                row[f"gluon_speedup_vs_{name[:-3]}"] = value / row["gluon_decode_ms"]
     return row
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ctx", type=int, nargs="*", default=[4096, 16384, 32768])
-    parser.add_argument("--bf16-ctx", type=int, nargs="*", default=[4096])
+    parser.add_argument("--bf16-ctx", type=int, nargs="*", default=[4096, 32768])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     copy_bw = device_copy_bandwidth()

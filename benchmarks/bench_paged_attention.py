@@ -101,7 +101,19 @@ def bench_decode(ctx, copy_bw, configs):
         f"ctx={ctx}", lambda t: f"{row['kv_bytes'] / t / 1e12:.2f} TB/s")
     row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TBps=row["kv_bytes"] / t / 1e12,
                frac_of_copy_bw=row["kv_bytes"] / t / copy_bw)
-    # jax's Pallas paged attention on the same K/V (separate key-major K and V pages).
+    for name, value in decode_baselines(q, pool, table, kv_lens).items():
+        row[name] = value
+        if name.endswith("_ms"):  # speedup_vs_jax_op, speedup_vs_cudnn_dense, ...
+            row[f"speedup_vs_{name[:-3]}"] = value * 1e-3 / t
+    return row
+
+
+def decode_baselines(q, pool, table, kv_lens):
+    """bf16 decode baselines on the same data, ms (or *_error): jax's Pallas paged
+    attention (`jax_op_ms`; key-major K and V pages) with its relative error against the
+    reference on rows 0 and 1 (`jax_op_rel_err`), and cuDNN and XLA dense attention on the
+    same K/V laid out contiguously (`cudnn_dense_ms`, `xla_dense_ms`)."""
+    row = {}
     k_pages, v_pages = layer_kv(pool, 0)
     block_tables = table // 2
     with warnings.catch_warnings():
@@ -109,8 +121,12 @@ def bench_decode(ctx, copy_bw, configs):
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_op
     jfn = jax.jit(lambda q1, kp, vp, bt, l: jax_op.paged_attention(q1, kp, vp, bt, l))
     try:
-        tj = time_call(jfn, q[:, 0], k_pages, v_pages, block_tables, kv_lens)
-        row.update(jax_op_ms=tj * 1e3, speedup_vs_jax_op=tj / t)
+        row["jax_op_ms"] = time_call(jfn, q[:, 0], k_pages, v_pages, block_tables, kv_lens) * 1e3
+        got = jfn(q[:, 0], k_pages, v_pages, block_tables, kv_lens)[:2].astype(jnp.float32)
+        want = paged_attention_reference(q[:2, :1], pool, table[:2], kv_lens[:2],
+                                         jnp.ones((2,), jnp.int32), layer_offset=0)
+        want = want[:, 0].astype(jnp.float32)
+        row["jax_op_rel_err"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     except Exception as e:
         row["jax_op_error"] = f"{e!s:.300}"
     # cuDNN dense attention on contiguous K/V: [B, T, Hkv, D].
@@ -120,8 +136,7 @@ def bench_decode(ctx, copy_bw, configs):
         try:
             dfn = jax.jit(lambda q1, k, v, impl=impl: jax.nn.dot_product_attention(
                 q1, k, v, implementation=impl))
-            td = time_call(dfn, q, k_dense, v_dense)
-            row.update({f"{impl}_dense_ms": td * 1e3, f"speedup_vs_{impl}_dense": td / t})
+            row[f"{impl}_dense_ms"] = time_call(dfn, q, k_dense, v_dense) * 1e3
         except Exception as e:
             row[f"{impl}_dense_error"] = f"{e!s:.300}"
     return row
