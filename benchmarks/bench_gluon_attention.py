@@ -22,18 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_paged_attention import (FP8, HKV, D, decode_baselines, kv_bytes,
-                                              ours, setup)
-from benchmarks.timing import device_copy_bandwidth, time_call, write_results
-from pallas_kernels.paged_attention import paged_attention_reference
+                                              ours, reference_rel_err, setup)
+from benchmarks.timing import device_copy_bandwidth, time_alternating, write_results
 from pallas_kernels.paged_attention_gluon import paged_attention_gluon
 from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS
-
-
-def rel_err(out, q, pool, table, kv_lens, q_lens):
-    """Relative error of rows 0 and 1 against the f32 reference."""
-    want = paged_attention_reference(q[:2], pool, table[:2], kv_lens[:2], q_lens[:2],
-                                     layer_offset=0).astype(jnp.float32)
-    return float(jnp.linalg.norm(out[:2].astype(jnp.float32) - want) / jnp.linalg.norm(want))
 
 
 def bench(ctx, dtype, copy_bw):
@@ -46,11 +38,9 @@ def bench(ctx, dtype, copy_bw):
     for name, tokens in (("decode", 1), ("verify8", 8)):
         args = (q[:, :tokens], pool, table, kv_lens, jnp.full((batch,), tokens, jnp.int32))
         for kernel, fn in kernels.items():
-            row[f"{kernel}_{name}_rel_err"] = rel_err(fn(*args), *args)
-        for _ in range(2):  # alternate the kernels, keep each one's best
-            for kernel, fn in kernels.items():
-                ms = time_call(fn, *args) * 1e3
-                row[f"{kernel}_{name}_ms"] = min(row.get(f"{kernel}_{name}_ms", ms), ms)
+            row[f"{kernel}_{name}_rel_err"] = reference_rel_err(fn(*args), *args)
+        for kernel, ms in time_alternating(kernels, *args).items():
+            row[f"{kernel}_{name}_ms"] = ms
     for kernel in kernels:
         row[f"{kernel}_verify8_over_decode"] = (row[f"{kernel}_verify8_ms"]
                                                / row[f"{kernel}_decode_ms"])

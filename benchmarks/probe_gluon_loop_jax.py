@@ -21,11 +21,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import FP8, HKV, HQ, ours, setup
+from benchmarks.bench_paged_attention import FP8, HKV, HQ, ours, reference_rel_err, setup
 from benchmarks.probe_gluon_loop import D, GQA, paged_loop_kernel
-from benchmarks.timing import time_call, write_results
+from benchmarks.timing import time_alternating, write_results
 from pallas_kernels.gluon_call import gluon_call
-from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS
 
 ROWS = {1: 16, 8: 32}  # query rows per program: tokens x GQA, at least 16
@@ -72,14 +71,10 @@ def compare(ctx, batch=64):
         if pool.size <= MAX_POOL_ELEMENTS:
             pallas = ours(q_t, pool, table, kv_lens, q_lens)
             kernels["pallas"] = lambda: pallas(q_t, pool, table, kv_lens, q_lens)
-        got = as_pallas_output(kernels["gluon"](), batch, tokens)[:2]
-        want = paged_attention_reference(q_t[:2], pool, table[:2], kv_lens[:2], q_lens[:2],
-                                         layer_offset=0).astype(jnp.float32)
-        row[f"{name}_rel_err"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-        for _ in range(2):  # alternate the kernels, keep each one's best
-            for kernel, run in kernels.items():
-                ms = time_call(run) * 1e3
-                row[f"{kernel}_{name}_ms"] = min(row.get(f"{kernel}_{name}_ms", ms), ms)
+        got = as_pallas_output(kernels["gluon"](), batch, tokens)
+        row[f"{name}_rel_err"] = reference_rel_err(got, q_t, pool, table, kv_lens, q_lens)
+        for kernel, ms in time_alternating(kernels).items():
+            row[f"{kernel}_{name}_ms"] = ms
     for kernel in ("pallas", "gluon"):
         if f"{kernel}_decode_ms" in row:
             row[f"{kernel}_verify8_over_decode"] = (row[f"{kernel}_verify8_ms"]

@@ -28,6 +28,18 @@ def time_call(fn, *args, iters: int = 50, repeats: int = 5, warmup: int = 3) -> 
     return statistics.median(samples)
 
 
+def time_alternating(fns: dict, *args, rounds: int = 2) -> dict:
+    """ms per call of each of `fns` (name -> fn) on `args`, the kernels timed in turn
+    `rounds` times, each one's best kept: a slow stretch of the GPU does not fall on one
+    kernel alone."""
+    best = {}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            ms = time_call(fn, *args) * 1e3
+            best[name] = min(best.get(name, ms), ms)
+    return best
+
+
 def time_step_loop(step, params, state, *, steps: int, repeats: int, donate: bool = False,
                    probe=None):
     """Device seconds per call of `state = step(params, state, key)`: `steps`

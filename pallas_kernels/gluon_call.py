@@ -34,6 +34,11 @@ _POINTER_TYPES = {jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.float16): "*fp1
                   jnp.dtype(jnp.int32): "*i32", jnp.dtype(jnp.int64): "*i64",
                   jnp.dtype(jnp.uint8): "*u8", jnp.dtype(jnp.int8): "*i8"}
 
+def _scalar_type(scalar) -> str:
+    """Triton's type of a scalar argument (gluon_call keeps ints and floats only)."""
+    return "i32" if isinstance(scalar, int) else "fp32"
+
+
 gluon_call_p = Primitive("gluon_call")
 gluon_call_p.multiple_results = True
 
@@ -78,7 +83,7 @@ def signature(kernel, in_avals, layout, out_avals, constexprs):
         if scalar is None:
             types.append(_POINTER_TYPES[jnp.dtype(next(arrays).dtype)])
         else:
-            types.append("i32" if isinstance(scalar, int) else "fp32")
+            types.append(_scalar_type(scalar))
     types += [_POINTER_TYPES[jnp.dtype(o.dtype)] for o in out_avals]
     constexpr_names = {n for n, _ in constexprs}
     runtime = [n for n in names if n not in constexpr_names]
@@ -123,8 +128,7 @@ def _cuda_lowering(ctx, *arrays, kernel, layout, grid, num_warps, constexprs, ou
         if scalar is None:
             params.append(gpu_triton.create_array_parameter(0, 16))
         else:
-            params.append(gpu_triton.create_scalar_parameter(
-                scalar, "i32" if isinstance(scalar, int) else "fp32"))
+            params.append(gpu_triton.create_scalar_parameter(scalar, _scalar_type(scalar)))
     params += [gpu_triton.create_array_parameter(0, 16) for _ in out_avals]
     call = gpu_triton.TritonKernelCall(gpu_triton.TritonKernel(*kernel_args), *grid, params)
     rule = jax.ffi.ffi_lowering("triton_kernel_call_ffi", api_version=4)
