@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import warnings
 
 import jax
@@ -116,33 +117,44 @@ def reference_rel_err(out, q, pool, table, kv_lens, q_lens):
     return float(jnp.linalg.norm(out[:2].astype(jnp.float32) - want) / jnp.linalg.norm(want))
 
 
-def decode_baselines(q, pool, table, kv_lens):
-    """bf16 decode baselines on the same data, ms (or *_error): jax's Pallas paged
-    attention (`jax_op_ms`; key-major K and V pages) with its relative error against the
-    reference on rows 0 and 1 (`jax_op_rel_err`), and cuDNN and XLA dense attention on the
-    same K/V laid out contiguously (`cudnn_dense_ms`, `xla_dense_ms`)."""
-    row = {}
-    k_pages, v_pages = layer_kv(pool, 0)
-    block_tables = table // 2
+def jax_op_decode(q, pool, table, kv_lens, *, interpret=False):
+    """jax's Pallas paged attention op (`jax.experimental.pallas.ops.gpu`) as a decode
+    baseline over layer 0 of a `setup` pool: (jitted fn, its args), for each row's first
+    query token. The op applies no softmax scale (its callers fold 1 / sqrt(head_dim)
+    into q), so q is scaled here, outside the timed call; K and V go key-major."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_op
-    jfn = jax.jit(lambda q1, kp, vp, bt, l: jax_op.paged_attention(q1, kp, vp, bt, l))
+    k_pages, v_pages = layer_kv(pool, 0)
+    q_scaled = (q[:, 0].astype(jnp.float32) / math.sqrt(q.shape[-1])).astype(q.dtype)
+    fn = jax.jit(lambda *a: jax_op.paged_attention(*a, interpret=interpret))
+    return fn, (q_scaled, k_pages, v_pages, table // 2, kv_lens)
+
+
+def decode_baselines(q, pool, table, kv_lens):
+    """bf16 decode baselines on the same data (each row's first query token), ms (or
+    *_error): jax's Pallas paged attention (`jax_op_ms`, `jax_op_decode`) with its
+    relative error against the reference on rows 0 and 1 (`jax_op_rel_err`), and cuDNN
+    and XLA dense attention on the same K/V laid out contiguously (`cudnn_dense_ms`,
+    `xla_dense_ms`)."""
+    row = {}
+    q1 = q[:, :1]  # decode: one query token per row, whatever q's caller set up
     try:
-        row["jax_op_ms"] = time_call(jfn, q[:, 0], k_pages, v_pages, block_tables, kv_lens) * 1e3
-        got = jfn(q[:, 0], k_pages, v_pages, block_tables, kv_lens)[:, None]
-        row["jax_op_rel_err"] = reference_rel_err(got, q[:, :1], pool, table, kv_lens,
-                                                  jnp.ones_like(kv_lens))
+        fn, args = jax_op_decode(q1, pool, table, kv_lens)
+        row["jax_op_ms"] = time_call(fn, *args) * 1e3
+        row["jax_op_rel_err"] = reference_rel_err(fn(*args)[:, None], q1, pool, table,
+                                                  kv_lens, jnp.ones_like(kv_lens))
     except Exception as e:
         row["jax_op_error"] = f"{e!s:.300}"
+    k_pages, v_pages = layer_kv(pool, 0)
     # cuDNN dense attention on contiguous K/V: [B, T, Hkv, D].
-    k_dense, v_dense = dense_kv(k_pages, v_pages, block_tables)
+    k_dense, v_dense = dense_kv(k_pages, v_pages, table // 2)
     del k_pages, v_pages
     for impl in ("cudnn", "xla"):
         try:
             dfn = jax.jit(lambda q1, k, v, impl=impl: jax.nn.dot_product_attention(
                 q1, k, v, implementation=impl))
-            row[f"{impl}_dense_ms"] = time_call(dfn, q, k_dense, v_dense) * 1e3
+            row[f"{impl}_dense_ms"] = time_call(dfn, q1, k_dense, v_dense) * 1e3
         except Exception as e:
             row[f"{impl}_dense_error"] = f"{e!s:.300}"
     return row

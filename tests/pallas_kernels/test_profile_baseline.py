@@ -35,3 +35,18 @@ def test_case_names_parse_to_kernel_options_and_typos_fail_loudly():
     for bad in ("fp9_q8", "fp8_q8_x", "fp8_q8_lazy", "fp8_q8p4"):
         with pytest.raises(ValueError, match="case name is KV_WORK"):
             parse_case(bad)
+
+
+def test_jax_op_baseline_is_scaled_like_the_reference():
+    """The benchmarks' jax-op baseline (`jax_op_decode`) computes the same attention as
+    ours: the op applies no softmax scale, so unscaled q gave relative errors of 8-50."""
+    import jax
+
+    from benchmarks.bench_paged_attention import jax_op_decode, reference_rel_err, setup
+
+    q, pool, table, kv_lens, _ = setup(256, jnp.bfloat16, max_q=8, batch=2)
+    fn, args = jax_op_decode(q[:, :1], pool, table, kv_lens,
+                             interpret=jax.default_backend() == "cpu")
+    err = reference_rel_err(fn(*args)[:, None], q[:, :1], pool, table, kv_lens,
+                            jnp.ones_like(kv_lens))
+    assert err < 1e-2
