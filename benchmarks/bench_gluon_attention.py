@@ -1,6 +1,7 @@
-"""Decode and verify-8: the Gluon kernel beside the Pallas kernel, on the same data, in one
-process (issue 3's shapes: batch 64, 32 / 8 heads, head dim 128, 16-key pages in random
-order).
+"""Decode, verify-8 and the draft block (8 queries): the Gluon kernel beside the Pallas
+kernel, on the same data, in one process (issue 3's shapes: batch 64, 32 / 8 heads, head
+dim 128, 16-key pages in random order); then chunked prefill, both kernels beside XLA's
+dense attention.
 
     PYTHONPATH=. python benchmarks/bench_gluon_attention.py [--ctx 4096 16384 32768] [--out DIR]
 
@@ -11,7 +12,10 @@ on two rows. Over bf16, also the issue's decode baselines on the same data
 (`bench_paged_attention.decode_baselines`: jax's paged attention op, with its own
 error, and cuDNN / XLA dense attention on the K/V laid out contiguously). The Pallas
 kernel refuses pools past 2^31 elements (fp8 or bf16 at 32K, batch 64): its cells are
-then absent.
+then absent. The draft block's figures sit beside the same kernel's decode
+(`*_draft8_over_decode`, the issue's "draft block likewise"). Prefill (`--prefill`:
+prior context, chunk): TFLOP/s of each kernel and of XLA dense attention on the K/V laid
+out contiguously, at batch 4.
 """
 
 from __future__ import annotations
@@ -21,10 +25,15 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import (FP8, HKV, D, decode_baselines, kv_bytes,
-                                              ours, reference_rel_err, setup)
+from benchmarks.bench_paged_attention import (FP8, HKV, D, decode_baselines, dense_kv,
+                                              kv_bytes, make_pool, ours, reference_rel_err,
+                                              setup)
 from benchmarks.timing import device_copy_bandwidth, time_alternating, write_results
-from pallas_kernels.paged_attention_gluon import paged_attention_gluon
+from pallas_kernels.kv_store import layer_kv
+from pallas_kernels.paged_attention import (draft_block_attention,
+                                            draft_block_attention_reference)
+from pallas_kernels.paged_attention_gluon import (draft_block_attention_gluon,
+                                                  paged_attention_gluon)
 from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS
 
 
@@ -41,14 +50,16 @@ def bench(ctx, dtype, copy_bw):
             row[f"{kernel}_{name}_rel_err"] = reference_rel_err(fn(*args), *args)
         for kernel, ms in time_alternating(kernels, *args).items():
             row[f"{kernel}_{name}_ms"] = ms
+    row.update(bench_draft(q, pool, table, kv_lens, "pallas" in kernels))
     for kernel in kernels:
-        row[f"{kernel}_verify8_over_decode"] = (row[f"{kernel}_verify8_ms"]
-                                               / row[f"{kernel}_decode_ms"])
+        for name in ("verify8", "draft8"):
+            row[f"{kernel}_{name}_over_decode"] = (row[f"{kernel}_{name}_ms"]
+                                                   / row[f"{kernel}_decode_ms"])
         rate = kv_bytes(ctx, dtype) / (row[f"{kernel}_decode_ms"] * 1e-3)
         row[f"{kernel}_decode_kv_tb_s"] = rate / 1e12
         row[f"{kernel}_decode_pct_of_copy_bw"] = 100 * rate / copy_bw
     if "pallas" in kernels:
-        for name in ("decode", "verify8"):
+        for name in ("decode", "verify8", "draft8"):
             row[f"pallas_over_gluon_{name}"] = row[f"pallas_{name}_ms"] / row[f"gluon_{name}_ms"]
     if dtype == jnp.bfloat16:  # the issue's decode baselines: the jax op, cuDNN, XLA
         for name, value in decode_baselines(q, pool, table, kv_lens).items():
@@ -58,10 +69,72 @@ def bench(ctx, dtype, copy_bw):
     return row
 
 
+def bench_draft(q, pool, table, ctx_lens, with_pallas, block=8):
+    """The draft block: `block` queries per row over the row's context (the whole pool row)
+    and the block's own random K/V, bidirectional; ms and error of each kernel."""
+    batch = q.shape[0]
+    key = jax.random.key(3)
+    block_k, block_v = (jax.random.normal(jax.random.fold_in(key, i),
+                                          (batch, block, HKV, D), jnp.bfloat16)
+                        for i in (1, 2))
+    args = (q[:, :block], pool, table, ctx_lens, jnp.full((batch,), block, jnp.int32),
+            block_k, block_v)
+    kernels = {"gluon": jax.jit(lambda *a: draft_block_attention_gluon(*a, layer_offset=0))}
+    if with_pallas:
+        kernels["pallas"] = jax.jit(lambda *a: draft_block_attention(*a, layer_offset=0))
+    two_rows = (args[0][:2], pool, table[:2], ctx_lens[:2], args[4][:2], block_k[:2],
+                block_v[:2])
+    want = draft_block_attention_reference(*two_rows, layer_offset=0)
+    row = {}
+    for name, fn in kernels.items():
+        got = fn(*args)[:2].astype(jnp.float32)
+        row[f"{name}_draft8_rel_err"] = float(jnp.linalg.norm(got - want)
+                                              / jnp.linalg.norm(want))
+    for name, ms in time_alternating(kernels, *args).items():
+        row[f"{name}_draft8_ms"] = ms
+    return row
+
+
+def bench_prefill(prior, chunk, dtype, batch=4):
+    """Chunked prefill of `chunk` tokens after `prior` cached ones (random page order):
+    TFLOP/s of both kernels and of XLA dense attention on contiguous K/V, and each kernel's
+    relative error against the dense result."""
+    total = prior + chunk
+    pages = total // 16
+    key = jax.random.key(5)
+    pool = make_pool(key, batch * pages, dtype)
+    table = jax.random.permutation(jax.random.fold_in(key, 2), batch * pages
+                                   ).astype(jnp.int32).reshape(batch, pages) * 2
+    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, chunk, HKV * 4, D), jnp.bfloat16)
+    kv_lens = jnp.full((batch,), total, jnp.int32)
+    args = (q, pool, table, kv_lens, jnp.full((batch,), chunk, jnp.int32))
+    flops = 4 * batch * q.shape[2] * D * (chunk * prior + chunk * (chunk + 1) // 2)
+    k_dense, v_dense = (x.astype(jnp.bfloat16) for x in dense_kv(*layer_kv(pool, 0), table // 2))
+    mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
+    xla = jax.jit(lambda q_, k_, v_: jax.nn.dot_product_attention(q_, k_, v_, mask=mask))
+    kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0)),
+               "pallas": ours(*args)}
+    want = xla(q, k_dense, v_dense).astype(jnp.float32)
+    row = {"prior": prior, "chunk": chunk, "batch": batch, "kv": "fp8" if dtype == FP8
+           else "bf16", "xla_dense_ms": time_alternating({"x": xla}, q, k_dense, v_dense)["x"]}
+    for name, fn in kernels.items():
+        got = fn(*args).astype(jnp.float32)
+        row[f"{name}_rel_err_vs_dense"] = float(jnp.linalg.norm(got - want)
+                                                / jnp.linalg.norm(want))
+    for name, ms in time_alternating(kernels, *args).items():
+        row[f"{name}_ms"] = ms
+    for name in ("gluon", "pallas", "xla_dense"):
+        row[f"{name}_TFLOPs"] = flops / (row[f"{name}_ms"] * 1e-3) / 1e12
+    row["pallas_over_gluon"] = row["pallas_ms"] / row["gluon_ms"]
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ctx", type=int, nargs="*", default=[4096, 16384, 32768])
     parser.add_argument("--bf16-ctx", type=int, nargs="*", default=[4096, 32768])
+    parser.add_argument("--prefill", type=int, nargs=2, action="append",
+                        metavar=("PRIOR", "CHUNK"), help="default: 0 2048 and 4096 2048")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     copy_bw = device_copy_bandwidth()
@@ -71,8 +144,14 @@ def main():
         for ctx in contexts:
             rows.append(bench(ctx, dtype, copy_bw))
             print(rows[-1], flush=True)
+    prefill = []
+    for prior, chunk in args.prefill or [(0, 2048), (4096, 2048)]:
+        for dtype in (jnp.bfloat16, FP8):
+            prefill.append(bench_prefill(prior, chunk, dtype))
+            print(prefill[-1], flush=True)
     write_results("gluon_attention", {"copy_bw_tb_s": copy_bw / 1e12, "shape": dict(
-        batch=64, q_heads=32, kv_heads=HKV, head_dim=D, page=16), "rows": rows}, args.out)
+        batch=64, q_heads=32, kv_heads=HKV, head_dim=D, page=16), "rows": rows,
+        "prefill": prefill}, args.out)
 
 
 if __name__ == "__main__":

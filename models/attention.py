@@ -6,10 +6,11 @@
   "reference"  the kernels' plain-jnp references (CPU tests of whole models)
   "auto"       "pallas" on GPU, "reference" elsewhere
 The choice is explicit and static; nothing falls back silently at run time.
-Under "pallas", decode and verify over fp8 KV at batch x kv heads >= 264 (and over pools
-past the Pallas kernels' 2^31 elements) take the Gluon kernel
-(`pallas_kernels/paged_attention_gluon.py`, `use_gluon`): a trace-time rule of the batch,
-heads and pool, so a row's plain decode and its verify take the same kernel.
+Under "pallas", decode and verify over fp8 KV at batch x kv heads >= 264, and every call
+over a pool past the Pallas kernels' 2^31 elements (prefill and the draft block too), take
+the Gluon kernel (`pallas_kernels/paged_attention_gluon.py`, `use_gluon`): a trace-time
+rule of the batch, heads and pool, so a row's plain decode and its verify take the same
+kernel.
 
 Tensor parallelism: a worker on a mesh traces its steps under
 `jax.set_mesh(mesh)` with pools split along kv heads over the mesh's first
@@ -76,25 +77,29 @@ def attend(q, pool, table, kv_lens, q_lens, layer: LayerSpec, offset: int, *, im
         return paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
 
     def kernel(q, pool, table, kv_lens, q_lens):
-        gluon = gluon_decode(q, pool) if impl == "pallas" else None
+        gluon = gluon_kernel(q, pool) if impl == "pallas" else None
         if gluon is not None:
-            gluon_args = {k: v for k, v in args.items() if k != "interpret"}
-            return gluon(q, pool, table, kv_lens, q_lens, **gluon_args)
+            return gluon.paged_attention_gluon(q, pool, table, kv_lens, q_lens,
+                                               **_without_interpret(args))
         return paged_attention(q, pool, table, kv_lens, q_lens, **args)
     return _per_kv_head_shard(kernel, 2, 3)(q, pool, table, kv_lens, q_lens)
 
 
-def gluon_decode(q, pool):
-    """The Gluon decode / verify kernel if `use_gluon` picks it for these (per-device)
-    shapes, else None. Without a Triton that has Gluon the Pallas kernel runs: it takes
-    every such call but pools past 2^31 elements, which it refuses by name."""
+def _without_interpret(args: dict) -> dict:
+    return {k: v for k, v in args.items() if k != "interpret"}
+
+
+def gluon_kernel(q, pool, *, draft_block: bool = False):
+    """The Gluon kernels' module if `use_gluon` picks it for these (per-device) shapes,
+    else None. Without a Triton that has Gluon the Pallas kernels run: they take every
+    such call but pools past 2^31 elements, which they refuse by name."""
     try:
         from pallas_kernels import paged_attention_gluon
     except ImportError:
         return None
-    if not paged_attention_gluon.use_gluon(q, pool):
+    if not paged_attention_gluon.use_gluon(q, pool, draft_block=draft_block):
         return None
-    return paged_attention_gluon.paged_attention_gluon
+    return paged_attention_gluon
 
 
 def attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k, block_v, layer: LayerSpec,
@@ -107,6 +112,11 @@ def attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k, block_v, l
                                                block_v, **args)
 
     def kernel(q, block_k, block_v, pool, table, ctx_lens, block_lens):
+        gluon = gluon_kernel(q, pool, draft_block=True) if impl == "pallas" else None
+        if gluon is not None:
+            return gluon.draft_block_attention_gluon(q, pool, table, ctx_lens, block_lens,
+                                                     block_k, block_v,
+                                                     **_without_interpret(args))
         return draft_block_attention(q, pool, table, ctx_lens, block_lens, block_k, block_v,
                                      **args)
     return _per_kv_head_shard(kernel, 4, 3)(q, block_k, block_v, pool, table, ctx_lens,

@@ -35,9 +35,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from pallas_kernels.gluon_call import gluon_call
-from pallas_kernels.launch_plan import NUM_SMS, SPEC_MAX_Q, plan_launch
+from pallas_kernels.launch_plan import MIN_ROWS, NUM_SMS, SPEC_MAX_Q, plan_launch
 from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS, static_validate_inputs
-from unified_kv.spec import BAD_PAGE_INDEX
+from unified_kv.spec import BAD_PAGE_INDEX, pow2_at_least
 
 # Names that moved between Triton releases (3.6 on the H200, 3.9 on a CPU machine).
 async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -46,6 +46,7 @@ cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 LOG2E = math.log2(math.e)
 KV_DTYPES = {jnp.dtype(jnp.float8_e4m3fn): "fp8", jnp.dtype(jnp.bfloat16): "bf16"}
 BLOCK_KEYS, STAGES, NUM_WARPS = 64, 3, 2  # keys per block: pages_per_block = 64 / page
+PREFILL_ROWS, PREFILL_WARPS = 64, 4  # prefill: 16 query rows per warp
 # The same values for the kernel (Gluon reads only constexpr globals).
 MASK_ = gl.constexpr(-0.7 * 3.4028234663852886e38)  # finite: a row with no key stays exact
 BAD_ = gl.constexpr(BAD_PAGE_INDEX)
@@ -90,19 +91,43 @@ def _copy_block(k_slot, v_slot, head_pool, table_row, block, hi_block, table_wid
 
 
 @gluon.jit
+def _softmax_step(logits, visible, m_i, l_i, cap_log2e, HAS_CAP: gl.constexpr):
+    """One online-softmax step over a key block's base-2 logits [ROWS, keys]: returns p,
+    the accumulator's correction, and the new running max and sum."""
+    if HAS_CAP:  # tanh(x) = 1 - 2 / (e^2x + 1)
+        logits = (1.0 - 2.0 / (gl.exp2(logits * (2.0 * LOG2E_)) + 1.0)) * cap_log2e
+    logits = gl.where(visible, logits, MASK_)
+    m_new = gl.maximum(m_i, gl.max(logits, axis=1))
+    # A row with nothing visible yet keeps m == MASK_: subtract 0 so its masked
+    # logits still underflow to p == 0.
+    m_sub = gl.where(m_new == MASK_, 0.0, m_new)
+    corr = gl.exp2(m_i - m_sub)
+    p = gl.exp2(logits - m_sub[:, None])
+    return p, corr, m_new, l_i * corr + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def paged_attention_kernel(
-        q_ptr, pool_ptr, table_ptr, kv_lens_ptr, q_lens_ptr,
+        q_ptr, pool_ptr, table_ptr, kv_lens_ptr, q_lens_ptr, block_k_ptr, block_v_ptr,
         table_width, head_pages, layer_pages, window, logit_scale, cap_log2e, v_scale,
         o_ptr,
         MAX_Q: gl.constexpr, HQ: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
         PAGE: gl.constexpr, PPB: gl.constexpr, ROWS: gl.constexpr, TOKENS: gl.constexpr,
-        STAGES: gl.constexpr, KV_FP8: gl.constexpr, HAS_WINDOW: gl.constexpr,
-        HAS_CAP: gl.constexpr):
+        STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARPS_M: gl.constexpr,
+        KV_FP8: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr,
+        QUERIES_CACHED: gl.constexpr, BLOCK_KEYS_PAD: gl.constexpr,
+        BLOCK_CAUSAL: gl.constexpr):
     """Program (query block, row b, kv head h). q and o [batch, MAX_Q, HQ, D] in q's
     layout; the pool [kv heads, head_pages, PAGE * D] (head_pages = pages x layers x 2, K
     then V^T per page and layer); table i32[batch, table_width] of page * 2L (BAD = -1);
     layer_pages = 2 x layer offset; window 0 unless HAS_WINDOW; q x logit_scale gives
-    base-2 logits (divided by the soft cap when HAS_CAP: then tanh(s) x cap_log2e)."""
+    base-2 logits (divided by the soft cap when HAS_CAP: then tanh(s) x cap_log2e).
+    QUERIES_CACHED: query i sits at kv_len - q_len + i (decode, verify, prefill), else at
+    kv_len + i (the draft block: kv_len is the context length). BLOCK_KEYS_PAD > 0: the
+    draft block's own keys, block K [batch, kv heads, BLOCK_KEYS_PAD, D] and V^T [batch,
+    kv heads, D, BLOCK_KEYS_PAD] in the dots' dtype (K / k_scale, V / v_scale), key j at
+    kv_len + j, the first q_len of them live (all of them, or j <= i with BLOCK_CAUSAL).
+    The dots' warps: WARPS_M along the rows, NUM_WARPS / WARPS_M along their columns."""
     KW: gl.constexpr = 4 if KV_FP8 else 2
     CDT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
     KV_DT: gl.constexpr = gl.float8e4nv if KV_FP8 else gl.bfloat16
@@ -112,13 +137,14 @@ def paged_attention_kernel(
     V_LANES: gl.constexpr = PAGE // V_VEC
     ROW_BYTES: gl.constexpr = D * (1 if KV_FP8 else 2)
     BK: gl.constexpr = PPB * PAGE
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 2],
-                                                  instr_shape=[16, 8])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS_M, NUM_WARPS // WARPS_M], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
-    k_ld: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // K_LANES, K_LANES], [2, 1], [1, 0])
+    k_ld: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // K_LANES, K_LANES], [NUM_WARPS, 1],
+                                          [1, 0])
     v_ld: gl.constexpr = gl.BlockedLayout([1, 1, V_VEC], [1, 32 // V_LANES, V_LANES],
-                                          [1, 2, 1], [2, 1, 0])
+                                          [1, NUM_WARPS, 1], [2, 1, 0])
     k_sl: gl.constexpr = gl.SwizzledSharedLayout(
         vec=VEC, per_phase=128 // ROW_BYTES if ROW_BYTES < 128 else 1,
         max_phase=ROW_BYTES // 16 if ROW_BYTES < 128 else 8, order=[1, 0])
@@ -130,7 +156,7 @@ def paged_attention_kernel(
     q_block, b, h = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     kv_len = gl.load(kv_lens_ptr + b)
     q_len = gl.load(q_lens_ptr + b)
-    q_start = kv_len - q_len
+    q_start = kv_len - q_len if QUERIES_CACHED else kv_len
     table_row = table_ptr + b * table_width
     head_pool = pool_ptr + h.to(gl.int64) * head_pages * (PAGE * D)  # 64-bit base
 
@@ -185,25 +211,36 @@ def paged_attention_kernel(
         slot = i % STAGES
         k_t = k_smem.index(slot).permute((1, 0)).load(b_layout)
         logits = mma_v2(q, k_t.to(CDT), gl.zeros([ROWS, BK], gl.float32, layout=mma))
-        if HAS_CAP:  # tanh(x) = 1 - 2 / (e^2x + 1)
-            logits = (1.0 - 2.0 / (gl.exp2(logits * (2.0 * LOG2E_)) + 1.0)) * cap_log2e
         k_pos = (lo_block + i) * BK + keys_m
         visible = k_pos[None, :] <= upper[:, None]
         if HAS_WINDOW:
             visible = visible & (k_pos[None, :] > (q_pos - window)[:, None])
-        logits = gl.where(visible, logits, MASK_)
-        m_new = gl.maximum(m_i, gl.max(logits, axis=1))
-        # A row with nothing visible yet keeps m == MASK_: subtract 0 so its masked
-        # logits still underflow to p == 0.
-        m_sub = gl.where(m_new == MASK_, 0.0, m_new)
-        corr = gl.exp2(m_i - m_sub)
-        p = gl.exp2(logits - m_sub[:, None])
-        l_i = l_i * corr + gl.sum(p, axis=1)
+        p, corr, m_new, l_i = _softmax_step(logits, visible, m_i, l_i, cap_log2e, HAS_CAP)
         v_pages = v_smem.index(slot).reshape([PPB, D, PAGE]).permute((0, 2, 1))
         v = v_pages.reshape([BK, D]).load(b_layout)
         acc = mma_v2(gl.convert_layout(p.to(CDT), a_layout), v.to(CDT), acc * corr[:, None])
         m_i = m_new
     async_copy.wait_group(0)  # no copy outlives the program
+    if BLOCK_KEYS_PAD > 0:  # the draft block's own keys, straight into the dots' operands
+        kv_head = b * (HQ // GQA) + h
+        bj = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(0, b_layout))
+        bd = gl.arange(0, D, layout=gl.SliceLayout(1, b_layout))
+        block_k_t = gl.load(block_k_ptr + (kv_head * BLOCK_KEYS_PAD + bj[None, :]) * D
+                            + bd[:, None])                                   # [D, keys]
+        logits = mma_v2(q, block_k_t, gl.zeros([ROWS, BLOCK_KEYS_PAD], gl.float32,
+                                               layout=mma))
+        j = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(0, mma))
+        visible = valid[:, None] & (j[None, :] < q_len)
+        if BLOCK_CAUSAL:
+            visible = visible & (j[None, :] <= tok_m[:, None])
+        if HAS_WINDOW:
+            visible = visible & (j[None, :] > (tok_m - window)[:, None])
+        p, corr, m_i, l_i = _softmax_step(logits, visible, m_i, l_i, cap_log2e, HAS_CAP)
+        vj = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(1, b_layout))
+        vd = gl.arange(0, D, layout=gl.SliceLayout(0, b_layout))
+        block_v = gl.load(block_v_ptr + (kv_head * D + vd[None, :]) * BLOCK_KEYS_PAD
+                          + vj[:, None])                                     # [keys, D]
+        acc = mma_v2(gl.convert_layout(p.to(CDT), a_layout), block_v, acc * corr[:, None])
 
     # Rows that saw no key (past q_len, padding rows) have l == 0: zeros.
     has_keys = l_i > 0
@@ -216,69 +253,116 @@ def paged_attention_kernel(
              mask=in_q_m[:, None])
 
 
-def supports(q, pool) -> str | None:
+def supports(q, pool, *, draft_block: bool = False) -> str | None:
     """None if the Gluon kernel takes this call, else why not (for `use_gluon`)."""
     if jnp.dtype(pool.dtype) not in KV_DTYPES:
         return f"pool dtype {pool.dtype} (the Gluon kernel reads fp8 e4m3 or bf16 KV)"
-    if q.shape[1] > SPEC_MAX_Q:
-        return f"{q.shape[1]} query tokens per row (decode / verify: at most {SPEC_MAX_Q})"
+    if draft_block and q.shape[1] > SPEC_MAX_Q:
+        return f"a draft block of {q.shape[1]} queries (at most {SPEC_MAX_Q})"
     head_dim, page_size = pool.shape[-1], pool.shape[-2]
     if head_dim not in (32, 64, 128) or page_size not in (8, 16, 32, 64):
         return f"head_dim {head_dim} / page_size {page_size} (32-128 / 8-64)"
     return None
 
 
-def use_gluon(q, pool) -> bool:
-    """The decode / verify lowering on a GPU: the Gluon kernel over fp8 KV when it takes
-    the call and batch x kv heads fill the GPU twice (it has no key splits; the Pallas
-    kernel splits below that), and over any KV it takes past the Pallas kernels'
-    2^31-element pools. Follows the batch, heads and pool only, never max_q, so a row's
-    decode and verify passes take the same kernel and agree bit for bit."""
-    if jax.default_backend() != "gpu" or supports(q, pool) is not None:
+def use_gluon(q, pool, *, draft_block: bool = False) -> bool:
+    """The lowering on a GPU: the Gluon kernel for any call it takes past the Pallas
+    kernels' 2^31-element pools, and for fp8 decode / verify when batch x kv heads fill
+    the GPU twice (it has no key splits; the Pallas kernel splits below that). Among
+    decode and verify it follows the batch, heads and pool only, never max_q, so a row's
+    decode and verify passes take the same kernel and agree bit for bit. Prefill and the
+    draft block take it past 2^31 elements only (BENCHMARKS.md, fourteenth session)."""
+    if jax.default_backend() != "gpu" or supports(q, pool, draft_block=draft_block):
         return False
     if pool.size > MAX_POOL_ELEMENTS:
         return True
-    return pool.dtype == jnp.float8_e4m3fn and q.shape[0] * pool.shape[0] >= 2 * NUM_SMS
+    return (not draft_block and q.shape[1] <= SPEC_MAX_Q and pool.dtype == jnp.float8_e4m3fn
+            and q.shape[0] * pool.shape[0] >= 2 * NUM_SMS)
 
 
 def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=None,
-           soft_cap=None, k_scale=1.0, v_scale=1.0):
-    """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens), constexprs
-    and grid for a call; `supports` must hold."""
+           soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None):
+    """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
+    K / V^T pointers), constexprs and grid for a call; `supports` must hold. draft_block:
+    None, or (padded block keys, causal within the block). Decode, verify and the draft
+    block (up to SPEC_MAX_Q queries) take 2 warps over the dots' columns, prefill
+    PREFILL_ROWS rows per program over PREFILL_WARPS warps along the rows."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     q_per_kv = num_q_heads // num_kv_heads
+    spec = max_q <= SPEC_MAX_Q
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, table_width=batch_table.shape[1], num_splits=1)
+                       head_dim=head_dim, table_width=batch_table.shape[1], num_splits=1,
+                       rows_per_block=None if spec else PREFILL_ROWS)
+    num_warps = NUM_WARPS if spec else PREFILL_WARPS
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
     scalars = (batch_table.shape[1], num_pages * num_layers * 2, 2 * layer_offset,
                sliding_window or 0, float(logit_scale),
                float(0.0 if soft_cap is None else soft_cap * LOG2E), float(v_scale))
+    block_keys_pad, block_causal = draft_block or (0, False)
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
                       PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
-                      TOKENS=plan.tokens_per_block, STAGES=STAGES,
+                      TOKENS=plan.tokens_per_block, STAGES=STAGES, NUM_WARPS=num_warps,
+                      WARPS_M=1 if spec else num_warps,
                       KV_FP8=pool.dtype == jnp.float8_e4m3fn,
-                      HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None)
+                      HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
+                      QUERIES_CACHED=draft_block is None, BLOCK_KEYS_PAD=block_keys_pad,
+                      BLOCK_CAUSAL=block_causal)
     return scalars, constexprs, (plan.num_q_blocks, batch, num_kv_heads)
+
+
+def _call(q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t, **kw):
+    scalars, constexprs, grid = launch(q, pool, batch_table, **kw)
+    kind = ("draft" if kw.get("draft_block") else "q") + str(q.shape[1])
+    return gluon_call(
+        paged_attention_kernel, q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t,
+        *scalars, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=grid,
+        num_warps=constexprs["NUM_WARPS"], constexprs=constexprs,
+        name=f"paged_attention_gluon_{kind}_g{constexprs['GQA']}_r{constexprs['ROWS']}")
+
+
+def _refuse(q, pool, draft_block=False):
+    reason = supports(q, pool, draft_block=draft_block)
+    if reason is not None:
+        raise ValueError(f"the Gluon attention kernel does not take {reason}; use the "
+                         "Pallas kernels (paged_attention.py)")
 
 
 def paged_attention_gluon(q, pool, batch_table, kv_lens, q_lens, *, layer_offset,
                           sliding_window=None, sm_scale=None, soft_cap=None, k_scale=1.0,
                           v_scale=1.0):
-    """`paged_attention` for decode / verify, compiled from Gluon (module docstring).
-    Trace-time errors name what it does not take (`supports`)."""
+    """`paged_attention` (decode, verify, chunked prefill) compiled from Gluon (module
+    docstring). Trace-time errors name what it does not take (`supports`)."""
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, 1, None, max_pool_elements=None)
-    reason = supports(q, pool)
-    if reason is not None:
-        raise ValueError(f"paged_attention_gluon does not take {reason}; use "
-                         "paged_attention (Pallas)")
-    scalars, constexprs, grid = launch(
-        q, pool, batch_table, layer_offset=layer_offset, sliding_window=sliding_window,
-        sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
-    return gluon_call(
-        paged_attention_kernel, q, pool, batch_table, kv_lens, q_lens, *scalars,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=grid, num_warps=NUM_WARPS,
-        constexprs=constexprs,
-        name=f"paged_attention_gluon_q{q.shape[1]}_g{constexprs['GQA']}_r{constexprs['ROWS']}")
+    _refuse(q, pool)
+    # The block pointers are unused (BLOCK_KEYS_PAD = 0): q stands in for them.
+    return _call(q, pool, batch_table, kv_lens, q_lens, q, q, layer_offset=layer_offset,
+                 sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
+                 k_scale=k_scale, v_scale=v_scale)
+
+
+def draft_block_attention_gluon(q, pool, batch_table, ctx_lens, block_lens, block_k, block_v,
+                                *, layer_offset, causal_in_block=False, sliding_window=None,
+                                sm_scale=None, soft_cap=None, k_scale=1.0, v_scale=1.0):
+    """`draft_block_attention` compiled from Gluon: block queries at ctx_len + i over the
+    row's cached context and the block's own K / V [batch, block, kv heads, D]."""
+    static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
+                           sliding_window, 1, None, max_pool_elements=None)
+    if block_k.shape != block_v.shape or block_k.shape != (
+            q.shape[0], q.shape[1], pool.shape[0], q.shape[3]):
+        raise ValueError("block_k and block_v must be [batch, block_size, num_kv_heads, "
+                         f"head_dim] = {(q.shape[0], q.shape[1], pool.shape[0], q.shape[3])}, "
+                         f"got {block_k.shape=} {block_v.shape=}")
+    _refuse(q, pool, draft_block=True)
+    block, pad = q.shape[1], max(MIN_ROWS, pow2_at_least(q.shape[1]))
+    compute = jnp.float16 if pool.dtype == jnp.float8_e4m3fn else jnp.bfloat16
+
+    def padded(x, scale):  # [B, block, Hkv, D] / scale -> [B, Hkv, pad, D] in the dots' dtype
+        x = (x.astype(jnp.float32) / scale).astype(compute)
+        return jnp.pad(x, ((0, 0), (0, pad - block), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    return _call(q, pool, batch_table, ctx_lens, block_lens, padded(block_k, k_scale),
+                 padded(block_v, v_scale).swapaxes(-1, -2), layer_offset=layer_offset,
+                 sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
+                 k_scale=k_scale, v_scale=v_scale, draft_block=(pad, causal_in_block))

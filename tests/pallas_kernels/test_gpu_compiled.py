@@ -110,16 +110,16 @@ def test_compiled_fp8_options_keep_verify_equal_to_decode(fast_fp8, head_dim, wi
         max_len=600, interpret=False, blocking=dict(fast_fp8=fast_fp8))
 
 
-def large_pool_case(pages):
+def large_pool_case(pages, max_q=8):
     """An fp8 pool [8, pages, 1, 2, 16, 128] and two rows: row 0 on its last 256 pages
-    (the last kv head's last bytes), 8 queries; row 1 on its first, 1 query."""
+    (the last kv head's last bytes), max_q queries; row 1 on its first, 1 query."""
     import jax
 
     pool = jax.random.normal(jax.random.key(0), (8, pages, 1, 2, 16, 128),
                              jnp.bfloat16).astype(jnp.float8_e4m3fn)
     table = jnp.stack([jnp.arange(pages - 256, pages), jnp.arange(256)]).astype(jnp.int32) * 2
-    q = jax.random.normal(jax.random.key(1), (2, 8, 32, 128), jnp.bfloat16)
-    return q, pool, table, jnp.array([4096, 4000], jnp.int32), jnp.array([8, 1], jnp.int32)
+    q = jax.random.normal(jax.random.key(1), (2, max_q, 32, 128), jnp.bfloat16)
+    return q, pool, table, jnp.array([4096, 4000], jnp.int32), jnp.array([max_q, 1], jnp.int32)
 
 
 @pytest.mark.gpu

@@ -11,9 +11,11 @@ pytest.importorskip("triton.experimental.gluon._runtime",
 
 from pallas_kernels import gluon_call as gc  # noqa: E402
 from pallas_kernels import paged_attention_gluon as pg  # noqa: E402
-from pallas_kernels.paged_attention import paged_attention_reference  # noqa: E402
+from pallas_kernels.paged_attention import (  # noqa: E402
+    draft_block_attention_reference, paged_attention_reference)
 from tests.pallas_kernels.test_paged_attention import (  # noqa: E402
-    assert_verify_equals_decode, assert_zero_past_q_len, kv_scales, make_case, rel_err)
+    assert_verify_equals_decode, assert_zero_past_q_len, kv_scales, make_case, make_draft_case,
+    rel_err)
 
 FP8 = jnp.float8_e4m3fn
 
@@ -23,24 +25,50 @@ def gluon_attention(*args, interpret=None, **kw):
     return jax.jit(lambda *a: pg.paged_attention_gluon(*a, **kw))(*args)
 
 
+def compile_for_hopper(q, pool, *, block=None, **kw):
+    """Compile the kernel for sm_90 as `gluon_call` would for these shapes (block: the
+    draft block's padded K / V^T); returns (Triton's compiled kernel, the grid)."""
+    table = jax.ShapeDtypeStruct((q.shape[0], 9), jnp.int32)
+    lens = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
+    scalars, constexprs, grid = pg.launch(q, pool, table, layer_offset=1, **kw)
+    arrays = [q, pool, table, lens, lens, *(block or (q, q))]
+    sig = gc.signature(pg.paged_attention_kernel, arrays, (None,) * len(arrays) + scalars,
+                       [q], tuple(sorted(constexprs.items())))
+    compiled = gc.compile_gluon(pg.paged_attention_kernel, tuple(sig.items()),
+                                tuple(sorted(constexprs.items())), constexprs["NUM_WARPS"], 90)
+    return compiled, grid
+
+
 @pytest.mark.parametrize("kv_dtype,max_q,window,soft_cap,head_dim,page_size,gqa", [
     (FP8, 1, None, None, 128, 16, 4), (FP8, 8, None, None, 128, 16, 4),
     (FP8, 8, 100, 30.0, 128, 16, 4), (jnp.bfloat16, 8, None, None, 128, 16, 4),
     (FP8, 5, None, None, 64, 16, 8), (jnp.bfloat16, 4, 20, None, 32, 8, 1),
+    (FP8, 40, 100, None, 128, 16, 4), (jnp.bfloat16, 100, None, 30.0, 128, 16, 8),  # prefill
 ])
 def test_compiles_for_hopper(kv_dtype, max_q, window, soft_cap, head_dim, page_size, gqa):
     q = jax.ShapeDtypeStruct((4, max_q, 2 * gqa, head_dim), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((2, 40, 2, 2, page_size, head_dim), kv_dtype)
-    table = jax.ShapeDtypeStruct((4, 9), jnp.int32)
-    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
-    scalars, constexprs, grid = pg.launch(q, pool, table, layer_offset=1,
-                                          sliding_window=window, soft_cap=soft_cap)
-    sig = gc.signature(pg.paged_attention_kernel, [q, pool, table, lens, lens],
-                       (None,) * 5 + scalars, [q], tuple(sorted(constexprs.items())))
-    compiled = gc.compile_gluon(pg.paged_attention_kernel, tuple(sig.items()),
-                                tuple(sorted(constexprs.items())), pg.NUM_WARPS, 90)
+    compiled, grid = compile_for_hopper(q, pool, sliding_window=window, soft_cap=soft_cap)
     assert compiled.metadata.shared <= 100 * 1024  # shared memory for at least 2 CTAs/SM
     assert grid[1:] == (4, 2)
+    if max_q > pg.SPEC_MAX_Q:  # prefill: 64-row query blocks over 4 warps
+        assert compiled.metadata.num_warps == pg.PREFILL_WARPS
+        assert grid[0] == -(-max_q // (pg.PREFILL_ROWS // gqa))
+
+
+@pytest.mark.parametrize("kv_dtype", [FP8, jnp.bfloat16])
+@pytest.mark.parametrize("block,causal,window", [(8, False, None), (16, True, 100),
+                                                 (3, True, None)])
+def test_draft_block_compiles_for_hopper(kv_dtype, block, causal, window):
+    q = jax.ShapeDtypeStruct((4, block, 8, 128), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((2, 40, 2, 2, 16, 128), kv_dtype)
+    dots = jnp.float16 if kv_dtype == FP8 else jnp.bfloat16
+    pad = max(16, 1 << (block - 1).bit_length())
+    k_t = jax.ShapeDtypeStruct((4, 2, pad, 128), dots)
+    v_t = jax.ShapeDtypeStruct((4, 2, 128, pad), dots)
+    compiled, _ = compile_for_hopper(q, pool, block=(k_t, v_t), sliding_window=window,
+                                     draft_block=(pad, causal))
+    assert compiled.metadata.shared <= 100 * 1024
 
 
 def test_refuses_what_it_does_not_take():
@@ -48,11 +76,29 @@ def test_refuses_what_it_does_not_take():
     pool = jnp.zeros((2, 4, 1, 2, 16, 128), FP8)
     args = (pool, jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32),
             jnp.ones((2,), jnp.int32))
-    with pytest.raises(ValueError, match="17 query tokens per row"):
-        pg.paged_attention_gluon(q, *args, layer_offset=0)
+    block_kv = 2 * (jnp.zeros((2, 17, 2, 128), jnp.bfloat16),)
+    with pytest.raises(ValueError, match="a draft block of 17 queries"):
+        pg.draft_block_attention_gluon(q, *args, *block_kv, layer_offset=0)
+    with pytest.raises(ValueError, match="block_k and block_v must be"):
+        pg.draft_block_attention_gluon(q, *args, block_kv[0], block_kv[1][:, :3],
+                                       layer_offset=0)
     with pytest.raises(ValueError, match="pool dtype float32"):
         pg.paged_attention_gluon(q[:, :1], pool.astype(jnp.float32), *args[1:], layer_offset=0)
     assert not pg.use_gluon(q[:, :1], pool) or jax.default_backend() == "gpu"
+
+
+def test_prefill_and_draft_take_the_gluon_kernel_only_past_2_31_elements(monkeypatch):
+    """Decode / verify over fp8 at batch x kv heads >= 264 take it by measurement; prefill
+    and the draft block only where the Pallas kernels cannot address the pool."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    small = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), FP8)
+    large = jax.ShapeDtypeStruct((8, 2**31 // (8 * 2 * 16 * 128) + 1, 1, 2, 16, 128), FP8)
+    for max_q, draft, want_small in ((1, False, True), (8, False, True), (64, False, False),
+                                     (8, True, False)):
+        q = jax.ShapeDtypeStruct((64, max_q, 32, 128), jnp.bfloat16)
+        assert pg.use_gluon(q, small, draft_block=draft) == want_small, (max_q, draft)
+        assert pg.use_gluon(q, large, draft_block=draft), (max_q, draft)
+    assert not pg.use_gluon(jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16), small)
 
 
 CASES = [  # kv dtype, max_q, window, soft cap, q heads per kv head
@@ -98,3 +144,62 @@ def test_pool_past_2_31_elements():
     out = gluon_attention(*args, layer_offset=0)
     assert rel_err(out, paged_attention_reference(*args, layer_offset=0)) < 1e-2
     assert pg.use_gluon(q, pool)
+
+
+PREFILL_CASES = [  # kv dtype, max_q, window, soft cap, q heads per kv head
+    (FP8, 40, None, None, 4), (FP8, 100, 64, 30.0, 8), (jnp.bfloat16, 64, None, None, 1),
+    (jnp.bfloat16, 33, 100, None, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,max_q,window,soft_cap,gqa", PREFILL_CASES)
+def test_prefill_matches_reference(kv_dtype, max_q, window, soft_cap, gqa):
+    """Chunked prefill: ragged chunks over earlier pages, several query blocks per row."""
+    rng = np.random.default_rng(max_q + gqa)
+    kv_lens = rng.integers(max_q, 3000, 10)
+    kv_lens[:2] = [max_q, 16 * 64 + max_q]
+    q_lens = np.minimum(rng.integers(1, max_q + 1, 10), kv_lens)
+    q_lens[:2], q_lens[-1] = max_q, 0  # whole chunks; a padding row
+    q, pool, table, kv_lens, q_lens = make_case(
+        rng, batch=10, max_q=max_q, num_q_heads=8 * gqa, num_kv_heads=8, head_dim=128,
+        page_size=16, kv_dtype=kv_dtype, window=window, kv_lens=kv_lens, q_lens=q_lens)
+    kw = dict(layer_offset=1, sliding_window=window, soft_cap=soft_cap, **kv_scales(pool))
+    out = gluon_attention(q, pool, table, kv_lens, q_lens, **kw)
+    assert rel_err(out, paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)) < 1e-2
+    assert_zero_past_q_len(out, q_lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,block,causal,window,soft_cap,gqa", [
+    (FP8, 8, False, None, None, 4), (FP8, 8, True, 512, None, 4), (FP8, 16, True, None, 30.0, 8),
+    (jnp.bfloat16, 8, False, 100, None, 4), (jnp.bfloat16, 5, True, None, 30.0, 1),
+])
+def test_draft_block_matches_reference(kv_dtype, block, causal, window, soft_cap, gqa):
+    rng = np.random.default_rng(block + gqa)
+    args, kw = make_draft_case(rng, ctx=[0, 16 * 64, 16 * 64 + 1, *rng.integers(1, 4000, 9)],
+                               num_q_heads=8 * gqa, num_kv_heads=8, head_dim=128,
+                               page_size=16, kv_dtype=kv_dtype, window=window, causal=causal,
+                               block=block)
+    kw["soft_cap"] = soft_cap
+    out = jax.jit(lambda *a: pg.draft_block_attention_gluon(*a, **kw))(*args)
+    assert rel_err(out, draft_block_attention_reference(*args, **kw)) < 1e-2
+    assert (np.asarray(out[-1], np.float32) == 0).all()  # the padding row
+
+
+@pytest.mark.gpu
+def test_prefill_and_draft_block_on_a_pool_past_2_31_elements():
+    from tests.pallas_kernels.test_gpu_compiled import large_pool_case
+
+    pages = 2**31 // (8 * 2 * 16 * 128) + 64
+    args = large_pool_case(pages, max_q=64)
+    assert pg.use_gluon(args[0], args[1])
+    out = gluon_attention(*args, layer_offset=0)
+    assert rel_err(out, paged_attention_reference(*args, layer_offset=0)) < 1e-2
+    q, pool, table, ctx_lens, _ = large_pool_case(pages)
+    block_k, block_v = (jax.random.normal(jax.random.key(i), (2, 8, 8, 128), jnp.bfloat16)
+                        for i in (2, 3))
+    draft = (q, pool, table, ctx_lens, jnp.array([8, 8], jnp.int32), block_k, block_v)
+    assert pg.use_gluon(q, pool, draft_block=True)
+    out = jax.jit(lambda *a: pg.draft_block_attention_gluon(*a, layer_offset=0))(*draft)
+    assert rel_err(out, draft_block_attention_reference(*draft, layer_offset=0)) < 1e-2
