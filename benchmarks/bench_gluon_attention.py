@@ -95,7 +95,7 @@ def bench_draft(q, pool, table, ctx_lens, with_pallas, block=8):
     return row
 
 
-def bench_prefill(prior, chunk, dtype, batch=4):
+def bench_prefill(prior, chunk, dtype, batch=4, tuning=None):
     """Chunked prefill of `chunk` tokens after `prior` cached ones (random page order):
     TFLOP/s of both kernels and of XLA dense attention on contiguous K/V, and each kernel's
     relative error against the dense result."""
@@ -112,7 +112,8 @@ def bench_prefill(prior, chunk, dtype, batch=4):
     k_dense, v_dense = (x.astype(jnp.bfloat16) for x in dense_kv(*layer_kv(pool, 0), table // 2))
     mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
     xla = jax.jit(lambda q_, k_, v_: jax.nn.dot_product_attention(q_, k_, v_, mask=mask))
-    kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0)),
+    kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0,
+                                                                 tuning=tuning)),
                "pallas": ours(*args)}
     want = xla(q, k_dense, v_dense).astype(jnp.float32)
     row = {"prior": prior, "chunk": chunk, "batch": batch, "kv": "fp8" if dtype == FP8

@@ -1,12 +1,15 @@
-"""Paged decode / verify attention in Gluon (Triton's layout-explicit language), for the GPU.
+"""Paged attention in Gluon (Triton's layout-explicit language), for the GPU: decode,
+verify, chunked prefill and the DFlash draft block.
 
-The same contract as `paged_attention.paged_attention` for decode and verify (1..16 query
-tokens per row; its pure-jnp reference `paged_attention_reference` is this kernel's
-reference too): query i of row b sits at kv_lens[b] - q_lens[b] + i, sees the cached keys
-at positions <= its own (and > position - sliding_window), GQA, fp8 e4m3 or bf16 KV with
-per-layer scales, soft cap, ragged rows, padding rows (q_len 0) and query tokens past q_len
-give zeros. One program: one (query block, row, kv head), up to 32 query rows (tokens x q
-heads of the kv head), 2 warps.
+The same contracts as `paged_attention.paged_attention` (decode, verify, prefill) and
+`paged_attention.draft_block_attention`, whose pure-jnp references are this kernel's
+references too: query i of row b sits at kv_lens[b] - q_lens[b] + i (at ctx_len + i in a
+draft block), sees the cached keys at positions <= its own (and > position -
+sliding_window), GQA, fp8 e4m3 or bf16 KV with per-layer scales, soft cap, ragged rows;
+padding rows (q_len 0) and query tokens past q_len give zeros. A draft block also sees the
+block's own K / V (not in the cache), bidirectionally or causally. One program: one (query
+block, row, kv head); up to 32 query rows (tokens x q heads of the kv head) over 2 warps
+for decode, verify and the draft block, 64 rows over 4 warps for prefill.
 
 Why a second kernel: Pallas Triton picks the dots' register layouts itself. Over fp8 KV it
 reloads q from shared memory every key block and ptxas rebuilds its mma.sync fragments
@@ -46,7 +49,12 @@ cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 LOG2E = math.log2(math.e)
 KV_DTYPES = {jnp.dtype(jnp.float8_e4m3fn): "fp8", jnp.dtype(jnp.bfloat16): "bf16"}
 BLOCK_KEYS, STAGES, NUM_WARPS = 64, 3, 2  # keys per block: pages_per_block = 64 / page
-PREFILL_ROWS, PREFILL_WARPS = 64, 4  # prefill: 16 query rows per warp
+# Prefill: 16 query rows per warp, 2 stages (H200, 4096 + 2048 tokens: 240 / 284 TFLOP/s
+# over bf16 / fp8 against 214 / 247 with 3 stages; BENCHMARKS.md, fourteenth session).
+PREFILL_ROWS, PREFILL_WARPS, PREFILL_STAGES = 64, 4, 2
+# The draft block over bf16 KV: 4 warps along the dots' columns (H200, batch 64: 0.334 vs
+# 0.374 ms at 4K, 2.52 vs 2.72 ms at 32K); over fp8 they lost (0.94 vs 0.70 ms at 16K).
+DRAFT_BF16_WARPS = 4
 # The same values for the kernel (Gluon reads only constexpr globals).
 MASK_ = gl.constexpr(-0.7 * 3.4028234663852886e38)  # finite: a row with no key stays exact
 BAD_ = gl.constexpr(BAD_PAGE_INDEX)
@@ -116,7 +124,7 @@ def paged_attention_kernel(
         STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARPS_M: gl.constexpr,
         KV_FP8: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr,
         QUERIES_CACHED: gl.constexpr, BLOCK_KEYS_PAD: gl.constexpr,
-        BLOCK_CAUSAL: gl.constexpr):
+        BLOCK_CAUSAL: gl.constexpr, Q_IN_SMEM: gl.constexpr):
     """Program (query block, row b, kv head h). q and o [batch, MAX_Q, HQ, D] in q's
     layout; the pool [kv heads, head_pages, PAGE * D] (head_pages = pages x layers x 2, K
     then V^T per page and layer); table i32[batch, table_width] of page * 2L (BAD = -1);
@@ -127,7 +135,9 @@ def paged_attention_kernel(
     draft block's own keys, block K [batch, kv heads, BLOCK_KEYS_PAD, D] and V^T [batch,
     kv heads, D, BLOCK_KEYS_PAD] in the dots' dtype (K / k_scale, V / v_scale), key j at
     kv_len + j, the first q_len of them live (all of them, or j <= i with BLOCK_CAUSAL).
-    The dots' warps: WARPS_M along the rows, NUM_WARPS / WARPS_M along their columns."""
+    The dots' warps: WARPS_M along the rows, NUM_WARPS / WARPS_M along their columns.
+    Q_IN_SMEM: q (scaled) waits in shared memory and is loaded for each dot, instead of
+    held in registers throughout."""
     KW: gl.constexpr = 4 if KV_FP8 else 2
     CDT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
     KV_DT: gl.constexpr = gl.float8e4nv if KV_FP8 else gl.bfloat16
@@ -168,6 +178,12 @@ def paged_attention_kernel(
     q_row = (b * MAX_Q + tok) * HQ + h * GQA + r % GQA
     q = gl.load(q_ptr + q_row[:, None] * D + c[None, :], mask=in_q[:, None], other=0.0)
     q = (q.to(gl.float32) * logit_scale).to(CDT)
+    if Q_IN_SMEM:
+        Q_ROW_BYTES: gl.constexpr = D * 2
+        q_sl: gl.constexpr = gl.SwizzledSharedLayout(
+            vec=8, per_phase=128 // Q_ROW_BYTES if Q_ROW_BYTES < 128 else 1,
+            max_phase=Q_ROW_BYTES // 16 if Q_ROW_BYTES < 128 else 8, order=[1, 0])
+        q_smem = gl.allocate_shared_memory(CDT, [ROWS, D], q_sl, q)
 
     # The keys this block's queries can see: blocks [lo_block, hi_block).
     first_tok = q_block * TOKENS
@@ -210,7 +226,11 @@ def paged_attention_kernel(
                     vpage, vd, vj, PAGE, PPB, D)
         slot = i % STAGES
         k_t = k_smem.index(slot).permute((1, 0)).load(b_layout)
-        logits = mma_v2(q, k_t.to(CDT), gl.zeros([ROWS, BK], gl.float32, layout=mma))
+        if Q_IN_SMEM:
+            q_op = q_smem.load(a_layout)
+        else:
+            q_op = q
+        logits = mma_v2(q_op, k_t.to(CDT), gl.zeros([ROWS, BK], gl.float32, layout=mma))
         k_pos = (lo_block + i) * BK + keys_m
         visible = k_pos[None, :] <= upper[:, None]
         if HAS_WINDOW:
@@ -227,8 +247,13 @@ def paged_attention_kernel(
         bd = gl.arange(0, D, layout=gl.SliceLayout(1, b_layout))
         block_k_t = gl.load(block_k_ptr + (kv_head * BLOCK_KEYS_PAD + bj[None, :]) * D
                             + bd[:, None])                                   # [D, keys]
-        logits = mma_v2(q, block_k_t, gl.zeros([ROWS, BLOCK_KEYS_PAD], gl.float32,
-                                               layout=mma))
+        if Q_IN_SMEM:
+            cta_barrier()  # q's store is seen (the loop's barriers do it when it runs)
+            q_op = q_smem.load(a_layout)
+        else:
+            q_op = q
+        logits = mma_v2(q_op, block_k_t, gl.zeros([ROWS, BLOCK_KEYS_PAD], gl.float32,
+                                                  layout=mma))
         j = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(0, mma))
         visible = valid[:, None] & (j[None, :] < q_len)
         if BLOCK_CAUSAL:
@@ -270,31 +295,40 @@ def use_gluon(q, pool, *, draft_block: bool = False) -> bool:
     kernels' 2^31-element pools, and for fp8 decode / verify when batch x kv heads fill
     the GPU twice (it has no key splits; the Pallas kernel splits below that). Among
     decode and verify it follows the batch, heads and pool only, never max_q, so a row's
-    decode and verify passes take the same kernel and agree bit for bit. Prefill and the
-    draft block take it past 2^31 elements only (BENCHMARKS.md, fourteenth session)."""
+    decode and verify passes take the same kernel and agree bit for bit. The draft block
+    over fp8 follows the same rule (0.18 / 0.70 ms against the Pallas kernel's 0.25 / 0.89
+    at 4K / 16K, batch 64, H200); over bf16 (Pallas 0.29 ms against 0.33 at 4K) and
+    prefill (Pallas 1.1-1.3x faster) take it past 2^31 elements only (BENCHMARKS.md,
+    fourteenth session)."""
     if jax.default_backend() != "gpu" or supports(q, pool, draft_block=draft_block):
         return False
     if pool.size > MAX_POOL_ELEMENTS:
         return True
-    return (not draft_block and q.shape[1] <= SPEC_MAX_Q and pool.dtype == jnp.float8_e4m3fn
+    return (q.shape[1] <= SPEC_MAX_Q and pool.dtype == jnp.float8_e4m3fn
             and q.shape[0] * pool.shape[0] >= 2 * NUM_SMS)
 
 
 def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=None,
-           soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None):
+           soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None, tuning=None):
     """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
     K / V^T pointers), constexprs and grid for a call; `supports` must hold. draft_block:
     None, or (padded block keys, causal within the block). Decode, verify and the draft
-    block (up to SPEC_MAX_Q queries) take 2 warps over the dots' columns, prefill
-    PREFILL_ROWS rows per program over PREFILL_WARPS warps along the rows."""
+    block (up to SPEC_MAX_Q queries) take 2 warps over the dots' columns (the bf16 draft
+    block DRAFT_BF16_WARPS), prefill PREFILL_ROWS rows per program over PREFILL_WARPS warps
+    along the rows. tuning: a dict overriding the constexprs so chosen (for benchmarks
+    that compare them: `benchmarks/probe_gluon_variants.py`)."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     q_per_kv = num_q_heads // num_kv_heads
-    spec = max_q <= SPEC_MAX_Q
+    spec, tuning = max_q <= SPEC_MAX_Q, dict(tuning or {})
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, table_width=batch_table.shape[1], num_splits=1,
-                       rows_per_block=None if spec else PREFILL_ROWS)
+                       rows_per_block=tuning.get("ROWS") or (None if spec else PREFILL_ROWS))
+    fp8 = pool.dtype == jnp.float8_e4m3fn
     num_warps = NUM_WARPS if spec else PREFILL_WARPS
+    if draft_block is not None and not fp8:
+        num_warps = DRAFT_BF16_WARPS
+    num_warps = tuning.get("NUM_WARPS") or num_warps
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
     scalars = (batch_table.shape[1], num_pages * num_layers * 2, 2 * layer_offset,
@@ -303,12 +337,17 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     block_keys_pad, block_causal = draft_block or (0, False)
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
                       PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
-                      TOKENS=plan.tokens_per_block, STAGES=STAGES, NUM_WARPS=num_warps,
+                      TOKENS=plan.tokens_per_block, STAGES=STAGES if spec else PREFILL_STAGES,
+                      NUM_WARPS=num_warps,
                       WARPS_M=1 if spec else num_warps,
-                      KV_FP8=pool.dtype == jnp.float8_e4m3fn,
+                      KV_FP8=fp8,
                       HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
                       QUERIES_CACHED=draft_block is None, BLOCK_KEYS_PAD=block_keys_pad,
-                      BLOCK_CAUSAL=block_causal)
+                      BLOCK_CAUSAL=block_causal, Q_IN_SMEM=False)
+    unknown = set(tuning) - set(constexprs)
+    if unknown:
+        raise ValueError(f"tuning names no constexpr of the kernel: {sorted(unknown)}")
+    constexprs.update(tuning)
     return scalars, constexprs, (plan.num_q_blocks, batch, num_kv_heads)
 
 
@@ -331,7 +370,7 @@ def _refuse(q, pool, draft_block=False):
 
 def paged_attention_gluon(q, pool, batch_table, kv_lens, q_lens, *, layer_offset,
                           sliding_window=None, sm_scale=None, soft_cap=None, k_scale=1.0,
-                          v_scale=1.0):
+                          v_scale=1.0, tuning=None):
     """`paged_attention` (decode, verify, chunked prefill) compiled from Gluon (module
     docstring). Trace-time errors name what it does not take (`supports`)."""
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
@@ -340,12 +379,13 @@ def paged_attention_gluon(q, pool, batch_table, kv_lens, q_lens, *, layer_offset
     # The block pointers are unused (BLOCK_KEYS_PAD = 0): q stands in for them.
     return _call(q, pool, batch_table, kv_lens, q_lens, q, q, layer_offset=layer_offset,
                  sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
-                 k_scale=k_scale, v_scale=v_scale)
+                 k_scale=k_scale, v_scale=v_scale, tuning=tuning)
 
 
 def draft_block_attention_gluon(q, pool, batch_table, ctx_lens, block_lens, block_k, block_v,
                                 *, layer_offset, causal_in_block=False, sliding_window=None,
-                                sm_scale=None, soft_cap=None, k_scale=1.0, v_scale=1.0):
+                                sm_scale=None, soft_cap=None, k_scale=1.0, v_scale=1.0,
+                                tuning=None):
     """`draft_block_attention` compiled from Gluon: block queries at ctx_len + i over the
     row's cached context and the block's own K / V [batch, block, kv heads, D]."""
     static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
@@ -365,4 +405,5 @@ def draft_block_attention_gluon(q, pool, batch_table, ctx_lens, block_lens, bloc
     return _call(q, pool, batch_table, ctx_lens, block_lens, padded(block_k, k_scale),
                  padded(block_v, v_scale).swapaxes(-1, -2), layer_offset=layer_offset,
                  sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
-                 k_scale=k_scale, v_scale=v_scale, draft_block=(pad, causal_in_block))
+                 k_scale=k_scale, v_scale=v_scale, draft_block=(pad, causal_in_block),
+                 tuning=tuning)

@@ -87,18 +87,37 @@ def test_refuses_what_it_does_not_take():
     assert not pg.use_gluon(q[:, :1], pool) or jax.default_backend() == "gpu"
 
 
-def test_prefill_and_draft_take_the_gluon_kernel_only_past_2_31_elements(monkeypatch):
-    """Decode / verify over fp8 at batch x kv heads >= 264 take it by measurement; prefill
-    and the draft block only where the Pallas kernels cannot address the pool."""
+def test_which_calls_take_the_gluon_kernel(monkeypatch):
+    """Decode, verify and the draft block over fp8 at batch x kv heads >= 264 take it by
+    measurement; prefill and the bf16 draft block only where the Pallas kernels cannot
+    address the pool (past 2^31 elements)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    small = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), FP8)
-    large = jax.ShapeDtypeStruct((8, 2**31 // (8 * 2 * 16 * 128) + 1, 1, 2, 16, 128), FP8)
-    for max_q, draft, want_small in ((1, False, True), (8, False, True), (64, False, False),
-                                     (8, True, False)):
-        q = jax.ShapeDtypeStruct((64, max_q, 32, 128), jnp.bfloat16)
-        assert pg.use_gluon(q, small, draft_block=draft) == want_small, (max_q, draft)
-        assert pg.use_gluon(q, large, draft_block=draft), (max_q, draft)
-    assert not pg.use_gluon(jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16), small)
+    for kv, fp8 in ((FP8, True), (jnp.bfloat16, False)):
+        small = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), kv)
+        large = jax.ShapeDtypeStruct((8, 2**31 // (8 * 2 * 16 * 128) + 1, 1, 2, 16, 128), kv)
+        for max_q, draft, want_small in ((1, False, fp8), (8, False, fp8), (64, False, False),
+                                         (8, True, fp8)):
+            q = jax.ShapeDtypeStruct((64, max_q, 32, 128), jnp.bfloat16)
+            assert pg.use_gluon(q, small, draft_block=draft) == want_small, (kv, max_q, draft)
+            assert pg.use_gluon(q, large, draft_block=draft), (kv, max_q, draft)
+        assert not pg.use_gluon(jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16), small)
+
+
+def test_launch_configs_and_tuning():
+    q8, q64 = (jax.ShapeDtypeStruct((64, n, 32, 128), jnp.bfloat16) for n in (8, 64))
+    table = jax.ShapeDtypeStruct((64, 16), jnp.int32)
+    for kv, draft_warps in ((FP8, pg.NUM_WARPS), (jnp.bfloat16, pg.DRAFT_BF16_WARPS)):
+        pool = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), kv)
+        assert pg.launch(q8, pool, table, layer_offset=0)[1]["NUM_WARPS"] == pg.NUM_WARPS
+        draft = pg.launch(q8, pool, table, layer_offset=0, draft_block=(16, False))[1]
+        assert draft["NUM_WARPS"] == draft_warps and not draft["QUERIES_CACHED"]
+        prefill = pg.launch(q64, pool, table, layer_offset=0)[1]
+        assert (prefill["ROWS"], prefill["NUM_WARPS"], prefill["WARPS_M"], prefill["STAGES"]) \
+            == (pg.PREFILL_ROWS, pg.PREFILL_WARPS, pg.PREFILL_WARPS, pg.PREFILL_STAGES)
+    tuned = pg.launch(q64, pool, table, layer_offset=0, tuning=dict(ROWS=128, NUM_WARPS=8))
+    assert (tuned[1]["ROWS"], tuned[1]["WARPS_M"], tuned[2][0]) == (128, 8, 64 * 4 // 128)
+    with pytest.raises(ValueError, match="tuning names no constexpr"):
+        pg.launch(q8, pool, table, layer_offset=0, tuning=dict(STAGE=2))
 
 
 CASES = [  # kv dtype, max_q, window, soft cap, q heads per kv head
@@ -203,3 +222,15 @@ def test_prefill_and_draft_block_on_a_pool_past_2_31_elements():
     assert pg.use_gluon(q, pool, draft_block=True)
     out = jax.jit(lambda *a: pg.draft_block_attention_gluon(*a, layer_offset=0))(*draft)
     assert rel_err(out, draft_block_attention_reference(*draft, layer_offset=0)) < 1e-2
+
+
+def test_probe_variants_name_real_constexprs():
+    from benchmarks.probe_gluon_variants import PREFILL_VARIANTS, SPEC_VARIANTS
+
+    pool = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), FP8)
+    table = jax.ShapeDtypeStruct((64, 16), jnp.int32)
+    for max_q, variants in ((8, SPEC_VARIANTS), (2048, PREFILL_VARIANTS)):
+        q = jax.ShapeDtypeStruct((64, max_q, 32, 128), jnp.bfloat16)
+        for tuning in variants.values():
+            assert pg.launch(q, pool, table, layer_offset=0, tuning=tuning)[1].items() \
+                >= tuning.items()

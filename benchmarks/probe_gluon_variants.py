@@ -1,0 +1,106 @@
+"""The Gluon kernel's constexpr variants (`launch(..., tuning=...)`) timed side by side, each
+with its error against the reference on two rows (issue 3's shapes: batch 64, 32 / 8
+heads, head dim 128, 16-key pages in random order; prefill at batch 4).
+
+    PYTHONPATH=. python benchmarks/probe_gluon_variants.py [--ctx 16384 32768] [--out DIR]
+
+Per KV dtype and context: decode, verify-8 and the draft block (8 queries) of every spec
+variant, timed in turn (`timing.time_alternating`); each variant's verify-8 and draft
+over its own decode. Then prefill (4096 cached + 2048 new tokens) per prefill variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_gluon_attention import bench_prefill
+from benchmarks.bench_paged_attention import FP8, HKV, D, reference_rel_err, setup
+from benchmarks.timing import time_alternating, write_results
+from pallas_kernels.paged_attention import draft_block_attention_reference
+from pallas_kernels.paged_attention_gluon import (draft_block_attention_gluon,
+                                                  paged_attention_gluon)
+
+# Fourteenth session (BENCHMARKS.md): none beat "base" over fp8; over bf16, 4 warps
+# ("w4") made the draft block faster (now its default) and verify faster at 4K only.
+SPEC_VARIANTS = {
+    "base": {}, "q_smem": dict(Q_IN_SMEM=True), "w4": dict(NUM_WARPS=4),
+    "bk32_s5": dict(PPB=2, STAGES=5), "w4_bk128_s2": dict(NUM_WARPS=4, PPB=8, STAGES=2),
+}
+# Prefill's default is 2 stages (it was 3: "s3").
+PREFILL_VARIANTS = {
+    "base": {}, "s3": dict(STAGES=3), "r128_w8": dict(ROWS=128, NUM_WARPS=8),
+    "bk32_s4": dict(PPB=2, STAGES=4), "q_smem": dict(Q_IN_SMEM=True),
+}
+
+
+def spec_rows(ctx, dtype, variants):
+    q, pool, table, kv_lens, _ = setup(ctx, dtype, max_q=8)
+    batch = q.shape[0]
+    key = jax.random.key(3)
+    block_kv = tuple(jax.random.normal(jax.random.fold_in(key, i), (batch, 8, HKV, D),
+                                       jnp.bfloat16) for i in (1, 2))
+    row = {"ctx": ctx, "kv": "fp8" if dtype == FP8 else "bf16"}
+    for name, tokens in (("decode", 1), ("verify8", 8), ("draft8", 8)):
+        lens = jnp.full((batch,), tokens, jnp.int32)
+        if name == "draft8":
+            args = (q, pool, table, kv_lens, lens, *block_kv)
+            fns = {v: jax.jit(lambda *a, t=t: draft_block_attention_gluon(
+                *a, layer_offset=0, tuning=t)) for v, t in variants.items()}
+            want = draft_block_attention_reference(q[:2], pool, table[:2], kv_lens[:2],
+                                                   lens[:2], *(x[:2] for x in block_kv),
+                                                   layer_offset=0).astype(jnp.float32)
+        else:
+            args = (q[:, :tokens], pool, table, kv_lens, lens)
+            fns = {v: jax.jit(lambda *a, t=t: paged_attention_gluon(
+                *a, layer_offset=0, tuning=t)) for v, t in variants.items()}
+        for v, fn in fns.items():
+            try:
+                out = fn(*args)
+            except Exception as e:  # a variant that does not compile is recorded
+                row[f"{v}_{name}_error"] = f"{type(e).__name__}: {e!s:.300}"
+                continue
+            if name == "draft8":
+                got = out[:2].astype(jnp.float32)
+                err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+            else:
+                err = reference_rel_err(out, *args)
+            row[f"{v}_{name}_rel_err"] = err
+        ok = {v: fn for v, fn in fns.items() if f"{v}_{name}_rel_err" in row}
+        for v, ms in time_alternating(ok, *args).items():
+            row[f"{v}_{name}_ms"] = ms
+    for v in variants:
+        for name in ("verify8", "draft8"):
+            if f"{v}_{name}_ms" in row and f"{v}_decode_ms" in row:
+                row[f"{v}_{name}_over_decode"] = row[f"{v}_{name}_ms"] / row[f"{v}_decode_ms"]
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ctx", type=int, nargs="*", default=[16384, 32768])
+    parser.add_argument("--bf16-ctx", type=int, nargs="*", default=[4096, 32768])
+    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = []
+    for dtype, contexts in ((FP8, args.ctx), (jnp.bfloat16, args.bf16_ctx)):
+        for ctx in contexts:
+            rows.append(spec_rows(ctx, dtype, SPEC_VARIANTS))
+            print(json.dumps(rows[-1]), flush=True)
+    prefill = []
+    for dtype in () if args.no_prefill else (jnp.bfloat16, FP8):
+        for v, t in PREFILL_VARIANTS.items():
+            try:
+                prefill.append({"variant": v, **bench_prefill(4096, 2048, dtype, tuning=t)})
+            except Exception as e:
+                prefill.append({"variant": v, "error": f"{type(e).__name__}: {e!s:.300}"})
+            print(json.dumps(prefill[-1]), flush=True)
+    write_results("gluon_variants", {"spec": rows, "prefill": prefill}, args.out)
+
+
+if __name__ == "__main__":
+    main()
