@@ -29,6 +29,9 @@ from pallas_kernels.paged_attention_gluon import (draft_block_attention_gluon,
 SPEC_VARIANTS = {
     "base": {}, "q_smem": dict(Q_IN_SMEM=True), "w4": dict(NUM_WARPS=4),
     "bk32_s5": dict(PPB=2, STAGES=5), "w4_bk128_s2": dict(NUM_WARPS=4, PPB=8, STAGES=2),
+    # 16-row query blocks (decode's): verify-8 and the draft block at GQA 4 take two
+    # programs per (row, kv head), side by side so their reads meet in L2
+    "r16": dict(ROWS=16), "r16_s2": dict(ROWS=16, STAGES=2), "s2": dict(STAGES=2),
 }
 # Prefill's default is 2 stages (it was 3: "s3").
 PREFILL_VARIANTS = {
@@ -84,12 +87,15 @@ def main():
     parser.add_argument("--ctx", type=int, nargs="*", default=[16384, 32768])
     parser.add_argument("--bf16-ctx", type=int, nargs="*", default=[4096, 32768])
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help=f"spec variants to time (default: all of {list(SPEC_VARIANTS)})")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
     for dtype, contexts in ((FP8, args.ctx), (jnp.bfloat16, args.bf16_ctx)):
         for ctx in contexts:
-            rows.append(spec_rows(ctx, dtype, SPEC_VARIANTS))
+            rows.append(spec_rows(ctx, dtype, {v: SPEC_VARIANTS[v]
+                                               for v in args.variants or SPEC_VARIANTS}))
             print(json.dumps(rows[-1]), flush=True)
     prefill = []
     for dtype in () if args.no_prefill else (jnp.bfloat16, FP8):
