@@ -118,7 +118,7 @@ def _softmax_step(logits, visible, m_i, l_i, cap_log2e, HAS_CAP: gl.constexpr):
 def paged_attention_kernel(
         q_ptr, pool_ptr, table_ptr, kv_lens_ptr, q_lens_ptr, block_k_ptr, block_v_ptr,
         table_width, head_pages, layer_pages, window, logit_scale, cap_log2e, v_scale,
-        o_ptr,
+        block_k_scale, block_v_scale, o_ptr,
         MAX_Q: gl.constexpr, HQ: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
         PAGE: gl.constexpr, PPB: gl.constexpr, ROWS: gl.constexpr, TOKENS: gl.constexpr,
         STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARPS_M: gl.constexpr,
@@ -132,8 +132,9 @@ def paged_attention_kernel(
     base-2 logits (divided by the soft cap when HAS_CAP: then tanh(s) x cap_log2e).
     QUERIES_CACHED: query i sits at kv_len - q_len + i (decode, verify, prefill), else at
     kv_len + i (the draft block: kv_len is the context length). BLOCK_KEYS_PAD > 0: the
-    draft block's own keys, block K [batch, kv heads, BLOCK_KEYS_PAD, D] and V^T [batch,
-    kv heads, D, BLOCK_KEYS_PAD] in the dots' dtype (K / k_scale, V / v_scale), key j at
+    draft block's own keys, block K and V [batch, MAX_Q, kv heads, D] as the caller has
+    them (read padded to BLOCK_KEYS_PAD keys, times block_k_scale = 1 / k_scale and
+    block_v_scale = 1 / v_scale, in the dots' dtype), key j at
     kv_len + j, the first q_len of them live (all of them, or j <= i with BLOCK_CAUSAL).
     The dots' warps: WARPS_M along the rows, NUM_WARPS / WARPS_M along their columns.
     Q_IN_SMEM: q (scaled) waits in shared memory and is loaded for each dot, instead of
@@ -242,11 +243,12 @@ def paged_attention_kernel(
         m_i = m_new
     async_copy.wait_group(0)  # no copy outlives the program
     if BLOCK_KEYS_PAD > 0:  # the draft block's own keys, straight into the dots' operands
-        kv_head = b * (HQ // GQA) + h
+        # Key j of row b, kv head h: element d at ((b * MAX_Q + j) * kv heads + h) * D + d.
         bj = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(0, b_layout))
         bd = gl.arange(0, D, layout=gl.SliceLayout(1, b_layout))
-        block_k_t = gl.load(block_k_ptr + (kv_head * BLOCK_KEYS_PAD + bj[None, :]) * D
-                            + bd[:, None])                                   # [D, keys]
+        block_k_t = gl.load(block_k_ptr + ((b * MAX_Q + bj[None, :]) * (HQ // GQA) + h) * D
+                            + bd[:, None], mask=bj[None, :] < MAX_Q, other=0.0)  # [D, keys]
+        block_k_t = (block_k_t.to(gl.float32) * block_k_scale).to(CDT)
         if Q_IN_SMEM:
             cta_barrier()  # q's store is seen (the loop's barriers do it when it runs)
             q_op = q_smem.load(a_layout)
@@ -263,8 +265,9 @@ def paged_attention_kernel(
         p, corr, m_i, l_i = _softmax_step(logits, visible, m_i, l_i, cap_log2e, HAS_CAP)
         vj = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(1, b_layout))
         vd = gl.arange(0, D, layout=gl.SliceLayout(0, b_layout))
-        block_v = gl.load(block_v_ptr + (kv_head * D + vd[None, :]) * BLOCK_KEYS_PAD
-                          + vj[:, None])                                     # [keys, D]
+        block_v = gl.load(block_v_ptr + ((b * MAX_Q + vj[:, None]) * (HQ // GQA) + h) * D
+                          + vd[None, :], mask=vj[:, None] < MAX_Q, other=0.0)   # [keys, D]
+        block_v = (block_v.to(gl.float32) * block_v_scale).to(CDT)
         acc = mma_v2(gl.convert_layout(p.to(CDT), a_layout), block_v, acc * corr[:, None])
 
     # Rows that saw no key (past q_len, padding rows) have l == 0: zeros.
@@ -333,7 +336,8 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
     scalars = (batch_table.shape[1], num_pages * num_layers * 2, 2 * layer_offset,
                sliding_window or 0, float(logit_scale),
-               float(0.0 if soft_cap is None else soft_cap * LOG2E), float(v_scale))
+               float(0.0 if soft_cap is None else soft_cap * LOG2E), float(v_scale),
+               float(1.0 / k_scale), float(1.0 / v_scale))
     block_keys_pad, block_causal = draft_block or (0, False)
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
                       PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
@@ -396,14 +400,10 @@ def draft_block_attention_gluon(q, pool, batch_table, ctx_lens, block_lens, bloc
                          f"head_dim] = {(q.shape[0], q.shape[1], pool.shape[0], q.shape[3])}, "
                          f"got {block_k.shape=} {block_v.shape=}")
     _refuse(q, pool, draft_block=True)
-    block, pad = q.shape[1], max(MIN_ROWS, pow2_at_least(q.shape[1]))
-    compute = jnp.float16 if pool.dtype == jnp.float8_e4m3fn else jnp.bfloat16
-
-    def padded(x, scale):  # [B, block, Hkv, D] / scale -> [B, Hkv, pad, D] in the dots' dtype
-        x = (x.astype(jnp.float32) / scale).astype(compute)
-        return jnp.pad(x, ((0, 0), (0, pad - block), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    return _call(q, pool, batch_table, ctx_lens, block_lens, padded(block_k, k_scale),
-                 padded(block_v, v_scale).swapaxes(-1, -2), layer_offset=layer_offset,
-                 sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
-                 k_scale=k_scale, v_scale=v_scale, draft_block=(pad, causal_in_block),
-                 tuning=tuning)
+    # The block's K / V go in as they are: the kernel pads, scales and converts them, so no
+    # XLA op runs beside it (BENCHMARKS.md, fourteenth session).
+    pad = max(MIN_ROWS, pow2_at_least(q.shape[1]))
+    return _call(q, pool, batch_table, ctx_lens, block_lens, block_k, block_v,
+                 layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
+                 soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+                 draft_block=(pad, causal_in_block), tuning=tuning)

@@ -27,7 +27,7 @@ def gluon_attention(*args, interpret=None, **kw):
 
 def compile_for_hopper(q, pool, *, block=None, **kw):
     """Compile the kernel for sm_90 as `gluon_call` would for these shapes (block: the
-    draft block's padded K / V^T); returns (Triton's compiled kernel, the grid)."""
+    draft block's K and V); returns (Triton's compiled kernel, the grid)."""
     table = jax.ShapeDtypeStruct((q.shape[0], 9), jnp.int32)
     lens = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
     scalars, constexprs, grid = pg.launch(q, pool, table, layer_offset=1, **kw)
@@ -62,11 +62,9 @@ def test_compiles_for_hopper(kv_dtype, max_q, window, soft_cap, head_dim, page_s
 def test_draft_block_compiles_for_hopper(kv_dtype, block, causal, window):
     q = jax.ShapeDtypeStruct((4, block, 8, 128), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((2, 40, 2, 2, 16, 128), kv_dtype)
-    dots = jnp.float16 if kv_dtype == FP8 else jnp.bfloat16
     pad = max(16, 1 << (block - 1).bit_length())
-    k_t = jax.ShapeDtypeStruct((4, 2, pad, 128), dots)
-    v_t = jax.ShapeDtypeStruct((4, 2, 128, pad), dots)
-    compiled, _ = compile_for_hopper(q, pool, block=(k_t, v_t), sliding_window=window,
+    block_kv = 2 * (jax.ShapeDtypeStruct((4, block, 2, 128), jnp.bfloat16),)
+    compiled, _ = compile_for_hopper(q, pool, block=block_kv, sliding_window=window,
                                      draft_block=(pad, causal))
     assert compiled.metadata.shared <= 100 * 1024
 
