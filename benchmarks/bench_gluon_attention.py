@@ -69,27 +69,34 @@ def bench(ctx, dtype, copy_bw):
     return row
 
 
-def bench_draft(q, pool, table, ctx_lens, with_pallas, block=8):
-    """The draft block: `block` queries per row over the row's context (the whole pool row)
-    and the block's own random K/V, bidirectional; ms and error of each kernel."""
+def draft_args(q, pool, table, ctx_lens, block=8):
+    """A draft block's arguments on `setup`'s data: `block` queries per row (q's first)
+    after the row's whole context, and the block's own random K / V."""
     batch = q.shape[0]
     key = jax.random.key(3)
     block_k, block_v = (jax.random.normal(jax.random.fold_in(key, i),
                                           (batch, block, HKV, D), jnp.bfloat16)
                         for i in (1, 2))
-    args = (q[:, :block], pool, table, ctx_lens, jnp.full((batch,), block, jnp.int32),
+    return (q[:, :block], pool, table, ctx_lens, jnp.full((batch,), block, jnp.int32),
             block_k, block_v)
+
+
+def draft_rel_err(out, q, pool, table, ctx_lens, block_lens, block_k, block_v):
+    """Relative error of rows 0 and 1 of a draft block's output against the reference."""
+    want = draft_block_attention_reference(
+        q[:2], pool, table[:2], ctx_lens[:2], block_lens[:2], block_k[:2], block_v[:2],
+        layer_offset=0).astype(jnp.float32)
+    return float(jnp.linalg.norm(out[:2].astype(jnp.float32) - want) / jnp.linalg.norm(want))
+
+
+def bench_draft(q, pool, table, ctx_lens, with_pallas):
+    """The draft block (8 queries, bidirectional): ms and error of each kernel."""
+    args = draft_args(q, pool, table, ctx_lens)
     kernels = {"gluon": jax.jit(lambda *a: draft_block_attention_gluon(*a, layer_offset=0))}
     if with_pallas:
         kernels["pallas"] = jax.jit(lambda *a: draft_block_attention(*a, layer_offset=0))
-    two_rows = (args[0][:2], pool, table[:2], ctx_lens[:2], args[4][:2], block_k[:2],
-                block_v[:2])
-    want = draft_block_attention_reference(*two_rows, layer_offset=0)
-    row = {}
-    for name, fn in kernels.items():
-        got = fn(*args)[:2].astype(jnp.float32)
-        row[f"{name}_draft8_rel_err"] = float(jnp.linalg.norm(got - want)
-                                              / jnp.linalg.norm(want))
+    row = {f"{name}_draft8_rel_err": draft_rel_err(fn(*args), *args)
+           for name, fn in kernels.items()}
     for name, ms in time_alternating(kernels, *args).items():
         row[f"{name}_draft8_ms"] = ms
     return row

@@ -17,10 +17,9 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_gluon_attention import bench_prefill
-from benchmarks.bench_paged_attention import FP8, HKV, D, reference_rel_err, setup
+from benchmarks.bench_gluon_attention import bench_prefill, draft_args, draft_rel_err
+from benchmarks.bench_paged_attention import FP8, reference_rel_err, setup
 from benchmarks.timing import time_alternating, write_results
-from pallas_kernels.paged_attention import draft_block_attention_reference
 from pallas_kernels.paged_attention_gluon import (draft_block_attention_gluon,
                                                   paged_attention_gluon)
 
@@ -43,35 +42,21 @@ PREFILL_VARIANTS = {
 def spec_rows(ctx, dtype, variants):
     q, pool, table, kv_lens, _ = setup(ctx, dtype, max_q=8)
     batch = q.shape[0]
-    key = jax.random.key(3)
-    block_kv = tuple(jax.random.normal(jax.random.fold_in(key, i), (batch, 8, HKV, D),
-                                       jnp.bfloat16) for i in (1, 2))
     row = {"ctx": ctx, "kv": "fp8" if dtype == FP8 else "bf16"}
     for name, tokens in (("decode", 1), ("verify8", 8), ("draft8", 8)):
-        lens = jnp.full((batch,), tokens, jnp.int32)
         if name == "draft8":
-            args = (q, pool, table, kv_lens, lens, *block_kv)
-            fns = {v: jax.jit(lambda *a, t=t: draft_block_attention_gluon(
-                *a, layer_offset=0, tuning=t)) for v, t in variants.items()}
-            want = draft_block_attention_reference(q[:2], pool, table[:2], kv_lens[:2],
-                                                   lens[:2], *(x[:2] for x in block_kv),
-                                                   layer_offset=0).astype(jnp.float32)
+            args, kernel, rel_err = (draft_args(q, pool, table, kv_lens),
+                                     draft_block_attention_gluon, draft_rel_err)
         else:
-            args = (q[:, :tokens], pool, table, kv_lens, lens)
-            fns = {v: jax.jit(lambda *a, t=t: paged_attention_gluon(
-                *a, layer_offset=0, tuning=t)) for v, t in variants.items()}
+            args = (q[:, :tokens], pool, table, kv_lens, jnp.full((batch,), tokens, jnp.int32))
+            kernel, rel_err = paged_attention_gluon, reference_rel_err
+        fns = {v: jax.jit(lambda *a, t=t: kernel(*a, layer_offset=0, tuning=t))
+               for v, t in variants.items()}
         for v, fn in fns.items():
             try:
-                out = fn(*args)
+                row[f"{v}_{name}_rel_err"] = rel_err(fn(*args), *args)
             except Exception as e:  # a variant that does not compile is recorded
                 row[f"{v}_{name}_error"] = f"{type(e).__name__}: {e!s:.300}"
-                continue
-            if name == "draft8":
-                got = out[:2].astype(jnp.float32)
-                err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-            else:
-                err = reference_rel_err(out, *args)
-            row[f"{v}_{name}_rel_err"] = err
         ok = {v: fn for v, fn in fns.items() if f"{v}_{name}_rel_err" in row}
         for v, ms in time_alternating(ok, *args).items():
             row[f"{v}_{name}_ms"] = ms

@@ -134,8 +134,8 @@ def paged_attention_kernel(
     kv_len + i (the draft block: kv_len is the context length). BLOCK_KEYS_PAD > 0: the
     draft block's own keys, block K and V [batch, MAX_Q, kv heads, D] as the caller has
     them (read padded to BLOCK_KEYS_PAD keys, times block_k_scale = 1 / k_scale and
-    block_v_scale = 1 / v_scale, in the dots' dtype), key j at
-    kv_len + j, the first q_len of them live (all of them, or j <= i with BLOCK_CAUSAL).
+    block_v_scale = 1 / v_scale, in the dots' dtype), key j at kv_len + j, the first q_len
+    of them live (all of them, or j <= i with BLOCK_CAUSAL).
     The dots' warps: WARPS_M along the rows, NUM_WARPS / WARPS_M along their columns.
     Q_IN_SMEM: q (scaled) waits in shared memory and is loaded for each dot, instead of
     held in registers throughout."""
@@ -300,8 +300,8 @@ def use_gluon(q, pool, *, draft_block: bool = False) -> bool:
     decode and verify it follows the batch, heads and pool only, never max_q, so a row's
     decode and verify passes take the same kernel and agree bit for bit. The draft block
     over fp8 follows the same rule (0.18 / 0.70 ms against the Pallas kernel's 0.25 / 0.89
-    at 4K / 16K, batch 64, H200); over bf16 (Pallas 0.29 ms against 0.33 at 4K) and
-    prefill (Pallas 1.1-1.3x faster) take it past 2^31 elements only (BENCHMARKS.md,
+    at 4K / 16K, batch 64, H200); over bf16 (Pallas 0.28 ms against 0.33 at 4K) and
+    prefill (Pallas up to 1.27x faster) take it past 2^31 elements only (BENCHMARKS.md,
     fourteenth session)."""
     if jax.default_backend() != "gpu" or supports(q, pool, draft_block=draft_block):
         return False
@@ -314,7 +314,7 @@ def use_gluon(q, pool, *, draft_block: bool = False) -> bool:
 def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=None,
            soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None, tuning=None):
     """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
-    K / V^T pointers), constexprs and grid for a call; `supports` must hold. draft_block:
+    K / V pointers), constexprs and grid for a call; `supports` must hold. draft_block:
     None, or (padded block keys, causal within the block). Decode, verify and the draft
     block (up to SPEC_MAX_Q queries) take 2 warps over the dots' columns (the bf16 draft
     block DRAFT_BF16_WARPS), prefill PREFILL_ROWS rows per program over PREFILL_WARPS warps
@@ -342,9 +342,7 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
                       PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
                       TOKENS=plan.tokens_per_block, STAGES=STAGES if spec else PREFILL_STAGES,
-                      NUM_WARPS=num_warps,
-                      WARPS_M=1 if spec else num_warps,
-                      KV_FP8=fp8,
+                      NUM_WARPS=num_warps, WARPS_M=1 if spec else num_warps, KV_FP8=fp8,
                       HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
                       QUERIES_CACHED=draft_block is None, BLOCK_KEYS_PAD=block_keys_pad,
                       BLOCK_CAUSAL=block_causal, Q_IN_SMEM=False)

@@ -1,0 +1,51 @@
+"""bench_gluon_attention / probe_gluon_variants on CPU: their rows are whole and their
+errors real, with the Gluon kernel (GPU only) stood in for by the Pallas kernels in
+interpret mode and timing stubbed (the GPU runs time them)."""
+
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("triton.experimental.gluon._runtime",
+                    reason="pip install '.[inspect]' (a Triton with Gluon)")
+
+import benchmarks.bench_gluon_attention as bench  # noqa: E402
+import benchmarks.probe_gluon_variants as probe  # noqa: E402
+from pallas_kernels.paged_attention import (  # noqa: E402
+    draft_block_attention, paged_attention)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    def interpreted(kernel):
+        return lambda *a, tuning=None, **k: kernel(*a, interpret=True, **k)
+
+    for module in (bench, probe):
+        monkeypatch.setattr(module, "paged_attention_gluon", interpreted(paged_attention))
+        monkeypatch.setattr(module, "draft_block_attention_gluon",
+                            interpreted(draft_block_attention))
+        monkeypatch.setattr(module, "time_alternating", lambda fns, *a: dict.fromkeys(fns, 1.0))
+        monkeypatch.setattr(module, "setup", lambda ctx, dtype, max_q=1: setup(
+            ctx, dtype, max_q=max_q, batch=2))
+    monkeypatch.setattr(bench, "draft_block_attention", interpreted(draft_block_attention))
+    monkeypatch.setattr(bench, "decode_baselines", lambda *a: {"jax_op_ms": 2.0})
+
+
+setup = bench.setup
+
+
+def test_bench_rows(on_cpu):
+    row = bench.bench(128, jnp.bfloat16, copy_bw=1e12)
+    for kernel in ("gluon", "pallas"):
+        for name in ("decode", "verify8", "draft8"):
+            assert row[f"{kernel}_{name}_rel_err"] < 1e-2
+        assert row[f"{kernel}_draft8_over_decode"] == 1.0
+    assert row["gluon_speedup_vs_jax_op"] == 2.0
+    prefill = bench.bench_prefill(64, 64, jnp.float8_e4m3fn, batch=1)
+    assert prefill["gluon_rel_err_vs_dense"] < 1e-2 and prefill["pallas_over_gluon"] == 1.0
+
+
+def test_probe_rows(on_cpu):
+    row = probe.spec_rows(128, jnp.bfloat16, {"base": {}, "w4": dict(NUM_WARPS=4)})
+    assert all(row[f"{v}_{n}_rel_err"] < 1e-2 for v in ("base", "w4")
+               for n in ("decode", "verify8", "draft8"))
+    assert row["w4_verify8_over_decode"] == 1.0
