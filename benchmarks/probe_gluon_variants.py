@@ -31,6 +31,8 @@ SPEC_VARIANTS = {
     # 16-row query blocks (decode's): verify-8 and the draft block at GQA 4 take two
     # programs per (row, kv head), side by side so their reads meet in L2
     "r16": dict(ROWS=16), "r16_s2": dict(ROWS=16, STAGES=2), "s2": dict(STAGES=2),
+    # 4 warps, 2 along the rows (verify's 32 rows; decode's 16 cannot split so)
+    "w4m2": dict(NUM_WARPS=4, WARPS_M=2),
 }
 # Prefill's default is 2 stages (it was 3: "s3").
 PREFILL_VARIANTS = {
