@@ -6,11 +6,11 @@
   "reference"  the kernels' plain-jnp references (CPU tests of whole models)
   "auto"       "pallas" on GPU, "reference" elsewhere
 The choice is explicit and static; nothing falls back silently at run time.
-Under "pallas", decode and verify over fp8 KV at batch x kv heads >= 264, and every call
-over a pool past the Pallas kernels' 2^31 elements (prefill and the draft block too), take
-the Gluon kernel (`pallas_kernels/paged_attention_gluon.py`, `use_gluon`): a trace-time
-rule of the batch, heads and pool, so a row's plain decode and its verify take the same
-kernel.
+Under "pallas", decode, verify and the draft block over fp8 KV at batch x kv heads >= 264,
+and every call over a pool past the Pallas kernels' 2^31 elements (prefill and the draft
+block too), take the Gluon kernel (`pallas_kernels/paged_attention_gluon.py`,
+`use_gluon`): a trace-time rule of the batch, heads and pool, so a row's plain decode and
+its verify take the same kernel.
 
 Tensor parallelism: a worker on a mesh traces its steps under
 `jax.set_mesh(mesh)` with pools split along kv heads over the mesh's first
