@@ -25,11 +25,10 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_paged_attention import (FP8, HKV, D, decode_baselines, dense_kv,
-                                              kv_bytes, make_pool, ours, reference_rel_err,
-                                              setup)
-from benchmarks.timing import device_copy_bandwidth, time_alternating, write_results
-from pallas_kernels.kv_store import layer_kv
+from benchmarks.bench_paged_attention import (FP8, HKV, D, decode_baselines, kv_bytes, ours,
+                                              prefill_case, reference_rel_err, setup)
+from benchmarks.timing import (device_copy_bandwidth, time_alternating, time_call,
+                               write_results)
 from pallas_kernels.paged_attention import (draft_block_attention,
                                             draft_block_attention_reference)
 from pallas_kernels.paged_attention_gluon import (draft_block_attention_gluon,
@@ -103,28 +102,19 @@ def bench_draft(q, pool, table, ctx_lens, with_pallas):
 
 
 def bench_prefill(prior, chunk, dtype, batch=4, tuning=None):
-    """Chunked prefill of `chunk` tokens after `prior` cached ones (random page order):
-    TFLOP/s of both kernels and of XLA dense attention on contiguous K/V, and each kernel's
-    relative error against the dense result."""
-    total = prior + chunk
-    pages = total // 16
-    key = jax.random.key(5)
-    pool = make_pool(key, batch * pages, dtype)
-    table = jax.random.permutation(jax.random.fold_in(key, 2), batch * pages
-                                   ).astype(jnp.int32).reshape(batch, pages) * 2
-    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, chunk, HKV * 4, D), jnp.bfloat16)
-    kv_lens = jnp.full((batch,), total, jnp.int32)
-    args = (q, pool, table, kv_lens, jnp.full((batch,), chunk, jnp.int32))
-    flops = 4 * batch * q.shape[2] * D * (chunk * prior + chunk * (chunk + 1) // 2)
-    k_dense, v_dense = (x.astype(jnp.bfloat16) for x in dense_kv(*layer_kv(pool, 0), table // 2))
-    mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
+    """Chunked prefill of `chunk` tokens after `prior` cached ones
+    (`bench_paged_attention.prefill_case`): TFLOP/s of both kernels and of XLA dense
+    attention on contiguous K/V, and each kernel's relative error against the dense
+    result."""
+    args, flops, (k_dense, v_dense), mask = prefill_case(prior, chunk, batch, dtype)
+    q = args[0]
     xla = jax.jit(lambda q_, k_, v_: jax.nn.dot_product_attention(q_, k_, v_, mask=mask))
     kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0,
                                                                  tuning=tuning)),
                "pallas": ours(*args)}
     want = xla(q, k_dense, v_dense).astype(jnp.float32)
     row = {"prior": prior, "chunk": chunk, "batch": batch, "kv": "fp8" if dtype == FP8
-           else "bf16", "xla_dense_ms": time_alternating({"x": xla}, q, k_dense, v_dense)["x"]}
+           else "bf16", "xla_dense_ms": time_call(xla, q, k_dense, v_dense) * 1e3}
     for name, fn in kernels.items():
         got = fn(*args).astype(jnp.float32)
         row[f"{name}_rel_err_vs_dense"] = float(jnp.linalg.norm(got - want)

@@ -117,15 +117,15 @@ def reference_rel_err(out, q, pool, table, kv_lens, q_lens):
     return float(jnp.linalg.norm(out[:2].astype(jnp.float32) - want) / jnp.linalg.norm(want))
 
 
-def jax_op_decode(q, pool, table, kv_lens, *, interpret=False):
+def jax_op_decode(q, k_pages, v_pages, table, kv_lens, *, interpret=False):
     """jax's Pallas paged attention op (`jax.experimental.pallas.ops.gpu`) as a decode
-    baseline over layer 0 of a `setup` pool: (jitted fn, its args), for each row's first
-    query token. The op applies no softmax scale (its callers fold 1 / sqrt(head_dim)
-    into q), so q is scaled here, outside the timed call; K and V go key-major."""
+    baseline over layer 0 of a `setup` pool, its K and V key-major (`layer_kv(pool, 0)`):
+    (jitted fn, its args), for each row's first query token. The op applies no softmax
+    scale (its callers fold 1 / sqrt(head_dim) into q), so q is scaled here, outside the
+    timed call."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_op
-    k_pages, v_pages = layer_kv(pool, 0)
     q_scaled = (q[:, 0].astype(jnp.float32) / math.sqrt(q.shape[-1])).astype(q.dtype)
     fn = jax.jit(lambda *a: jax_op.paged_attention(*a, interpret=interpret))
     return fn, (q_scaled, k_pages, v_pages, table // 2, kv_lens)
@@ -139,14 +139,15 @@ def decode_baselines(q, pool, table, kv_lens):
     `xla_dense_ms`)."""
     row = {}
     q1 = q[:, :1]  # decode: one query token per row, whatever q's caller set up
+    k_pages, v_pages = layer_kv(pool, 0)  # one copy of the layer for every baseline
     try:
-        fn, args = jax_op_decode(q1, pool, table, kv_lens)
+        fn, args = jax_op_decode(q1, k_pages, v_pages, table, kv_lens)
         row["jax_op_ms"] = time_call(fn, *args) * 1e3
         row["jax_op_rel_err"] = reference_rel_err(fn(*args)[:, None], q1, pool, table,
                                                   kv_lens, jnp.ones_like(kv_lens))
     except Exception as e:
         row["jax_op_error"] = f"{e!s:.300}"
-    k_pages, v_pages = layer_kv(pool, 0)
+    fn = args = None  # drop the op's references to the layer before the dense copy
     # cuDNN dense attention on contiguous K/V: [B, T, Hkv, D].
     k_dense, v_dense = dense_kv(k_pages, v_pages, table // 2)
     del k_pages, v_pages
@@ -199,9 +200,11 @@ def bench_draft_block(ctx, cfg, block=8):
             "draft_over_decode": t_draft / t_decode}
 
 
-def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
-    """Chunked prefill TFLOP/s vs XLA dense attention on contiguous K/V (same
-    values, in bf16)."""
+def prefill_case(prior, chunk, batch, dtype):
+    """A chunked prefill of `chunk` tokens after `prior` cached ones per row (pages in
+    random order): (q, pool, table, kv_lens, q_lens), its FLOPs (4 * heads * head_dim per
+    visible (query, key) pair), and the same K / V laid out contiguously in bf16 with the
+    causal mask, for dense attention."""
     total = prior + chunk
     pages = total // PAGE
     key = jax.random.key(5)
@@ -209,10 +212,19 @@ def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
     table = jnp.asarray(np.random.default_rng(1).permutation(batch * pages).astype(np.int32)
                         ).reshape(batch, pages) * 2
     q = jax.random.normal(jax.random.fold_in(key, 1), (batch, chunk, HQ, D), jnp.bfloat16)
-    kv_lens = jnp.full((batch,), total, jnp.int32)
-    q_lens = jnp.full((batch,), chunk, jnp.int32)
-    pairs = chunk * prior + chunk * (chunk + 1) // 2
-    flops = 4 * batch * HQ * D * pairs
+    args = (q, pool, table, jnp.full((batch,), total, jnp.int32),
+            jnp.full((batch,), chunk, jnp.int32))
+    flops = 4 * batch * HQ * D * (chunk * prior + chunk * (chunk + 1) // 2)
+    dense = tuple(x.astype(jnp.bfloat16) for x in dense_kv(*layer_kv(pool, 0), table // 2))
+    mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
+    return args, flops, dense, mask
+
+
+def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
+    """Chunked prefill TFLOP/s vs XLA dense attention on contiguous K/V (same
+    values, in bf16)."""
+    (q, pool, table, kv_lens, q_lens), flops, (kd, vd), mask = prefill_case(
+        prior, chunk, batch, dtype)
     row = {"prior": prior, "chunk": chunk, "batch": batch, "flops": flops,
            "kv_dtype": jnp.dtype(dtype).name}
     # (rows per block, pages per block, warps), 2 pipeline stages
@@ -223,8 +235,6 @@ def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
         f"prefill prior={prior} {jnp.dtype(dtype).name}",
         lambda t: f"{flops / t / 1e12:.1f} TFLOP/s", iters=10)
     row.update(ours_ms=t * 1e3, ours_cfg=cfg, ours_TFLOPs=flops / t / 1e12)
-    kd, vd = (x.astype(jnp.bfloat16) for x in dense_kv(*layer_kv(pool, 0), table // 2))
-    mask = (jnp.arange(total)[None, :] <= prior + jnp.arange(chunk)[:, None])[None, None]
     for impl in ("xla", "cudnn"):
         try:
             dfn = jax.jit(lambda q_, k_, v_, impl=impl: jax.nn.dot_product_attention(

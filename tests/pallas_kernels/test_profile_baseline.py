@@ -43,9 +43,10 @@ def test_jax_op_baseline_is_scaled_like_the_reference():
     import jax
 
     from benchmarks.bench_paged_attention import jax_op_decode, reference_rel_err, setup
+    from pallas_kernels.kv_store import layer_kv
 
     q, pool, table, kv_lens, _ = setup(256, jnp.bfloat16, max_q=8, batch=2)
-    fn, args = jax_op_decode(q[:, :1], pool, table, kv_lens,
+    fn, args = jax_op_decode(q[:, :1], *layer_kv(pool, 0), table, kv_lens,
                              interpret=jax.default_backend() == "cpu")
     err = reference_rel_err(fn(*args)[:, None], q[:, :1], pool, table, kv_lens,
                             jnp.ones_like(kv_lens))
