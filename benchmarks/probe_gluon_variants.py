@@ -23,20 +23,32 @@ from benchmarks.timing import time_alternating, write_results
 from pallas_kernels.paged_attention_gluon import (draft_block_attention_gluon,
                                                   paged_attention_gluon)
 
-# Fourteenth session (BENCHMARKS.md): none beat "base" over fp8; over bf16, 4 warps
-# ("w4") made the draft block faster (now its default) and verify faster at 4K only.
+# Fourteenth session (BENCHMARKS.md): none beat the then default over fp8; over bf16, 4
+# warps ("w4") made the draft block faster (now its default), verify at 4K only. The
+# fifteenth session's rows-along-warps default beat them all; the variants run on it.
 SPEC_VARIANTS = {
     "base": {}, "q_smem": dict(Q_IN_SMEM=True), "w4": dict(NUM_WARPS=4),
     "bk32_s5": dict(PPB=2, STAGES=5), "w4_bk128_s2": dict(NUM_WARPS=4, PPB=8, STAGES=2),
     # 16-row query blocks (decode's): verify-8 and the draft block at GQA 4 take two
     # programs per (row, kv head), side by side so their reads meet in L2
     "r16": dict(ROWS=16), "r16_s2": dict(ROWS=16, STAGES=2), "s2": dict(STAGES=2),
-    # 4 warps, 2 along the rows (verify's 32 rows; decode's 16 cannot split so)
+    # 4 warps, 2 along the rows
     "w4m2": dict(NUM_WARPS=4, WARPS_M=2),
+    # Fifteenth session. The default: warps along the rows (verify's 32 rows over 2
+    # warps), masks at the edges only, row sums by dot. The fourteenth session's default
+    # ("old": warps along the columns), and each change alone:
+    "old": dict(WARPS_M=1, EDGE_MASKS=False, SUM_BY_MMA=False),
+    "edge_only": dict(WARPS_M=1, SUM_BY_MMA=False),
+    "cols_sum": dict(WARPS_M=1), "rows_no_sum": dict(SUM_BY_MMA=False),
+    # bf16 decode has 99 KB of shared memory at 3 stages: 2 CTAs per SM, 512 programs in
+    # two waves; 32-key blocks at 3 stages take 48 KB (4 per SM, one wave): no faster
+    "bk32_s3": dict(PPB=2, STAGES=3), "bk32_s4": dict(PPB=2, STAGES=4),
 }
-# Prefill's default is 2 stages (it was 3: "s3").
+# Prefill's default is 2 stages (it was 3: "s3"), masks on every block, summed rows
+# ("edge_sum", the spec kernels' options, was 8% slower over fp8).
 PREFILL_VARIANTS = {
-    "base": {}, "s3": dict(STAGES=3), "r128_w8": dict(ROWS=128, NUM_WARPS=8),
+    "base": {}, "edge_sum": dict(EDGE_MASKS=True, SUM_BY_MMA=True), "s3": dict(STAGES=3),
+    "r128_w8": dict(ROWS=128, NUM_WARPS=8),
     "bk32_s4": dict(PPB=2, STAGES=4), "q_smem": dict(Q_IN_SMEM=True),
 }
 

@@ -9,7 +9,10 @@ sliding_window), GQA, fp8 e4m3 or bf16 KV with per-layer scales, soft cap, ragge
 padding rows (q_len 0) and query tokens past q_len give zeros. A draft block also sees the
 block's own K / V (not in the cache), bidirectionally or causally. One program: one (query
 block, row, kv head); up to 32 query rows (tokens x q heads of the kv head) over 2 warps
-for decode, verify and the draft block, 64 rows over 4 warps for prefill.
+for decode, verify and the draft block, 64 rows over 4 warps for prefill. Warps take 16
+rows each (the rest of them the dots' columns: decode's 16 rows over 2 warps), so a
+verify's warps exchange nothing per key block: its ratio to decode went from 1.30 to
+1.21 at 32K over fp8 (BENCHMARKS.md, fifteenth session).
 
 Why a second kernel: Pallas Triton picks the dots' register layouts itself. Over fp8 KV it
 reloads q from shared memory every key block and ptxas rebuilds its mma.sync fragments
@@ -22,8 +25,9 @@ elements (which Pallas Triton's 32-bit offsets refuse) work.
 
 Blocks are PPB pages on a grid aligned to page 0, and a row's 1-query decode and its
 K+1-query verify run the same per-row arithmetic (rows are independent in the dots and
-the softmax), so greedy speculative decoding reproduces plain decoding bit for bit
-(tested compiled). No key splits: launch it when batch x kv heads fill the GPU
+the softmax; the row sums come from a dot, so they add in the same order whichever way
+the warps are laid out), so greedy speculative decoding reproduces plain decoding bit for
+bit (tested compiled). No key splits: launch it when batch x kv heads fill the GPU
 (`use_gluon`). GPU only (`gluon_call`); on CPU the Pallas kernel runs in interpret mode.
 """
 
@@ -99,18 +103,35 @@ def _copy_block(k_slot, v_slot, head_pool, table_row, block, hi_block, table_wid
 
 
 @gluon.jit
-def _softmax_step(logits, visible, m_i, l_i, cap_log2e, HAS_CAP: gl.constexpr):
-    """One online-softmax step over a key block's base-2 logits [ROWS, keys]: returns p,
-    the accumulator's correction, and the new running max and sum."""
-    if HAS_CAP:  # tanh(x) = 1 - 2 / (e^2x + 1)
+def _capped(logits, cap_log2e, HAS_CAP: gl.constexpr):
+    """Base-2 logits after the soft cap: tanh(x) x cap_log2e, tanh(x) = 1 - 2 / (e^2x + 1)."""
+    if HAS_CAP:
         logits = (1.0 - 2.0 / (gl.exp2(logits * (2.0 * LOG2E_)) + 1.0)) * cap_log2e
-    logits = gl.where(visible, logits, MASK_)
+    return logits
+
+
+@gluon.jit
+def _mask(logits, k_pos, upper, q_pos, window, HAS_WINDOW: gl.constexpr):
+    """Logits [ROWS, keys] with the keys a row does not see (k_pos > upper, or not in
+    its window) at MASK_."""
+    visible = k_pos[None, :] <= upper[:, None]
+    if HAS_WINDOW:
+        visible = visible & (k_pos[None, :] > (q_pos - window)[:, None])
+    return gl.where(visible, logits, MASK_)
+
+
+@gluon.jit
+def _softmax_step(logits, m_i, l_i, SUM_BY_MMA: gl.constexpr):
+    """One online-softmax step over a key block's masked, capped base-2 logits [ROWS, keys]:
+    returns p, the accumulator's correction, and the new running max and sum."""
     m_new = gl.maximum(m_i, gl.max(logits, axis=1))
     # A row with nothing visible yet keeps m == MASK_: subtract 0 so its masked
     # logits still underflow to p == 0.
     m_sub = gl.where(m_new == MASK_, 0.0, m_new)
     corr = gl.exp2(m_i - m_sub)
     p = gl.exp2(logits - m_sub[:, None])
+    if SUM_BY_MMA:  # the caller sums p on the tensor cores
+        return p, corr, m_new, l_i
     return p, corr, m_new, l_i * corr + gl.sum(p, axis=1)
 
 
@@ -124,7 +145,8 @@ def paged_attention_kernel(
         STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARPS_M: gl.constexpr,
         KV_FP8: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr,
         QUERIES_CACHED: gl.constexpr, BLOCK_KEYS_PAD: gl.constexpr,
-        BLOCK_CAUSAL: gl.constexpr, Q_IN_SMEM: gl.constexpr):
+        BLOCK_CAUSAL: gl.constexpr, Q_IN_SMEM: gl.constexpr, EDGE_MASKS: gl.constexpr,
+        SUM_BY_MMA: gl.constexpr):
     """Program (query block, row b, kv head h). q and o [batch, MAX_Q, HQ, D] in q's
     layout; the pool [kv heads, head_pages, PAGE * D] (head_pages = pages x layers x 2, K
     then V^T per page and layer); table i32[batch, table_width] of page * 2L (BAD = -1);
@@ -138,7 +160,11 @@ def paged_attention_kernel(
     of them live (all of them, or j <= i with BLOCK_CAUSAL).
     The dots' warps: WARPS_M along the rows, NUM_WARPS / WARPS_M along their columns.
     Q_IN_SMEM: q (scaled) waits in shared memory and is loaded for each dot, instead of
-    held in registers throughout."""
+    held in registers throughout. EDGE_MASKS: only key blocks at the causal and window
+    edges are masked (the others are visible to every valid row: the same arithmetic).
+    SUM_BY_MMA: p's row sums come from a dot (p @ ones), whose order of additions is the
+    tensor cores', not the warps' layout's: with it a [1, 2] decode and a [2, 1] verify
+    agree bit for bit."""
     KW: gl.constexpr = 4 if KV_FP8 else 2
     CDT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
     KV_DT: gl.constexpr = gl.float8e4nv if KV_FP8 else gl.bfloat16
@@ -212,10 +238,18 @@ def paged_attention_kernel(
     q_pos = q_start + tok_m
     valid = (rows_m < TOKENS * GQA) & (tok_m < q_len)
     upper = gl.where(valid, gl.minimum(q_pos, key_end - 1), -1)  # last key each row sees
+    # Every valid row sees keys window_edge < k <= all_see_upto (the first and last
+    # valid queries bound them).
+    all_see_upto = gl.minimum(q_start + first_tok, key_end - 1)
+    window_edge = q_start + last_tok - window
     keys_m = gl.arange(0, BK, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([ROWS, D], gl.float32, layout=mma)
     m_i = gl.full([ROWS], MASK_, gl.float32, layout=gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, mma))
+    # SUM_BY_MMA: row sums of p as one more dot (p @ ones, every column the sum), so they
+    # add in the tensor cores' order whatever the warps' layout.
+    SUM_COLS: gl.constexpr = 8 * (NUM_WARPS // WARPS_M)
+    l_acc = gl.zeros([ROWS, SUM_COLS], gl.float32, layout=mma)
     for i in range(num_blocks):
         # Block i is in once its copy group is; past the barrier every warp is done with
         # block i - 1, whose slot then takes block i + STAGES - 1.
@@ -231,15 +265,26 @@ def paged_attention_kernel(
             q_op = q_smem.load(a_layout)
         else:
             q_op = q
-        logits = mma_v2(q_op, k_t.to(CDT), gl.zeros([ROWS, BK], gl.float32, layout=mma))
-        k_pos = (lo_block + i) * BK + keys_m
-        visible = k_pos[None, :] <= upper[:, None]
-        if HAS_WINDOW:
-            visible = visible & (k_pos[None, :] > (q_pos - window)[:, None])
-        p, corr, m_new, l_i = _softmax_step(logits, visible, m_i, l_i, cap_log2e, HAS_CAP)
+        logits = _capped(mma_v2(q_op, k_t.to(CDT), gl.zeros([ROWS, BK], gl.float32,
+                                                           layout=mma)), cap_log2e, HAS_CAP)
+        k_lo = (lo_block + i) * BK
+        if EDGE_MASKS:  # only blocks some valid row does not see whole take the mask
+            masked = k_lo + BK - 1 > all_see_upto
+            if HAS_WINDOW:
+                masked = masked | (k_lo <= window_edge)
+            if masked:
+                logits = _mask(logits, k_lo + keys_m, upper, q_pos, window, HAS_WINDOW)
+        else:
+            logits = _mask(logits, k_lo + keys_m, upper, q_pos, window, HAS_WINDOW)
+        p, corr, m_new, l_i = _softmax_step(logits, m_i, l_i, SUM_BY_MMA)
         v_pages = v_smem.index(slot).reshape([PPB, D, PAGE]).permute((0, 2, 1))
         v = v_pages.reshape([BK, D]).load(b_layout)
-        acc = mma_v2(gl.convert_layout(p.to(CDT), a_layout), v.to(CDT), acc * corr[:, None])
+        p_op = gl.convert_layout(p.to(CDT), a_layout)
+        v = v.to(CDT)
+        acc = mma_v2(p_op, v, acc * corr[:, None])
+        if SUM_BY_MMA:
+            l_acc = mma_v2(p_op, gl.full([BK, SUM_COLS], 1.0, CDT, layout=b_layout),
+                           l_acc * corr[:, None])
         m_i = m_new
     async_copy.wait_group(0)  # no copy outlives the program
     if BLOCK_KEYS_PAD > 0:  # the draft block's own keys, straight into the dots' operands
@@ -262,16 +307,26 @@ def paged_attention_kernel(
             visible = visible & (j[None, :] <= tok_m[:, None])
         if HAS_WINDOW:
             visible = visible & (j[None, :] > (tok_m - window)[:, None])
-        p, corr, m_i, l_i = _softmax_step(logits, visible, m_i, l_i, cap_log2e, HAS_CAP)
+        logits = gl.where(visible, _capped(logits, cap_log2e, HAS_CAP), MASK_)
+        p, corr, m_i, l_i = _softmax_step(logits, m_i, l_i, SUM_BY_MMA)
         vj = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(1, b_layout))
         vd = gl.arange(0, D, layout=gl.SliceLayout(0, b_layout))
         block_v = gl.load(block_v_ptr + ((b * MAX_Q + vj[:, None]) * (HQ // GQA) + h) * D
                           + vd[None, :], mask=vj[:, None] < MAX_Q, other=0.0)   # [keys, D]
         block_v = (block_v.to(gl.float32) * block_v_scale).to(CDT)
-        acc = mma_v2(gl.convert_layout(p.to(CDT), a_layout), block_v, acc * corr[:, None])
+        p_op = gl.convert_layout(p.to(CDT), a_layout)
+        acc = mma_v2(p_op, block_v, acc * corr[:, None])
+        if SUM_BY_MMA:
+            l_acc = mma_v2(p_op, gl.full([BLOCK_KEYS_PAD, SUM_COLS], 1.0, CDT,
+                                        layout=b_layout), l_acc * corr[:, None])
 
-    # Rows that saw no key (past q_len, padding rows) have l == 0: zeros.
+    # Rows that saw no key have l == 0, rows past q_len (and padding rows) no meaning
+    # (EDGE_MASKS leaves them unmasked): zeros.
+    if SUM_BY_MMA:
+        l_i = gl.max(l_acc, axis=1)
     has_keys = l_i > 0
+    if EDGE_MASKS:
+        has_keys = has_keys & valid
     out = gl.where(has_keys[:, None],
                    acc * (v_scale / gl.where(has_keys, l_i, 1.0))[:, None], 0.0)
     in_q_m = (rows_m < TOKENS * GQA) & (tok_m < MAX_Q)
@@ -316,10 +371,12 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
     K / V pointers), constexprs and grid for a call; `supports` must hold. draft_block:
     None, or (padded block keys, causal within the block). Decode, verify and the draft
-    block (up to SPEC_MAX_Q queries) take 2 warps over the dots' columns (the bf16 draft
-    block DRAFT_BF16_WARPS), prefill PREFILL_ROWS rows per program over PREFILL_WARPS warps
-    along the rows. tuning: a dict overriding the constexprs so chosen (for benchmarks
-    that compare them: `benchmarks/probe_gluon_variants.py`)."""
+    block (up to SPEC_MAX_Q queries) take 2 warps (the bf16 draft block
+    DRAFT_BF16_WARPS), edge-only masks and row sums by dot; prefill PREFILL_ROWS rows per
+    program over PREFILL_WARPS warps (with masks on every block and summed rows: 284
+    against 260 TFLOP/s over fp8 with the others). Warps go along the rows, 16 each.
+    tuning: a dict overriding the constexprs so chosen (for benchmarks that compare them:
+    `benchmarks/probe_gluon_variants.py`)."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     q_per_kv = num_q_heads // num_kv_heads
@@ -332,6 +389,9 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     if draft_block is not None and not fp8:
         num_warps = DRAFT_BF16_WARPS
     num_warps = tuning.get("NUM_WARPS") or num_warps
+    # Warps along the rows, 16 rows each, the rest along the dots' columns: a program's
+    # warps then exchange nothing per key block (BENCHMARKS.md, fifteenth session).
+    warps_m = max(1, min(num_warps, plan.rows // 16))
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
     scalars = (batch_table.shape[1], num_pages * num_layers * 2, 2 * layer_offset,
@@ -342,10 +402,11 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
                       PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
                       TOKENS=plan.tokens_per_block, STAGES=STAGES if spec else PREFILL_STAGES,
-                      NUM_WARPS=num_warps, WARPS_M=1 if spec else num_warps, KV_FP8=fp8,
+                      NUM_WARPS=num_warps, WARPS_M=warps_m, KV_FP8=fp8,
                       HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
                       QUERIES_CACHED=draft_block is None, BLOCK_KEYS_PAD=block_keys_pad,
-                      BLOCK_CAUSAL=block_causal, Q_IN_SMEM=False)
+                      BLOCK_CAUSAL=block_causal, Q_IN_SMEM=False, EDGE_MASKS=spec,
+                      SUM_BY_MMA=spec)
     unknown = set(tuning) - set(constexprs)
     if unknown:
         raise ValueError(f"tuning names no constexpr of the kernel: {sorted(unknown)}")

@@ -102,16 +102,24 @@ def test_which_calls_take_the_gluon_kernel(monkeypatch):
 
 
 def test_launch_configs_and_tuning():
-    q8, q64 = (jax.ShapeDtypeStruct((64, n, 32, 128), jnp.bfloat16) for n in (8, 64))
+    q1, q8, q64 = (jax.ShapeDtypeStruct((64, n, 32, 128), jnp.bfloat16) for n in (1, 8, 64))
     table = jax.ShapeDtypeStruct((64, 16), jnp.int32)
     for kv, draft_warps in ((FP8, pg.NUM_WARPS), (jnp.bfloat16, pg.DRAFT_BF16_WARPS)):
         pool = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), kv)
-        assert pg.launch(q8, pool, table, layer_offset=0)[1]["NUM_WARPS"] == pg.NUM_WARPS
+        verify = pg.launch(q8, pool, table, layer_offset=0)[1]
+        decode = pg.launch(q1, pool, table, layer_offset=0)[1]
+        assert verify["NUM_WARPS"] == decode["NUM_WARPS"] == pg.NUM_WARPS
+        # 16 rows per warp along the rows: decode's 16 rows take the 2 warps along the
+        # columns; the row sums by dot keep their arithmetic the same
+        assert (verify["ROWS"], verify["WARPS_M"], decode["ROWS"], decode["WARPS_M"]) \
+            == (32, 2, 16, 1)
+        assert all(c["SUM_BY_MMA"] and c["EDGE_MASKS"] for c in (verify, decode))
         draft = pg.launch(q8, pool, table, layer_offset=0, draft_block=(16, False))[1]
         assert draft["NUM_WARPS"] == draft_warps and not draft["QUERIES_CACHED"]
         prefill = pg.launch(q64, pool, table, layer_offset=0)[1]
         assert (prefill["ROWS"], prefill["NUM_WARPS"], prefill["WARPS_M"], prefill["STAGES"]) \
             == (pg.PREFILL_ROWS, pg.PREFILL_WARPS, pg.PREFILL_WARPS, pg.PREFILL_STAGES)
+        assert not (prefill["SUM_BY_MMA"] or prefill["EDGE_MASKS"])
     tuned = pg.launch(q64, pool, table, layer_offset=0, tuning=dict(ROWS=128, NUM_WARPS=8))
     assert (tuned[1]["ROWS"], tuned[1]["WARPS_M"], tuned[2][0]) == (128, 8, 64 * 4 // 128)
     with pytest.raises(ValueError, match="tuning names no constexpr"):
