@@ -139,7 +139,7 @@ def _softmax_step(logits, m_i, l_i, SUM_BY_MMA: gl.constexpr):
 def paged_attention_kernel(
         q_ptr, pool_ptr, table_ptr, kv_lens_ptr, q_lens_ptr, block_k_ptr, block_v_ptr,
         table_width, head_pages, layer_pages, window, logit_scale, cap_log2e, v_scale,
-        block_k_scale, block_v_scale, o_ptr,
+        block_k_scale, block_v_scale, q_rows, o_ptr,
         MAX_Q: gl.constexpr, HQ: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
         PAGE: gl.constexpr, PPB: gl.constexpr, ROWS: gl.constexpr, TOKENS: gl.constexpr,
         STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARPS_M: gl.constexpr,
@@ -201,7 +201,14 @@ def paged_attention_kernel(
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_layout))
     c = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
     tok = q_block * TOKENS + r // GQA
-    in_q = (r < TOKENS * GQA) & (tok < MAX_Q)
+    # q_rows = TOKENS x GQA, a run-time value: folded to zeros, decode's padding rows' q
+    # fragments would share one zero register and ptxas would rebuild each dot's operand
+    # with register moves (40 of fp8 decode's 589 loop instructions; no faster on the
+    # H200 either way, fifteenth session).
+    if TOKENS * GQA < ROWS:
+        in_q = (r < q_rows) & (tok < MAX_Q)
+    else:
+        in_q = tok < MAX_Q
     q_row = (b * MAX_Q + tok) * HQ + h * GQA + r % GQA
     q = gl.load(q_ptr + q_row[:, None] * D + c[None, :], mask=in_q[:, None], other=0.0)
     q = (q.to(gl.float32) * logit_scale).to(CDT)
@@ -354,10 +361,11 @@ def use_gluon(q, pool, *, draft_block: bool = False) -> bool:
     the GPU twice (it has no key splits; the Pallas kernel splits below that). Among
     decode and verify it follows the batch, heads and pool only, never max_q, so a row's
     decode and verify passes take the same kernel and agree bit for bit. The draft block
-    over fp8 follows the same rule (0.18 / 0.70 ms against the Pallas kernel's 0.25 / 0.89
-    at 4K / 16K, batch 64, H200); over bf16 (Pallas 0.28 ms against 0.33 at 4K) and
-    prefill (Pallas up to 1.27x faster) take it past 2^31 elements only (BENCHMARKS.md,
-    fourteenth session)."""
+    over fp8 follows the same rule (0.15 / 0.60 ms against the Pallas kernel's 0.25 / 0.91
+    at 4K / 16K, batch 64, H200; verify-8 0.15 / 0.60 against 0.18 / 0.69). Over bf16
+    (decode, verify and draft within 2% of the Pallas kernel at 4K) and for prefill
+    (Pallas up to 1.27x faster) it is taken past 2^31 elements only (BENCHMARKS.md,
+    fifteenth session)."""
     if jax.default_backend() != "gpu" or supports(q, pool, draft_block=draft_block):
         return False
     if pool.size > MAX_POOL_ELEMENTS:
@@ -397,7 +405,7 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     scalars = (batch_table.shape[1], num_pages * num_layers * 2, 2 * layer_offset,
                sliding_window or 0, float(logit_scale),
                float(0.0 if soft_cap is None else soft_cap * LOG2E), float(v_scale),
-               float(1.0 / k_scale), float(1.0 / v_scale))
+               float(1.0 / k_scale), float(1.0 / v_scale), plan.tokens_per_block * q_per_kv)
     block_keys_pad, block_causal = draft_block or (0, False)
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
                       PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
