@@ -11,8 +11,8 @@ block's own K / V (not in the cache), bidirectionally or causally. One program: 
 block, row, kv head); up to 32 query rows (tokens x q heads of the kv head) over 2 warps
 for decode, verify and the draft block, 64 rows over 4 warps for prefill. Warps take 16
 rows each (the rest of them the dots' columns: decode's 16 rows over 2 warps), so a
-verify's warps exchange nothing per key block: its ratio to decode went from 1.30 to
-1.21 at 32K over fp8 (BENCHMARKS.md, fifteenth session).
+verify's warps exchange nothing per key block: its time over decode's went from 1.30x
+to 1.19-1.24x at 32K over fp8 (BENCHMARKS.md, fifteenth session).
 
 Why a second kernel: Pallas Triton picks the dots' register layouts itself. Over fp8 KV it
 reloads q from shared memory every key block and ptxas rebuilds its mma.sync fragments
@@ -381,8 +381,9 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     None, or (padded block keys, causal within the block). Decode, verify and the draft
     block (up to SPEC_MAX_Q queries) take 2 warps (the bf16 draft block
     DRAFT_BF16_WARPS), edge-only masks and row sums by dot; prefill PREFILL_ROWS rows per
-    program over PREFILL_WARPS warps (with masks on every block and summed rows: 284
-    against 260 TFLOP/s over fp8 with the others). Warps go along the rows, 16 each.
+    program over PREFILL_WARPS warps, every block masked and rows summed by `gl.sum` (284
+    against 260 TFLOP/s over fp8 with the options above). Warps go along the rows, 16
+    rows each.
     tuning: a dict overriding the constexprs so chosen (for benchmarks that compare them:
     `benchmarks/probe_gluon_variants.py`)."""
     batch, max_q, num_q_heads, head_dim = q.shape
