@@ -4,6 +4,7 @@ dim 128, 16-key pages in random order); then chunked prefill, both kernels besid
 dense attention.
 
     PYTHONPATH=. python benchmarks/bench_gluon_attention.py [--ctx 4096 16384 32768] [--out DIR]
+        [--bf16-ctx 4096 32768] [--no-prefill] [--pages-in-order]
 
 Per context and KV dtype: ms per call of each kernel (`timing.time_call`: back-to-back
 calls, median of 5), verify-8 / decode, KV read rate against the device copy bandwidth
@@ -15,7 +16,8 @@ kernel refuses pools past 2^31 elements (fp8 or bf16 at 32K, batch 64): its cell
 then absent. The draft block's figures sit beside the same kernel's decode
 (`*_draft8_over_decode`, the issue's "draft block likewise"). Prefill (`--prefill`:
 prior context, chunk): TFLOP/s of each kernel and of XLA dense attention on the K/V laid
-out contiguously, at batch 4.
+out contiguously, at batch 4. Pages lie in the pool in random order; `--pages-in-order`
+lays each row's pages one after another (what the same data costs without scattered pages).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from pallas_kernels.paged_attention_gluon import (draft_block_attention_gluon,
 from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS
 
 
-def bench(ctx, dtype, copy_bw):
-    q, pool, table, kv_lens, _ = setup(ctx, dtype, max_q=8)
+def bench(ctx, dtype, copy_bw, pages_in_order=False):
+    q, pool, table, kv_lens, _ = setup(ctx, dtype, max_q=8, pages_in_order=pages_in_order)
     batch = q.shape[0]
     kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0))}
     if pool.size <= MAX_POOL_ELEMENTS:
         kernels["pallas"] = ours(q, pool, table, kv_lens, kv_lens)
-    row = {"ctx": ctx, "kv": "fp8" if dtype == FP8 else "bf16", "batch": batch}
+    row = {"ctx": ctx, "kv": "fp8" if dtype == FP8 else "bf16", "batch": batch,
+           "pages": "in order" if pages_in_order else "random"}
     for name, tokens in (("decode", 1), ("verify8", 8)):
         args = (q[:, :tokens], pool, table, kv_lens, jnp.full((batch,), tokens, jnp.int32))
         for kernel, fn in kernels.items():
@@ -133,6 +136,10 @@ def main():
     parser.add_argument("--bf16-ctx", type=int, nargs="*", default=[4096, 32768])
     parser.add_argument("--prefill", type=int, nargs=2, action="append",
                         metavar=("PRIOR", "CHUNK"), help="default: 0 2048 and 4096 2048")
+    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--pages-in-order", action="store_true",
+                        help="each row's pages one after another in the pool (default: "
+                        "random order)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     copy_bw = device_copy_bandwidth()
@@ -140,10 +147,10 @@ def main():
     rows = []
     for dtype, contexts in ((FP8, args.ctx), (jnp.bfloat16, args.bf16_ctx)):
         for ctx in contexts:
-            rows.append(bench(ctx, dtype, copy_bw))
+            rows.append(bench(ctx, dtype, copy_bw, args.pages_in_order))
             print(rows[-1], flush=True)
     prefill = []
-    for prior, chunk in args.prefill or [(0, 2048), (4096, 2048)]:
+    for prior, chunk in [] if args.no_prefill else args.prefill or [(0, 2048), (4096, 2048)]:
         for dtype in (jnp.bfloat16, FP8):
             prefill.append(bench_prefill(prior, chunk, dtype))
             print(prefill[-1], flush=True)

@@ -40,12 +40,16 @@ def make_pool(key, num_pages, dtype, num_layers=1, head_dim=D):
     return x.astype(dtype)
 
 
-def setup(ctx, dtype, max_q=1, seed=0, num_q_heads=HQ, head_dim=D, batch=BATCH):
+def setup(ctx, dtype, max_q=1, seed=0, num_q_heads=HQ, head_dim=D, batch=BATCH,
+          pages_in_order=False):
+    """Inputs for `batch` rows of `ctx` cached tokens: the rows' pages lie in the pool in
+    random order (each row's pages one after another with `pages_in_order`)."""
     pages_per_seq = ctx // PAGE
     num_pages = batch * pages_per_seq
     key = jax.random.key(seed)
     pool = make_pool(key, num_pages, dtype, head_dim=head_dim)
-    perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+    perm = (np.arange(num_pages, dtype=np.int32) if pages_in_order else
+            np.random.default_rng(seed).permutation(num_pages).astype(np.int32))
     table = jnp.asarray(perm.reshape(batch, pages_per_seq) * 2)  # page * 2L, L = 1
     q = jax.random.normal(jax.random.fold_in(key, 1), (batch, max_q, num_q_heads, head_dim),
                           jnp.bfloat16)

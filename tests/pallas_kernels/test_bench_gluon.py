@@ -24,8 +24,8 @@ def on_cpu(monkeypatch):
         monkeypatch.setattr(module, "draft_block_attention_gluon",
                             interpreted(draft_block_attention))
         monkeypatch.setattr(module, "time_alternating", lambda fns, *a: dict.fromkeys(fns, 1.0))
-        monkeypatch.setattr(module, "setup", lambda ctx, dtype, max_q=1: setup(
-            ctx, dtype, max_q=max_q, batch=2))
+        monkeypatch.setattr(module, "setup", lambda ctx, dtype, max_q=1, **kw: setup(
+            ctx, dtype, max_q=max_q, batch=2, **kw))
     monkeypatch.setattr(bench, "draft_block_attention", interpreted(draft_block_attention))
     monkeypatch.setattr(bench, "decode_baselines", lambda *a: {"jax_op_ms": 2.0})
 
@@ -49,3 +49,13 @@ def test_probe_rows(on_cpu):
     assert all(row[f"{v}_{n}_rel_err"] < 1e-2 for v in ("base", "w4")
                for n in ("decode", "verify8", "draft8"))
     assert row["w4_verify8_over_decode"] == 1.0
+
+
+def test_pages_in_order(on_cpu):
+    _, _, table, _, _ = setup(64, jnp.bfloat16, batch=2, pages_in_order=True)
+    assert table.tolist() == [[0, 2, 4, 6], [8, 10, 12, 14]]  # page * 2L, L = 1
+    _, _, shuffled, _, _ = setup(64, jnp.bfloat16, batch=2)
+    assert sorted(shuffled.ravel().tolist()) == list(range(0, 16, 2))
+    assert shuffled.tolist() != table.tolist()
+    row = bench.bench(128, jnp.bfloat16, copy_bw=1e12, pages_in_order=True)
+    assert row["pages"] == "in order" and row["gluon_decode_rel_err"] < 1e-2
