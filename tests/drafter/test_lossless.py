@@ -1,5 +1,6 @@
 """Speculative decoding is lossless: greedy output equals plain greedy decoding."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -32,3 +33,29 @@ def test_speculative_equals_plain_greedy(num_slots, num_prompts, kwargs):
         assert len(s.tokens) == 24
         assert sum(s.acceptance) + 1 >= 24  # committed tokens cover the output
         assert all(1 <= a <= spec_cfg.block_size for a in s.acceptance)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Gluon kernel runs on a GPU")
+def test_speculative_equals_plain_greedy_on_the_gluon_kernel(monkeypatch):
+    """Every call the Gluon kernel takes goes to it (the fp8 target's prefill, decode and
+    verify, the bf16 drafter's draft blocks), whatever the batch: its verify and decode
+    lay their warps out differently and must still agree bit for bit."""
+    pg = pytest.importorskip("pallas_kernels.paged_attention_gluon")
+    taken = []
+
+    def use_gluon(q, pool, draft_block=False):
+        taken.append(pg.supports(q, pool, draft_block=draft_block) is None)
+        return taken[-1]
+
+    monkeypatch.setattr(pg, "use_gluon", use_gluon)
+    params, spec_cfg, plain_cfg = tiny_pair(num_slots=8, kv_dtype="bf16",
+                                            target_kv_dtype="fp8_e4m3", impl="pallas",
+                                            head_dim=32, block_size=8)
+    rng = np.random.default_rng(5)
+    lengths = rng.choice([1, 8, 9, 16, 17, 33], 10)
+    prompts = [rng.integers(0, 63, n).tolist() for n in lengths]
+    spec, plain = run_both(params, spec_cfg, plain_cfg, prompts, 24,
+                           rng.integers(0, 6, 10).tolist())
+    assert any(taken)
+    for i, (s, p) in enumerate(zip(spec, plain)):
+        assert s.tokens == p.tokens, f"prompt {i} (len {lengths[i]}) diverged"
