@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_paged_attention import (FP8, HKV, D, decode_baselines, kv_bytes, ours,
-                                              prefill_case, reference_rel_err, setup)
+                                              prefill_case, reference_rel_err, rel_l2,
+                                              setup)
 from benchmarks.timing import (device_copy_bandwidth, time_alternating, time_call,
                                write_results)
 from pallas_kernels.paged_attention import (draft_block_attention,
@@ -85,10 +86,9 @@ def draft_args(q, pool, table, ctx_lens, block=8):
 
 def draft_rel_err(out, q, pool, table, ctx_lens, block_lens, block_k, block_v):
     """Relative error of rows 0 and 1 of a draft block's output against the reference."""
-    want = draft_block_attention_reference(
+    return rel_l2(out[:2], draft_block_attention_reference(
         q[:2], pool, table[:2], ctx_lens[:2], block_lens[:2], block_k[:2], block_v[:2],
-        layer_offset=0).astype(jnp.float32)
-    return float(jnp.linalg.norm(out[:2].astype(jnp.float32) - want) / jnp.linalg.norm(want))
+        layer_offset=0))
 
 
 def bench_draft(q, pool, table, ctx_lens, with_pallas):
@@ -115,13 +115,11 @@ def bench_prefill(prior, chunk, dtype, batch=4, tuning=None):
     kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0,
                                                                  tuning=tuning)),
                "pallas": ours(*args)}
-    want = xla(q, k_dense, v_dense).astype(jnp.float32)
+    want = xla(q, k_dense, v_dense)
     row = {"prior": prior, "chunk": chunk, "batch": batch, "kv": "fp8" if dtype == FP8
            else "bf16", "xla_dense_ms": time_call(xla, q, k_dense, v_dense) * 1e3}
     for name, fn in kernels.items():
-        got = fn(*args).astype(jnp.float32)
-        row[f"{name}_rel_err_vs_dense"] = float(jnp.linalg.norm(got - want)
-                                                / jnp.linalg.norm(want))
+        row[f"{name}_rel_err_vs_dense"] = rel_l2(fn(*args), want)
     for name, ms in time_alternating(kernels, *args).items():
         row[f"{name}_ms"] = ms
     for name in ("gluon", "pallas", "xla_dense"):

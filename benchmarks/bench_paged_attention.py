@@ -113,12 +113,17 @@ def bench_decode(ctx, copy_bw, configs):
     return row
 
 
+def rel_l2(got, want) -> float:
+    """||got - want|| / ||want||, in f32."""
+    want = want.astype(jnp.float32)
+    return float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+
+
 def reference_rel_err(out, q, pool, table, kv_lens, q_lens):
     """Relative error of rows 0 and 1 of an attention output [batch, max_q, heads, D]
     against the f32 reference (layer 0): the whole reference at 32K would not fit."""
-    want = paged_attention_reference(q[:2], pool, table[:2], kv_lens[:2], q_lens[:2],
-                                     layer_offset=0).astype(jnp.float32)
-    return float(jnp.linalg.norm(out[:2].astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    return rel_l2(out[:2], paged_attention_reference(q[:2], pool, table[:2], kv_lens[:2],
+                                                     q_lens[:2], layer_offset=0))
 
 
 def jax_op_decode(q, k_pages, v_pages, table, kv_lens, *, interpret=False):
@@ -274,11 +279,9 @@ def mosaic_gpu_paged(q, pool, table, kv_lens, q_lens, flops, ours_seconds, ours_
     if best is None:
         return row
     t, fn = best
-    ours_out = ours(*args, **ours_cfg)(*args).astype(jnp.float32)
-    diff = fn(*args).astype(jnp.float32) - ours_out
     row.update(mosaic_paged_ms=t * 1e3, mosaic_paged_TFLOPs=flops / t / 1e12,
                speedup_vs_mosaic_paged=t / ours_seconds,
-               mosaic_paged_rel_diff=float(jnp.linalg.norm(diff) / jnp.linalg.norm(ours_out)))
+               mosaic_paged_rel_diff=rel_l2(fn(*args), ours(*args, **ours_cfg)(*args)))
     print(f"  mosaic paged prefill: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} TFLOP/s, "
           f"ours/mosaic {t / ours_seconds:.2f}x, rel diff {row['mosaic_paged_rel_diff']:.2e}",
           flush=True)

@@ -136,6 +136,21 @@ def _softmax_step(logits, m_i, l_i, SUM_BY_MMA: gl.constexpr):
 
 
 @gluon.jit
+def _pv_step(p, v, corr, acc, l_acc, CDT: gl.constexpr, a_layout: gl.constexpr,
+             b_layout: gl.constexpr, SUM_COLS: gl.constexpr, SUM_BY_MMA: gl.constexpr):
+    """acc x corr + p @ v for p [ROWS, keys] and v [keys, D], both taken to the dots' dtype
+    CDT (v after p: that order keeps ptxas's schedule); with SUM_BY_MMA also l_acc x corr +
+    p @ ones, p's row sums in the tensor cores' order."""
+    p_op = gl.convert_layout(p.to(CDT), a_layout)
+    v = v.to(CDT)
+    acc = mma_v2(p_op, v, acc * corr[:, None])
+    if SUM_BY_MMA:
+        ones = gl.full([v.shape[0], SUM_COLS], 1.0, CDT, layout=b_layout)
+        l_acc = mma_v2(p_op, ones, l_acc * corr[:, None])
+    return acc, l_acc
+
+
+@gluon.jit
 def paged_attention_kernel(
         q_ptr, pool_ptr, table_ptr, kv_lens_ptr, q_lens_ptr, block_k_ptr, block_v_ptr,
         table_width, head_pages, layer_pages, window, logit_scale, cap_log2e, v_scale,
@@ -286,12 +301,8 @@ def paged_attention_kernel(
         p, corr, m_new, l_i = _softmax_step(logits, m_i, l_i, SUM_BY_MMA)
         v_pages = v_smem.index(slot).reshape([PPB, D, PAGE]).permute((0, 2, 1))
         v = v_pages.reshape([BK, D]).load(b_layout)
-        p_op = gl.convert_layout(p.to(CDT), a_layout)
-        v = v.to(CDT)
-        acc = mma_v2(p_op, v, acc * corr[:, None])
-        if SUM_BY_MMA:
-            l_acc = mma_v2(p_op, gl.full([BK, SUM_COLS], 1.0, CDT, layout=b_layout),
-                           l_acc * corr[:, None])
+        acc, l_acc = _pv_step(p, v, corr, acc, l_acc, CDT, a_layout, b_layout, SUM_COLS,
+                              SUM_BY_MMA)
         m_i = m_new
     async_copy.wait_group(0)  # no copy outlives the program
     if BLOCK_KEYS_PAD > 0:  # the draft block's own keys, straight into the dots' operands
@@ -321,11 +332,8 @@ def paged_attention_kernel(
         block_v = gl.load(block_v_ptr + ((b * MAX_Q + vj[:, None]) * (HQ // GQA) + h) * D
                           + vd[None, :], mask=vj[:, None] < MAX_Q, other=0.0)   # [keys, D]
         block_v = (block_v.to(gl.float32) * block_v_scale).to(CDT)
-        p_op = gl.convert_layout(p.to(CDT), a_layout)
-        acc = mma_v2(p_op, block_v, acc * corr[:, None])
-        if SUM_BY_MMA:
-            l_acc = mma_v2(p_op, gl.full([BLOCK_KEYS_PAD, SUM_COLS], 1.0, CDT,
-                                        layout=b_layout), l_acc * corr[:, None])
+        acc, l_acc = _pv_step(p, block_v, corr, acc, l_acc, CDT, a_layout, b_layout,
+                              SUM_COLS, SUM_BY_MMA)
 
     # Rows that saw no key have l == 0, rows past q_len (and padding rows) no meaning
     # (EDGE_MASKS leaves them unmasked): zeros.
