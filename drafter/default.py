@@ -14,9 +14,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from drafter.checkpoint import load_dflash, load_dflash_config
 from drafter.dflash import DFlashConfig, init_params as init_draft
 from drafter.steps import StepConfig
-from models.checkpoint import load_dflash, load_qwen3, restore_orbax, save_orbax
+from models.checkpoint import load_qwen3, restore_orbax, save_orbax
+from models.config import load_qwen3_config
 from models.qwen3 import Qwen3Config, init_params as init_target
 from unified_kv import CacheSpec
 
@@ -41,9 +43,13 @@ def import_draft(draft_dir, out_dir=PAIR_DIR) -> None:
 
 
 def load_default(dtype=jnp.float32):
-    """(params {"target", "draft"}, Qwen3Config, DFlashConfig) of the shipped pair."""
-    tcfg = Qwen3Config.from_hf(json.loads((PAIR_DIR / "target" / "config.json").read_text()))
-    dcfg = DFlashConfig.from_hf(json.loads((PAIR_DIR / "draft" / "config.json").read_text()))
+    """(params {"target", "draft"}, Qwen3Config, DFlashConfig) of the shipped pair.
+
+    The orbax checkpoints are checked against their manifests (models/checkpoint.py);
+    `fingerprint(params["target"])` / `fingerprint(params["draft"])` identify them.
+    """
+    tcfg = load_qwen3_config(PAIR_DIR / "target")
+    dcfg = load_dflash_config(PAIR_DIR / "draft")
     params = {}
     for name, init, cfg in (("target", init_target, tcfg), ("draft", init_draft, dcfg)):
         template = jax.eval_shape(lambda: init(cfg, jax.random.key(0), jnp.bfloat16))

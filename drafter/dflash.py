@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from models.attention import attend_draft_block, write_layer_kv
 from models.qwen3 import (ParamInit, Qwen3Config, decoder_layer, lm_head_weight, qkv,
                           rms_norm)
+from models.rope import RopeScaling
 from unified_kv import CacheSpec, LayerSpec
 
 
@@ -54,6 +55,7 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     causal_in_sliding_block: bool = False  # how the sliding layers were trained
+    rope_scaling: RopeScaling | None = None  # the drafter's own RoPE (z-lab: its config's)
 
     def __post_init__(self):
         ids = self.target_layer_ids or default_target_layer_ids(self.num_target_layers,
@@ -80,33 +82,26 @@ class DFlashConfig:
         return self.causal_in_sliding_block and self.window(layer) is not None
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "DFlashConfig":
-        """From the z-lab DFlash drafter `config.json`."""
-        dflash = hf.get("dflash_config", {})
-        types = hf.get("layer_types")
-        return cls(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-                   intermediate_size=hf["intermediate_size"],
-                   num_heads=hf["num_attention_heads"],
-                   num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                   head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
-                   block_size=hf["block_size"], mask_token_id=dflash["mask_token_id"],
-                   num_target_layers=hf["num_target_layers"],
-                   target_layer_ids=tuple(dflash.get("target_layer_ids") or ()),
-                   layer_types=tuple(types) if types else None,
-                   sliding_window=hf.get("sliding_window") if types and
-                   "sliding_attention" in types else None,
-                   rope_theta=hf.get("rope_theta", 1_000_000.0),
-                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                   causal_in_sliding_block=bool(dflash.get("causal_in_sliding_block", False)))
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "DFlashConfig":
+        """From a z-lab DFlash drafter `config.json` dict (drafter/checkpoint.py)."""
+        from drafter.checkpoint import dflash_config_from_hf
+        return dflash_config_from_hf(hf, source)
 
     def to_hf(self) -> dict:
-        return {"model_type": "dflash", "num_hidden_layers": self.num_layers,
+        return {"model_type": "qwen3", "architectures": ["DFlashDraftModel"],
+                "num_hidden_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "block_size": self.block_size,
                 "num_target_layers": self.num_target_layers,
-                "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
-                "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+                "layer_types": list(self.layer_types),
+                "use_sliding_window": self.sliding_window is not None,
+                "sliding_window": self.sliding_window, "rope_theta": self.rope_theta,
+                "rope_scaling": self.rope_scaling.to_hf() if self.rope_scaling else None,
+                "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
+                "attention_bias": False,
+                # z-lab reads is_causal (absent: sliding layers causal in the block)
+                **({} if self.causal_in_sliding_block else {"is_causal": False}),
                 "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
                                   "mask_token_id": self.mask_token_id,
                                   "causal_in_sliding_block": self.causal_in_sliding_block}}
@@ -132,7 +127,7 @@ def context_kv(params, cfg: DFlashConfig, features, positions):
     out = []
     for p in params["layers"]:
         _, k, v = qkv(p, c, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.rope_theta, cfg.rms_norm_eps)
+                      cfg.rope_theta, cfg.rms_norm_eps, cfg.rope_scaling)
         out.append((k, v))
     return out
 

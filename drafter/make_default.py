@@ -22,7 +22,8 @@ import numpy as np
 from drafter.corpus import MASK, VOCAB_SIZE, load_split, random_windows
 from drafter.dflash import DFlashConfig, init_params as init_draft
 from drafter.train import train_drafter
-from models.checkpoint import load_qwen3, save_dflash, save_qwen3
+from drafter.checkpoint import save_dflash
+from models.checkpoint import load_qwen3, save_qwen3
 from models.qwen3 import Qwen3Config, init_params as init_target
 from models.training import train_target
 

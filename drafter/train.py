@@ -49,7 +49,7 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
     j = jnp.arange(block)
     for i, p in enumerate(draft_params["layers"]):
         _, k_ctx, v_ctx = qkv(p, c, ctx_positions, cfg.num_heads, cfg.num_kv_heads,
-                              cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps)
+                              cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.rope_scaling)
         ctx_ok = jnp.broadcast_to(k_pos < anchor[:, None, None],        # strictly before a
                                   (anchor.shape[0], block, t))
         blk_ok = jnp.ones((1, block, block), bool)

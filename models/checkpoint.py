@@ -1,9 +1,10 @@
-"""Checkpoints: HF Qwen3 and z-lab DFlash safetensors layouts, and orbax.
+"""Checkpoints: the HF Qwen3 safetensors layout, orbax, content manifests, fingerprints.
 
-Both safetensors layouts are described by one key map each, a list of
-(checkpoint key, path into our params, transposed?). Loading checks every
-key and shape against the config and names the key on any mismatch; saving
-walks the same map, so a save/load round trip is exact.
+A safetensors layout is one key map, a list of (checkpoint key, path into
+our params, transposed?). Loading checks every key and shape against the
+config, refuses tensors the model would not use (listing them) and any
+NaN / inf; saving walks the same map, so a save/load round trip is exact.
+Every error names the file (config, shard or orbax directory) and the key.
 
     HF Qwen3                                     ours
     model.embed_tokens.weight        [V, H]      embed
@@ -13,21 +14,37 @@ walks the same map, so a save/load round trip is exact.
     model.layers.N.input_layernorm.weight        layers[N].input_norm
     model.norm.weight, lm_head.weight            norm, lm_head (transposed)
 
-    DFlash drafter: the same per-layer names without the `model.` prefix,
-    plus fc.weight (transposed), hidden_norm.weight, norm.weight.
+The DFlash drafter's layout lives in drafter/checkpoint.py (models never
+imports drafter).
+
+Integrity. Every checkpoint this project writes (safetensors or orbax) has a
+`manifest.json` beside its config: per array, its sha256 over the stored
+bytes, shape and dtype, plus the params' `fingerprint`. Loading checks it: a
+flipped byte, a truncated file, a missing or extra array fails with the file
+and the array named. HF checkpoints have no manifest; they still get the key,
+shape and NaN / inf checks. `fingerprint(params)` is a cheap identity of the
+weights being served (one pass on the device), for handshakes between workers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-_LAYER_KEYS = [  # (checkpoint suffix, our name, transposed)
+from models.config import CheckpointError, ConfigError, read_config  # noqa: F401 (re-exported)
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "unified-kv-dflash/manifest-1"
+
+LAYER_KEYS = [  # (checkpoint suffix, our name, transposed)
     ("self_attn.q_proj.weight", "q", True), ("self_attn.k_proj.weight", "k", True),
     ("self_attn.v_proj.weight", "v", True), ("self_attn.o_proj.weight", "o", True),
     ("self_attn.q_norm.weight", "q_norm", False), ("self_attn.k_norm.weight", "k_norm", False),
@@ -35,10 +52,8 @@ _LAYER_KEYS = [  # (checkpoint suffix, our name, transposed)
     ("mlp.down_proj.weight", "down", True), ("input_layernorm.weight", "input_norm", False),
     ("post_attention_layernorm.weight", "post_norm", False),
 ]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config; the message names the key."""
+# Buffers some exporters save that carry no weights (HF skips them on load too).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def qwen3_key_map(cfg) -> list[tuple[str, tuple, bool]]:
@@ -46,32 +61,169 @@ def qwen3_key_map(cfg) -> list[tuple[str, tuple, bool]]:
     if not cfg.tie_word_embeddings:
         keys.append(("lm_head.weight", ("lm_head",), True))
     for i in range(cfg.num_layers):
-        keys += [(f"model.layers.{i}.{k}", ("layers", i, name), t) for k, name, t in _LAYER_KEYS]
+        keys += [(f"model.layers.{i}.{k}", ("layers", i, name), t) for k, name, t in LAYER_KEYS]
     return keys
 
 
-def dflash_key_map(cfg) -> list[tuple[str, tuple, bool]]:
-    keys = [("fc.weight", ("fc",), True), ("hidden_norm.weight", ("hidden_norm",), False),
-            ("norm.weight", ("norm",), False)]
-    for i in range(cfg.num_layers):
-        keys += [(f"layers.{i}.{k}", ("layers", i, name), t) for k, name, t in _LAYER_KEYS]
-    return keys
+# ---------------------------------------------------------------- hashes and fingerprints
+
+def array_sha256(a: np.ndarray) -> str:
+    """sha256 of an array's bytes in C order (what safetensors and the manifest store)."""
+    a = np.ascontiguousarray(a)
+    return hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest()
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint directory: one file, or shards with an index."""
+def _hash_all(arrays: dict[str, np.ndarray]) -> dict[str, str]:
+    names = list(arrays)
+    with ThreadPoolExecutor(max_workers=4) as pool:  # hashlib releases the GIL
+        return dict(zip(names, pool.map(lambda n: array_sha256(arrays[n]), names)))
+
+
+def _mix32(words, seed: int):
+    """murmur3's finaliser over (word ^ index * golden ^ seed): u32 -> u32, per element."""
+    idx = jnp.arange(words.shape[0], dtype=jnp.uint32)
+    h = words ^ (idx * jnp.uint32(0x9E3779B9)) ^ jnp.uint32(seed)
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@jax.jit
+def _leaf_digests(leaves):
+    out = []
+    for a in leaves:
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            a = a.astype(jnp.float32)  # the values served, whatever the storage dtype
+        elif a.dtype.itemsize != 4:
+            a = a.astype(jnp.int32)
+        words = jax.lax.bitcast_convert_type(a, jnp.uint32).reshape(-1)
+        # sums of mixed words mod 2^32: exact, so any device, order or sharding agrees
+        out.append(jnp.stack([jnp.sum(_mix32(words, s), dtype=jnp.uint32)
+                              for s in (0x1B873593, 0xE6546B64, 0x68E31DA4, 0x27D4EB2F)]))
+    return out
+
+
+def fingerprint(params) -> str:
+    """A 32-hex-digit identity of a params pytree, computed on the device in one pass.
+
+    Covers every leaf's tree path, shape and values (floats as f32, so a bf16
+    checkpoint loaded as bf16 or f32 gives the same fingerprint). Equal
+    weights give equal fingerprints on any device or sharding; a changed
+    value changes it. It detects different or damaged weights, not an
+    adversary (128 bits of integer mixing, not a cryptographic hash).
+    """
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not flat:
+        return hashlib.sha256(b"empty").hexdigest()[:32]
+    digests = jax.device_get(_leaf_digests([leaf for _, leaf in flat]))
+    h = hashlib.sha256()
+    for (path, leaf), d in zip(flat, digests):
+        h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:".encode())
+        h.update(np.asarray(d, np.uint32).tobytes())
+    return h.hexdigest()[:32]
+
+
+def write_manifest(path, arrays: dict[str, np.ndarray], params_fingerprint: str | None = None,
+                   files: dict[str, str] | None = None) -> None:
+    """`manifest.json` in `path`: per array name, sha256 / shape / dtype (and its file)."""
+    hashes = _hash_all(arrays)
+    entries = {}
+    for name in sorted(arrays):
+        entries[name] = {"sha256": hashes[name], "shape": list(arrays[name].shape),
+                         "dtype": str(arrays[name].dtype)}
+        if files:
+            entries[name]["file"] = files[name]
+    manifest = {"format": MANIFEST_FORMAT, "fingerprint": params_fingerprint, "arrays": entries}
+    (Path(path) / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def read_manifest(path) -> dict | None:
+    """The manifest of checkpoint directory `path`, or None when it has none."""
+    file = Path(path) / MANIFEST
+    if not file.exists():
+        return None
+    manifest = read_config(file)
+    if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("arrays"), dict):
+        raise CheckpointError(f"{file}: not a manifest this project writes "
+                              f"(format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r})")
+    return manifest
+
+
+def verify_manifest(path, manifest: dict, arrays: dict[str, np.ndarray],
+                    where=lambda name: None) -> None:
+    """Every array the manifest lists is present with its hash, shape and dtype; no others."""
     path = Path(path)
+    listed = manifest["arrays"]
+    missing = sorted(set(listed) - set(arrays))
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} arrays listed in {MANIFEST} are missing: "
+                              f"{missing[:10]}")
+    extra = sorted(set(arrays) - set(listed))
+    if extra:
+        raise CheckpointError(f"{path}: {len(extra)} arrays not in its {MANIFEST}: {extra[:10]}")
+    hashes = _hash_all(arrays)
+    for name in sorted(listed):
+        want, a = listed[name], arrays[name]
+        file = where(name) or path
+        if list(a.shape) != want["shape"] or str(a.dtype) != want["dtype"]:
+            raise CheckpointError(f"{file}: array {name!r} is {a.dtype}{list(a.shape)}, its "
+                                  f"manifest says {want['dtype']}{want['shape']}")
+        if hashes[name] != want["sha256"]:
+            raise CheckpointError(f"{file}: array {name!r} does not match its sha256 in "
+                                  f"{path / MANIFEST}: the checkpoint is damaged")
+
+
+def check_finite(name: str, a, file) -> None:
+    """Refuse NaN / inf in a loaded array (host numpy or device)."""
+    a = np.asarray(a)
+    if a.dtype.kind in "iub":
+        return
+    bad = int(a.size - np.count_nonzero(np.isfinite(a.astype(np.float32))))
+    if bad:
+        raise CheckpointError(f"{file}: array {name!r} has {bad} NaN / inf values "
+                              f"(of {a.size}); the checkpoint is damaged")
+
+
+# ---------------------------------------------------------------- safetensors
+
+def _safetensors_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+        weight_map = read_config(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map object")
+        return sorted(set(weight_map.values()))
+    return sorted(p.name for p in path.glob("*.safetensors"))
+
+
+def read_safetensors_with_files(path) -> tuple[dict[str, np.ndarray], dict[str, Path]]:
+    """(tensors, the file each came from) of a checkpoint directory: one file or shards."""
+    path = Path(path)
+    files = _safetensors_files(path)
     if not files:
-        raise CheckpointError(f"no *.safetensors files in {path}")
-    tensors = {}
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    tensors, sources = {}, {}
     for name in files:
-        tensors.update(load_file(path / name))
-    return tensors
+        file = path / name
+        try:
+            part = load_file(file)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{file}: cannot read it as safetensors ({e}); the file is "
+                                  f"damaged or truncated") from None
+        for key in part:
+            if key in tensors:
+                raise CheckpointError(f"{file}: tensor {key!r} is also in {sources[key]}")
+            sources[key] = file
+        tensors.update(part)
+    manifest = read_manifest(path)
+    if manifest is not None:
+        verify_manifest(path, manifest, tensors, sources.get)
+    return tensors, sources
+
+
+def read_safetensors(path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint directory: one file, or shards with an index."""
+    return read_safetensors_with_files(path)[0]
 
 
 def _get(tree, path):
@@ -86,19 +238,44 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
-def params_from_tensors(tensors, key_map, template, dtype=jnp.float32):
-    """Fill a params pytree shaped like `template` (from init_params/eval_shape)."""
+def params_from_tensors(tensors, key_map, template, dtype=jnp.float32, *, where=None,
+                        source="checkpoint", tied=None):
+    """Fill a params pytree shaped like `template` (from init_params/eval_shape).
+
+    Refuses a missing key, a wrong shape, NaN / inf, and any tensor the key map
+    does not use (all of them listed). `where(key)` names a tensor's file;
+    `tied=(head, embed)` accepts a tied checkpoint's redundant head when it
+    equals the embedding.
+    """
+    where = where or (lambda key: None)
     params = jax.tree.map(lambda _: None, template)
     for key, path, transposed in key_map:
         if key not in tensors:
-            raise CheckpointError(f"checkpoint is missing {key!r} (needed for "
+            raise CheckpointError(f"{source}: checkpoint is missing {key!r} (needed for "
                                   f"{'.'.join(map(str, path))})")
+        file = where(key) or source
         value = tensors[key].T if transposed else tensors[key]
         want = _get(template, path).shape
         if value.shape != want:
-            raise CheckpointError(f"{key!r} has shape {tensors[key].shape}, expected "
+            raise CheckpointError(f"{file}: {key!r} has shape {tensors[key].shape}, expected "
                                   f"{want[::-1] if transposed else want} from the config")
+        check_finite(key, tensors[key], file)
         _set(params, path, jnp.asarray(value, dtype))
+    used = {key for key, _, _ in key_map}
+    unused = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
+    if tied is not None and tied[0] in unused:
+        head, embed = tied
+        if np.array_equal(np.asarray(tensors[head]), np.asarray(tensors[embed])):
+            unused.remove(head)
+    if unused:
+        files = sorted({str(where(k) or source) for k in unused})
+        hint = ("; bias tensors need attention_bias, which is not implemented"
+                if any(k.endswith(".bias") for k in unused) else "")
+        if tied is not None and tied[0] in unused:
+            hint += (f"; {tied[0]!r} differs from {tied[1]!r} but tie_word_embeddings is true "
+                     f"(set it false to use the separate head)")
+        raise CheckpointError(f"{', '.join(files)}: {len(unused)} tensors the model does not use: "
+                              f"{unused[:20]}{' ...' if len(unused) > 20 else ''}{hint}")
     return params
 
 
@@ -110,73 +287,131 @@ def tensors_from_params(params, key_map) -> dict[str, np.ndarray]:
     return out
 
 
-def write_safetensors(path, tensors: dict[str, np.ndarray], config: dict, num_shards: int = 1):
-    """Write config.json and one file, or `num_shards` shards plus the index."""
+def write_safetensors(path, tensors: dict[str, np.ndarray], config: dict, num_shards: int = 1,
+                      params_fingerprint: str | None = None):
+    """Write config.json, one file (or `num_shards` shards plus the index) and the manifest."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     names = sorted(tensors)
     if num_shards == 1:
         save_file(tensors, path / "model.safetensors")
-        return
-    weight_map = {}
-    for s in range(num_shards):
-        shard = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s::num_shards]}
-        save_file(part, path / shard)
-        weight_map.update({n: shard for n in part})
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        files = dict.fromkeys(names, "model.safetensors")
+    else:
+        files = {}
+        for s in range(num_shards):
+            shard = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[s::num_shards]}
+            save_file(part, path / shard)
+            files.update(dict.fromkeys(part, shard))
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": files}, indent=2))
+    write_manifest(path, tensors, params_fingerprint, files)
 
 
-def _load(path, config_cls, init_params, key_map, dtype):
-    cfg = config_cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+def load_safetensors_params(path, cfg, init_params, key_map, dtype, *, tied=None):
+    """Params for `cfg` from the safetensors of checkpoint directory `path`."""
     template = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    return cfg, params_from_tensors(read_safetensors(path), key_map(cfg), template, dtype)
+    tensors, sources = read_safetensors_with_files(path)
+    return params_from_tensors(tensors, key_map(cfg), template, dtype, where=sources.get,
+                               source=Path(path), tied=tied)
 
 
 def load_qwen3(path, dtype=jnp.float32):
     """(Qwen3Config, params) from an HF Qwen3 checkpoint directory."""
-    from models.qwen3 import Qwen3Config, init_params
-    return _load(path, Qwen3Config, init_params, qwen3_key_map, dtype)
-
-
-def load_dflash(path, dtype=jnp.float32):
-    """(DFlashConfig, params) from a z-lab DFlash drafter checkpoint directory."""
-    from drafter.dflash import DFlashConfig, init_params
-    return _load(path, DFlashConfig, init_params, dflash_key_map, dtype)
+    from models.config import load_qwen3_config
+    from models.qwen3 import init_params
+    cfg = load_qwen3_config(path)
+    tied = (("lm_head.weight", "model.embed_tokens.weight") if cfg.tie_word_embeddings
+            else None)
+    return cfg, load_safetensors_params(path, cfg, init_params, qwen3_key_map, dtype, tied=tied)
 
 
 def save_qwen3(path, cfg, params, num_shards: int = 1):
     write_safetensors(path, tensors_from_params(params, qwen3_key_map(cfg)), cfg.to_hf(),
-                      num_shards)
+                      num_shards, fingerprint(params))
 
 
-def save_dflash(path, cfg, params, num_shards: int = 1):
-    write_safetensors(path, tensors_from_params(params, dflash_key_map(cfg)), cfg.to_hf(),
-                      num_shards)
+# ---------------------------------------------------------------- orbax
+
+def _leaf_names(tree) -> list[tuple[str, object]]:
+    """('layers.0.q', leaf) for every leaf, in tree order."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = [str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path]
+        out.append((".".join(parts), leaf))
+    return out
 
 
 def save_orbax(path, params, config: dict) -> None:
-    """Params with orbax (a `params/` item) and the HF-style config beside them."""
+    """Params with orbax (a `params/` item), the HF-style config and the manifest beside them."""
     import orbax.checkpoint as ocp
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path / "params", params, force=True)
+    arrays = {name: np.asarray(leaf) for name, leaf in _leaf_names(params)}
+    write_manifest(path, arrays, fingerprint(params))
 
 
 def restore_orbax(path, template) -> tuple[dict, dict]:
-    """(config dict, params) saved by `save_orbax`; `template` gives the tree structure."""
+    """(config dict, params) saved by `save_orbax`; `template` gives the tree structure.
+
+    Refuses a checkpoint without its manifest, one whose arrays do not match
+    it (damaged, truncated, missing), and NaN / inf, naming the directory and
+    the array.
+    """
     import orbax.checkpoint as ocp
     path = Path(path).absolute()
-    config = json.loads((path / "config.json").read_text())
+    config = read_config(path / "config.json")
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise CheckpointError(f"{path}: no {MANIFEST} (every orbax checkpoint this project "
+                              f"writes has one); re-save it with save_orbax, or add one with "
+                              f"models.checkpoint.write_orbax_manifest if you trust its contents")
+    names = [name for name, _ in _leaf_names(template)]
+    missing = sorted(set(manifest["arrays"]) ^ set(names))
+    if missing:
+        raise CheckpointError(f"{path}: arrays in {MANIFEST} and the model differ: {missing[:10]}")
     # Restore onto this machine's default device: a checkpoint written on a CPU
     # host must load on a GPU one (orbax refuses a topology it cannot map).
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                             template)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore(path / "params", template)
+    except Exception as e:  # orbax / tensorstore raise many types; name the file, keep it short
+        named = [n for n in names if n.replace(".", "/") in str(e) or n in str(e)]
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path / 'params'}: orbax cannot restore it"
+                              f"{' (array ' + repr(named[0]) + ')' if named else ''}: "
+                              f"{type(e).__name__}: {first}; the checkpoint is damaged or "
+                              f"truncated") from None
+    arrays = {name: np.asarray(leaf) for name, leaf in _leaf_names(params)}
+    for name, a in arrays.items():
+        check_finite(name, a, path / "params")
+    verify_manifest(path, manifest, arrays, lambda name: path / "params")
+    return config, params
+
+
+def write_orbax_manifest(path, template) -> str:
+    """Write the manifest of an existing orbax checkpoint from its current contents.
+
+    Only for a checkpoint you trust; the weights are read, not rewritten.
+    Returns the params' fingerprint.
+    """
+    import orbax.checkpoint as ocp
+    path = Path(path).absolute()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                            template)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(path / "params", template)
-    return config, params
+    arrays = {name: np.asarray(leaf) for name, leaf in _leaf_names(params)}
+    for name, a in arrays.items():
+        check_finite(name, a, path / "params")
+    fp = fingerprint(params)
+    write_manifest(path, arrays, fp)
+    return fp

@@ -21,10 +21,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from unified_kv import CacheSpec, LayerSpec
 from models.attention import attend, write_layer_kv
+from models.rope import RopeScaling, rope_frequencies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Qwen3Config:
     tie_word_embeddings: bool = True
     layer_types: tuple[str, ...] | None = None  # "full_attention" | "sliding_attention"
     sliding_window: int | None = None
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE at rope_theta
 
     def __post_init__(self):
         types = self.layer_types or ("full_attention",) * self.num_layers
@@ -62,21 +63,10 @@ class Qwen3Config:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "Qwen3Config":
-        """From an HF Qwen3 `config.json` dict."""
-        n = hf["num_hidden_layers"]
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        types = hf.get("layer_types")
-        return cls(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                   intermediate_size=hf["intermediate_size"], num_layers=n,
-                   num_heads=hf["num_attention_heads"],
-                   num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                   head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
-                   rope_theta=hf.get("rope_theta", 1_000_000.0),
-                   rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                   tie_word_embeddings=hf.get("tie_word_embeddings", True),
-                   layer_types=tuple(types) if types else None,
-                   sliding_window=window if types and "sliding_attention" in types else None)
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "Qwen3Config":
+        """From an HF Qwen3 `config.json` dict, with HF's defaults (models/config.py)."""
+        from models.config import qwen3_config_from_hf
+        return qwen3_config_from_hf(hf, source)
 
     def to_hf(self) -> dict:
         return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
@@ -84,9 +74,13 @@ class Qwen3Config:
                 "intermediate_size": self.intermediate_size,
                 "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
                 "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
-                "tie_word_embeddings": self.tie_word_embeddings,
-                "layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
+                "rope_theta": self.rope_theta,
+                "rope_scaling": self.rope_scaling.to_hf() if self.rope_scaling else None,
+                "rms_norm_eps": self.rms_norm_eps,
+                "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
+                "attention_bias": False, "layer_types": list(self.layer_types),
+                "use_sliding_window": self.sliding_window is not None,
+                "sliding_window": self.sliding_window}
 
     def layer_specs(self, kv_dtype: str = "bf16", k_scale: float = 1.0,
                     v_scale: float = 1.0) -> list[LayerSpec]:
@@ -146,13 +140,17 @@ def rms_norm(x, weight, eps):
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, positions, theta):
-    """NeoX-style rotary embedding. x: [B, T, heads, D]; positions: i32[B, T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+def rope(x, positions, theta, scaling: RopeScaling | None = None):
+    """NeoX-style rotary embedding (models/rope.py: linear / YaRN scaling).
+
+    x: [B, T, heads, D]; positions: i32[B, T] absolute positions.
+    """
+    inv_freq, attention_factor = rope_frequencies(x.shape[-1], float(theta), scaling)
     angles = positions[..., None].astype(jnp.float32) * inv_freq    # [B, T, D/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
+    if attention_factor != 1.0:  # YaRN: HF scales cos and sin
+        cos, sin = cos * attention_factor, sin * attention_factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
@@ -161,14 +159,15 @@ def mlp(p, x):
     return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
 
 
-def qkv(p, x, positions, num_heads, num_kv_heads, head_dim, theta, eps):
+def qkv(p, x, positions, num_heads, num_kv_heads, head_dim, theta, eps,
+        scaling: RopeScaling | None = None):
     """Projections, per-head q/k RMSNorm, RoPE. x: [B, T, H] -> q [B,T,Hq,D], k, v [B,T,Hkv,D]."""
     b, t, _ = x.shape
     q = (x @ p["q"]).reshape(b, t, num_heads, head_dim)
     k = (x @ p["k"]).reshape(b, t, num_kv_heads, head_dim)
     v = (x @ p["v"]).reshape(b, t, num_kv_heads, head_dim)
-    q = rope(rms_norm(q, p["q_norm"], eps), positions, theta)
-    k = rope(rms_norm(k, p["k_norm"], eps), positions, theta)
+    q = rope(rms_norm(q, p["q_norm"], eps), positions, theta, scaling)
+    k = rope(rms_norm(k, p["k_norm"], eps), positions, theta, scaling)
     return q, k, v
 
 
@@ -191,7 +190,7 @@ def decoder_layer(p, x, positions, cfg, attention):
     """
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
     q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                  cfg.rope_theta, cfg.rms_norm_eps)
+                  cfg.rope_theta, cfg.rms_norm_eps, cfg.rope_scaling)
     x = x + attention(q, k, v).reshape(x.shape[0], x.shape[1], -1) @ p["o"]
     return x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
 

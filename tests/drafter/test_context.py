@@ -14,7 +14,8 @@ import pytest
 
 from drafter.engine import Engine
 from drafter.steps import StepConfig
-from models.checkpoint import load_dflash, load_qwen3
+from drafter.checkpoint import load_dflash
+from models.checkpoint import load_qwen3
 from unified_kv import CacheSpec
 
 PAIR = Path(__file__).parent.parent / "fixtures" / "copy_pair"
