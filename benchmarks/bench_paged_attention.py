@@ -25,11 +25,12 @@ from pallas_kernels.kv_store import layer_kv
 from pallas_kernels.paged_attention import (draft_block_attention,
                                             draft_block_attention_reference, paged_attention,
                                             paged_attention_reference)
+from pallas_kernels.testing import kv_scales, make_case, make_draft_case, rel_err
 
 BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
 # The long context the Pallas kernels take at batch 64: 16K keys make a pool of exactly
-# 2^31 elements, their 32-bit offsets' limit (32K's 2^32 are refused; before the thirteenth
-# session they were read at wrapped offsets). 32K: bench_gluon_attention.py.
+# 2^31 elements, their 32-bit offsets' limit (32K's 2^32 are refused). 32K:
+# bench_gluon_attention.py.
 LONG_CTX = 16384
 FP8 = jnp.float8_e4m3fn
 KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": FP8}  # by the names the scripts take
@@ -255,36 +256,6 @@ def bench_prefill(prior, chunk=2048, batch=4, dtype=jnp.bfloat16):
             row[f"{impl}_dense_error"] = f"{e!s:.300}"
     if prior == 0:  # square causal: what jax's Mosaic GPU (wgmma) flash attention reaches
         row.update(mosaic_gpu_dense(q, kd, vd, flops, t))
-    if dtype == jnp.bfloat16:  # the Mosaic GPU lowering of this prefill, same pages
-        row.update(mosaic_gpu_paged(q, pool, table, kv_lens, q_lens, flops, t, cfg))
-    return row
-
-
-def mosaic_gpu_paged(q, pool, table, kv_lens, q_lens, flops, ours_seconds, ours_cfg):
-    """pallas_kernels.paged_prefill_mgpu on the same pages: time at 2 and 3
-    concurrent pipeline steps, and its relative L2 distance from ours."""
-    from pallas_kernels.paged_prefill_mgpu import paged_prefill_mgpu
-    args = (q, pool, table, kv_lens, q_lens)
-    row, best = {}, None
-    for steps in (2, 3):
-        fn = ours(*args, kernel=paged_prefill_mgpu, max_concurrent_steps=steps)
-        try:
-            t = time_call(fn, *args, iters=10)
-        except Exception as e:  # a Mosaic GPU compile error is recorded, not raised
-            row[f"mosaic_paged_s{steps}_error"] = f"{type(e).__name__}: {e!s:.400}"
-            continue
-        row[f"mosaic_paged_s{steps}_ms"] = t * 1e3
-        if best is None or t < best[0]:
-            best = (t, fn)
-    if best is None:
-        return row
-    t, fn = best
-    row.update(mosaic_paged_ms=t * 1e3, mosaic_paged_TFLOPs=flops / t / 1e12,
-               speedup_vs_mosaic_paged=t / ours_seconds,
-               mosaic_paged_rel_diff=rel_l2(fn(*args), ours(*args, **ours_cfg)(*args)))
-    print(f"  mosaic paged prefill: {t * 1e3:.3f} ms {flops / t / 1e12:.1f} TFLOP/s, "
-          f"ours/mosaic {t / ours_seconds:.2f}x, rel diff {row['mosaic_paged_rel_diff']:.2e}",
-          flush=True)
     return row
 
 
@@ -323,8 +294,6 @@ def mosaic_gpu_dense(q, k, v, flops, ours_seconds):
 def error_norms():
     """Relative L2 error vs the f32 reference, compiled on the device: decode (max_q 1),
     verify (8), a prefill chunk (256) and the draft block (8, `draft`)."""
-    from tests.pallas_kernels.test_paged_attention import (kv_scales, make_case,
-                                                          make_draft_case, rel_err)
     rng = np.random.default_rng(0)
     interpret = jax.default_backend() == "cpu"
     rows = []

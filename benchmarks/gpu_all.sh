@@ -3,9 +3,8 @@
 #
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
-# STAGEs: tests, attention, timing (fp8 decode vs verify-8 per kernel, cool and
-# sustained), layouts (batch tables, cache layouts, decode speed), eval,
-# transfer. Each fits one 600 s device call (the device tool's limit): every
+# STAGEs: tests, attention, layouts (batch tables, cache layouts, decode speed),
+# eval, transfer. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -16,11 +15,11 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|timing|layouts|eval|transfer) stages+=("$a") ;;
+    tests|attention|layouts|eval|transfer) stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention timing layouts eval transfer)
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention layouts eval transfer)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
   if [ -n "${DRY_RUN:-}" ]; then echo "[$limit s] $*"; return; fi
@@ -35,8 +34,7 @@ for stage in "${stages[@]}"; do
       # the compiled tests (~6 s each: a compile apiece); the interpret-mode
       # suite is CI's
       run 500 pytest_gpu python3 -m pytest -q -p no:cacheprovider \
-        tests/pallas_kernels/test_gpu_compiled.py tests/pallas_kernels/test_paged_prefill_mgpu.py \
-        tests/pallas_kernels/test_paged_decode_mgpu.py \
+        tests/pallas_kernels/test_gpu_compiled.py \
         tests/pallas_kernels/test_paged_attention_gluon.py tests/pallas_kernels/test_gluon_call.py \
         tests/drafter/test_tensor_parallel.py ;;
     attention)
@@ -45,9 +43,6 @@ for stage in "${stages[@]}"; do
       run 200 paged_attention_prefill python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         --prefill-only
       run 240 gluon_attention python3 benchmarks/bench_gluon_attention.py --out "$OUT" ;;
-    timing)
-      run 300 timing_modes python3 benchmarks/probe_timing_modes.py --ctx 16384 4096 \
-        --sustained 1500 --out "$OUT" ;;
     layouts)
       run 100 batch_tables python3 benchmarks/bench_batch_tables.py --out "$OUT"
       run 230 cache_layouts python3 benchmarks/bench_cache_layouts.py --out "$OUT" \

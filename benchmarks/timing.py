@@ -1,14 +1,18 @@
-"""Device timing helpers: many back-to-back calls, one sync, median of repeats."""
+"""Device timing helpers: many back-to-back calls, one sync, median of repeats.
+
+`time_step_loop` and `machine` live in `drafter.timing` (the evaluation uses them
+too) and are re-exported here."""
 
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import jax
+
+from drafter.timing import machine, time_step_loop  # noqa: F401
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -40,34 +44,6 @@ def time_alternating(fns: dict, *args, rounds: int = 2) -> dict:
     return best
 
 
-def time_step_loop(step, params, state, *, steps: int, repeats: int, donate: bool = False,
-                   probe=None):
-    """Device seconds per call of `state = step(params, state, key)`: `steps`
-    calls run in one jitted loop (no host in between, a fresh key each), timed
-    `repeats` times after a compile run.
-
-    Returns (seconds per step of each repeat, [probe(state) before each repeat
-    and after the last] (empty without `probe`), the final state).
-    """
-    def run(params, state, key):
-        return jax.lax.fori_loop(
-            0, steps, lambda i, s: step(params, s, jax.random.fold_in(key, i)), state)
-
-    loop = jax.jit(run, donate_argnums=1 if donate else ())
-    key = jax.random.key(0)
-    state = jax.block_until_ready(loop(params, state, key))  # compile + warm
-    seconds, probes = [], []
-    for _ in range(repeats):
-        if probe is not None:
-            probes.append(probe(state))
-        start = time.perf_counter()
-        state = jax.block_until_ready(loop(params, state, key))
-        seconds.append((time.perf_counter() - start) / steps)
-    if probe is not None:
-        probes.append(probe(state))
-    return seconds, probes, state
-
-
 def device_copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device copy bandwidth in bytes/s, counting bytes read plus written."""
     import jax.numpy as jnp
@@ -75,12 +51,6 @@ def device_copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     copy = jax.jit(lambda a: a * 1.0001)  # a real read + write, not an alias
     seconds = time_call(copy, x, iters=iters)
     return 2 * nbytes / seconds
-
-
-def machine() -> dict:
-    dev = jax.devices()[0]
-    return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-            "host": platform.node()}
 
 
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:

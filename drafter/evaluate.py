@@ -19,13 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import machine, time_step_loop
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from drafter.steps import decode_step, plain_decode_step
+from drafter.timing import machine, time_step_loop
 from models.attention import IMPLS
-
-RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 
 
 def per_position_acceptance(acceptance: list[int], block: int) -> list[float]:
@@ -110,7 +108,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 prompts per length, up to 2048")
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--json", default=None, help="output file (default benchmarks/results/)")
+    ap.add_argument("--json", default=None, help="output file (default eval_default_<backend>[_quick].json here)")
     ap.add_argument("--impl", choices=IMPLS, default="auto",
                     help="attention kernels (models/attention.py)")
     args = ap.parse_args(argv)
@@ -129,7 +127,7 @@ def main(argv=None):
     short = [p["tokens"] for p in prompts if p["length"] == 128]
     report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b, impl=args.impl)
                        for b in ((1,) if args.quick else (1, 16))]
-    path = Path(args.json) if args.json else RESULTS / (
+    path = Path(args.json) if args.json else Path(
         f"eval_default_{jax.default_backend()}{'_quick' if args.quick else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))

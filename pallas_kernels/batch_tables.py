@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from unified_kv.spec import BAD_PAGE_INDEX, pow2_at_least
+from pallas_kernels.pool_layout import BAD_PAGE_INDEX, pow2_at_least
 
 DEFAULT_BLOCK_PAGES = 128
 

@@ -24,8 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.pool_layout import kernel_views
-from unified_kv.spec import BAD_PAGE_INDEX
+from pallas_kernels.pool_layout import BAD_PAGE_INDEX, kernel_views
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value; casting beyond gives NaN
 

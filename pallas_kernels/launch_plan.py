@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from jax.experimental import pallas as pl
 
-from unified_kv.spec import pow2_at_least
+from pallas_kernels.pool_layout import pow2_at_least
 
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
 SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block

@@ -45,8 +45,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_store import layer_kv
 from pallas_kernels.launch_plan import MIN_ROWS, SPEC_ROWS, plan_launch
-from pallas_kernels.pool_layout import kernel_views, static_validate_inputs
-from unified_kv.spec import BAD_PAGE_INDEX, NULL_PAGE, pow2_at_least
+from pallas_kernels.pool_layout import (BAD_PAGE_INDEX, NULL_PAGE, kernel_views, pow2_at_least,
+                                        static_validate_inputs)
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)  # the softmax runs in base 2

@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from pallas_kernels.gluon_call import gluon_call
 from pallas_kernels.launch_plan import MIN_ROWS, NUM_SMS, SPEC_MAX_Q, plan_launch
-from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS, static_validate_inputs
-from unified_kv.spec import BAD_PAGE_INDEX, pow2_at_least
+from pallas_kernels.pool_layout import (BAD_PAGE_INDEX, MAX_POOL_ELEMENTS, pow2_at_least,
+                                        static_validate_inputs)
 
 # Names that moved between Triton releases (3.6 on the H200, 3.9 on a CPU machine).
 async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared

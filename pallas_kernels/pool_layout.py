@@ -14,16 +14,29 @@ and the input checks every attention call shares.
 with kernel_pages = num_pages * num_layers * 2 (see unified_kv/spec.py). V
 pages are transposed so that the attention kernels' P.V dot reads V^T with
 its reduction (key) axis contiguous: an fp8 operand has no transposed
-shared-memory fragment load on the H200, and the byte-wise loads it fell
-back to doubled fp8 decode's instructions (BENCHMARKS.md). `kv_store` writes
+shared-memory fragment load on Hopper (docs/decisions.md). `kv_store` writes
 through the same views; `kv_store.layer_kv` reads both back key-major.
+
+The page-id constants live here, at the bottom of the package graph, and
+`unified_kv` re-exports them: the kernels import nothing from above.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+BAD_PAGE_INDEX = -1  # an unallocated page, or one retired behind a window
+# Page 0 of every pool is reserved: never allocated, never written, all zeros.
+# Kernels read it in place of BAD entries that pad a block, so a stray read
+# can never pull NaN/Inf garbage into a masked softmax.
+NULL_PAGE = 0
 MAX_POOL_ELEMENTS = 2**31  # element offsets up to 2^31 - 1 fit Pallas Triton's int32
+
+
+def pow2_at_least(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): table widths, transfer sizes
+    and kernel blocks round up to these so each compiles for few shapes."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def kernel_views(pool):
@@ -33,19 +46,6 @@ def kernel_views(pool):
     kernel_pages = num_pages * num_layers * 2
     return (pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim),
             pool.reshape(num_kv_heads, kernel_pages * head_dim, page_size))
-
-
-def smem_tiles(dtype, columns):
-    """Mosaic GPU shared-memory transforms for a page (or tile) `columns` wide: 8-row
-    tiles swizzled over one row's bytes, up to 128 (what TMA writes and wgmma reads);
-    rows under 32 bytes are tiled but not swizzled."""
-    # Imported here: only the Mosaic GPU kernels need it, not the Triton ones.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, columns * itemsize)
-    tiling = plgpu.TilingTransform((8, swizzle // itemsize))
-    return (tiling, plgpu.SwizzleTransform(swizzle)) if swizzle >= 32 else (tiling,)
 
 
 def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,

@@ -35,11 +35,9 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-BAD_PAGE_INDEX = -1  # an unallocated page, or one retired behind a window
-# Page 0 of every pool is reserved: never allocated, never written, all zeros.
-# Kernels read it in place of BAD entries that pad a block, so a stray read
-# can never pull NaN/Inf garbage into a masked softmax.
-NULL_PAGE = 0
+# Page-id constants and rounding live with the kernels (the bottom layer); re-exported here.
+from pallas_kernels.pool_layout import BAD_PAGE_INDEX, NULL_PAGE, pow2_at_least  # noqa: F401
+
 # Kernels tile keys by whole pages; Triton/Mosaic need power-of-two tiles >= 8.
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 # "f32" is for exact reference runs and tests (lossless checks without bf16 rounding).
@@ -158,12 +156,6 @@ def max_live_pages(page_size: int, sliding_window: int | None, seq_len: int,
         return full
     span = sliding_window - 1 + max_step_tokens
     return min(full, math.ceil(span / page_size) + 1)
-
-
-def pow2_at_least(n: int) -> int:
-    """The least power of two >= n (1 for n <= 1): table widths, transfer sizes
-    and kernel blocks round up to these so each compiles for few shapes."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)

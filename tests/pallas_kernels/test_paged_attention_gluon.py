@@ -228,15 +228,3 @@ def test_prefill_and_draft_block_on_a_pool_past_2_31_elements():
     assert pg.use_gluon(q, pool, draft_block=True)
     out = jax.jit(lambda *a: pg.draft_block_attention_gluon(*a, layer_offset=0))(*draft)
     assert rel_err(out, draft_block_attention_reference(*draft, layer_offset=0)) < 1e-2
-
-
-def test_probe_variants_name_real_constexprs():
-    from benchmarks.probe_gluon_variants import PREFILL_VARIANTS, SPEC_VARIANTS
-
-    pool = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), FP8)
-    table = jax.ShapeDtypeStruct((64, 16), jnp.int32)
-    for max_q, variants in ((8, SPEC_VARIANTS), (2048, PREFILL_VARIANTS)):
-        q = jax.ShapeDtypeStruct((64, max_q, 32, 128), jnp.bfloat16)
-        for tuning in variants.values():
-            assert pg.launch(q, pool, table, layer_offset=0, tuning=tuning)[1].items() \
-                >= tuning.items()
