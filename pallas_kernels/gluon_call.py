@@ -11,8 +11,8 @@ the custom call jax-triton uses.
 
 Why not `jax_triton.triton_call`: jax-triton 0.4.1 (the first with Gluon, for Triton >= 3.7)
 runs a Gluon kernel's IR through Triton's TTIR -> TTGIR optimizer, which re-lays-out the
-kernel's tensors; the fp8 verify probe then ran 1.74 ms against 1.18-1.20 ms compiled by
-Triton itself (BENCHMARKS.md, thirteenth session). The H200's image has Triton 3.6.
+kernel's tensors and the hand-chosen layouts are lost (fp8 verify about 1.45x slower on
+the H200: docs/decisions.md). The H200's image has Triton 3.6.
 
 Needs `triton` with Gluon (>= 3.5; the GPU machine's own) and jaxlib's CUDA plugin;
 on another backend the call fails at lowering with an error that says so.

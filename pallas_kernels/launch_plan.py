@@ -1,5 +1,5 @@
 """How a paged-attention call is cut into Pallas programs, and the launch
-options measured best on the H200 (BENCHMARKS.md).
+options measured best on the H200 (docs/decisions.md).
 
 One job: from the call's shapes and the caller's explicit choices, decide
 query blocks, key splits, warps, pipeline stages, page-id prefetch and the
@@ -16,16 +16,15 @@ from typing import NamedTuple
 
 from jax.experimental import pallas as pl
 
+from pallas_kernels.device import device_info
 from pallas_kernels.pool_layout import pow2_at_least
 
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
 SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block
 SPEC_ROWS = 32   # at most this many query rows per block for those (2 warps)
-# Key pages per split for those, when rows x kv heads cannot fill the GPU. At batch 4 x 8
-# kv heads, 32K context, 128-page splits were 16-27% faster than 32-page ones on the H200;
-# at 4K, 1.1-1.3x faster for decode and 1.3x slower for fp8 verify (BENCHMARKS.md).
+# Key pages per split for those, when rows x kv heads cannot fill the GPU (measured on the
+# H200 against 32-page splits: docs/decisions.md).
 SPEC_SPLIT_PAGES = 128
-NUM_SMS = 132    # H200
 
 
 class LaunchPlan(NamedTuple):
@@ -56,7 +55,8 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
                 pages_per_block: int = 4, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 prefetch_page_ids: bool | None = None,
-                rescale_threshold: float | None = None, fast_fp8: bool = False) -> LaunchPlan:
+                rescale_threshold: float | None = None, fast_fp8: bool = False,
+                num_sms: int | None = None) -> LaunchPlan:
     """The caller's explicit options, and measured defaults for those left None.
 
     Up to SPEC_MAX_Q query tokens per row (decode, verify, draft block) every
@@ -66,11 +66,11 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     a call splits follows its batch, which in the engine is its slot count:
     two engines (plain and speculative, or an aggregated server and a
     disaggregated generation server) split a row's keys alike, and so agree
-    bit for bit, when both have slots x kv heads below 2 x NUM_SMS or both
-    at or above it (at 8 kv heads: both under 33 slots, or both 33 or more).
-    Splitting always would drop that condition at 0-13% of large-batch
-    decode time on the H200 (BENCHMARKS.md). On
-    the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
+    bit for bit, when both have slots x kv heads below 2 x num_sms or both
+    at or above it (H200, 8 kv heads: both under 33 slots, or both 33 or more).
+    Splitting always would drop that condition at some large-batch decode
+    time (docs/decisions.md). num_sms: the device's (`device.device_info`)
+    unless given. On the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
     at GQA 4, or 8 at GQA 5-8) or 2 warps over 128 rows changed bits against
     2-warp decode, and so did a split count that followed the number of query
     blocks (test_gpu_compiled); tuning verify's blocking alone (8 pages, 4
@@ -78,20 +78,17 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     verifies take several 32-row query blocks per row, launched side by side
     so their reads of the row's keys meet in L2. Triton (3.6, and the H200's)
     lays the two dots out over 2 warps by splitting head_dim when rows <
-    head_dim and the rows otherwise (`benchmarks/inspect_triton.py` shows
-    warpsPerCTA [1, 2] vs [2, 1]); a 16-row decode block always splits
+    head_dim and the rows otherwise (warpsPerCTA [1, 2] vs [2, 1] in the
+    Triton IR); a 16-row decode block always splits
     head_dim, and a 32-row verify block at head dim 32 split rows and changed
     bits on the H200. So spec blocks hold fewer rows than head_dim (16 at
     head dim 32) unless q heads per kv head alone reach it.
 
     `fast_fp8` (the kernels pass it for calls over fp8 KV; on by default
-    there), measured on the H200 at GQA 4 (BENCHMARKS.md): fp8 decode with
-    the page ids prefetched is 8% faster (it then reads at copy bandwidth);
-    fp8 verify with 5 stages and rescale_threshold=8 is 10% faster. With
-    them on and the head-dim rule above, the default pair's H200 eval (fp8
-    target KV, head dim 32) is lossless at every prompt length; before that
-    rule it once was not. Over bf16 KV they lose, and a lazy rescale's
-    block-wide vote made prefill 4-13% slower, so neither gets them.
+    there): fp8 decode prefetches the page ids one block ahead, fp8 verify
+    takes 5 stages and rescale_threshold=8 (both faster on the H200,
+    docs/decisions.md). Over bf16 KV and for prefill they are slower, so
+    neither gets them.
     """
     spec = max_q <= SPEC_MAX_Q
     fast = fast_fp8 and spec  # prefill keeps its options (the lazy rescale slowed it)
@@ -102,7 +99,8 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     rows = max(MIN_ROWS, pow2_at_least(tokens_per_block * q_per_kv))
     pages_per_block = min(pages_per_block, pow2_at_least(table_width))
     programs = batch * num_kv_heads * (1 if spec else num_q_blocks)
-    if num_splits is None and spec and programs < 2 * NUM_SMS:
+    num_sms = num_sms or device_info().num_sms
+    if num_splits is None and spec and programs < 2 * num_sms:
         # Splits of a fixed size: a row's split boundaries, and so its bits,
         # must not follow the table width, which follows the batch's longest
         # row and differs between a plain decode step and a verify step at
@@ -113,7 +111,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
         if num_splits is None:  # split the keys when the programs cannot fill the GPU twice
             max_splits = max(table_width // (4 * pages_per_block), 1)
             num_splits = 1
-            while programs * num_splits < 2 * NUM_SMS and num_splits * 2 <= max_splits:
+            while programs * num_splits < 2 * num_sms and num_splits * 2 <= max_splits:
                 num_splits *= 2
         pages_per_split = (pl.cdiv(pl.cdiv(table_width, num_splits), pages_per_block)
                            * pages_per_block)

@@ -122,7 +122,7 @@ def paged_attention_kernel(
     # position, the cache end or this split's end (keys past it belong to the
     # next split), lower its window start; rows past q_len (and padding rows)
     # see none. One compare per logit and bound, not one per condition: fp8
-    # verify ran 5-6% and prefill 10-18% faster (BENCHMARKS.md).
+    # verify and prefill run faster (docs/decisions.md).
     upper = jnp.where(row_valid,
                       jnp.minimum(q_pos, jnp.minimum(key_end, hi * page_size) - 1), -1)
 
@@ -260,7 +260,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_
     num_splits = plan.num_splits
     # The dots run in q's dtype, or in f16 over fp8 KV: e4m3 -> f16 is one
     # packed hardware conversion per two keys, e4m3 -> bf16 several, and that
-    # conversion, not the memory, bounded fp8 decode (BENCHMARKS.md).
+    # conversion, not the memory, bounds fp8 decode (docs/decisions.md).
     if compute_dtype is None:
         compute_dtype = jnp.float16 if pool.dtype == jnp.float8_e4m3fn else q.dtype
     k_view, v_view = kernel_views(pool)
@@ -273,7 +273,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_
     # block get q in rows, scaled, from XLA: there a q scaled in the kernel
     # spilled in the loop (128 rows; the draft block, whose own keys use q
     # after the loop, ran 1.6x slower), and fp8 prefill read and written in
-    # q's layout was 3% slower (H200, BENCHMARKS.md).
+    # q's layout was slower (H200).
     has_block = block_kv is not None
     q_in_rows = rows > SPEC_ROWS or has_block
     if q_in_rows:  # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
@@ -404,7 +404,7 @@ def paged_attention(
     options below that make fp8 decode and verify faster on the H200 (see
     plan_launch). `prefetch_page_ids` loads each block's page-table entries
     one iteration ahead, so Triton keeps the next blocks' K/V loads in flight
-    (BENCHMARKS.md); it changes no bit. `rescale_threshold` T > 0 moves a
+    (docs/decisions.md); it changes no bit. `rescale_threshold` T > 0 moves a
     row's running max (and rescales its accumulator) only when a block's max
     passes it by more than T (base 2), so p stays below 2**T and most blocks
     skip the rescale; 0 rescales whenever the max grows. It changes rounding.

@@ -11,24 +11,22 @@ block's own K / V (not in the cache), bidirectionally or causally. One program: 
 block, row, kv head); up to 32 query rows (tokens x q heads of the kv head) over 2 warps
 for decode, verify and the draft block, 64 rows over 4 warps for prefill. Warps take 16
 rows each (the rest of them the dots' columns: decode's 16 rows over 2 warps), so a
-verify's warps exchange nothing per key block: its time over decode's went from 1.30x
-to 1.19-1.24x at 32K over fp8 (BENCHMARKS.md, fifteenth session).
+verify's warps exchange nothing per key block.
 
-Why a second kernel: Pallas Triton picks the dots' register layouts itself. Over fp8 KV it
-reloads q from shared memory every key block and ptxas rebuilds its mma.sync fragments
-with register moves (BENCHMARKS.md, twelfth session); here q is loaded once, scaled, into
-the A-operand layout and held in registers. K is copied with cp.async into a swizzled
-[BK, D] tile; each V^T page lands whole and unswizzled ([PPB * D, PAGE]), as it lies in
-the pool, so the copies reach L2 a line at a time (a [D, BK] tile made 4x the L2
-requests: thirteenth session). Offsets into the pool are 64-bit, so pools past 2^31
-elements (which Pallas Triton's 32-bit offsets refuse) work.
+Why a second kernel: Pallas Triton picks the dots' register layouts itself, and over fp8
+KV it reloads q from shared memory every key block and rebuilds the mma.sync fragments
+with register moves; here q is loaded once, scaled, into the A-operand layout and held in
+registers (docs/decisions.md). K is copied with cp.async into a swizzled [BK, D] tile;
+each V^T page lands whole and unswizzled ([PPB * D, PAGE]), as it lies in the pool, so
+the copies reach L2 a line at a time. Offsets into the pool are 64-bit, so pools past
+2^31 elements (which Pallas Triton's 32-bit offsets refuse) work.
 
 Blocks are PPB pages on a grid aligned to page 0, and a row's 1-query decode and its
 K+1-query verify run the same per-row arithmetic (rows are independent in the dots and
 the softmax; the row sums come from a dot, so they add in the same order whichever way
 the warps are laid out), so greedy speculative decoding reproduces plain decoding bit for
-bit (tested compiled). No key splits: launch it when batch x kv heads fill the GPU
-(`use_gluon`). GPU only (`gluon_call`); on CPU the Pallas kernel runs in interpret mode.
+bit (tested compiled). No key splits: it is chosen when batch x kv heads fill the GPU
+(`pallas_kernels.attention.select_backend`). GPU only (`gluon_call`); on CPU the Pallas kernel runs in interpret mode.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from pallas_kernels.gluon_call import gluon_call
-from pallas_kernels.launch_plan import MIN_ROWS, NUM_SMS, SPEC_MAX_Q, plan_launch
+from pallas_kernels.launch_plan import MIN_ROWS, SPEC_MAX_Q, plan_launch
 from pallas_kernels.pool_layout import (BAD_PAGE_INDEX, MAX_POOL_ELEMENTS, pow2_at_least,
                                         static_validate_inputs)
 
@@ -53,11 +51,10 @@ cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 LOG2E = math.log2(math.e)
 KV_DTYPES = {jnp.dtype(jnp.float8_e4m3fn): "fp8", jnp.dtype(jnp.bfloat16): "bf16"}
 BLOCK_KEYS, STAGES, NUM_WARPS = 64, 3, 2  # keys per block: pages_per_block = 64 / page
-# Prefill: 16 query rows per warp, 2 stages (H200, 4096 + 2048 tokens: 240 / 284 TFLOP/s
-# over bf16 / fp8 against 214 / 247 with 3 stages; BENCHMARKS.md, fourteenth session).
+# Prefill: 16 query rows per warp, 2 stages (faster than 3 on the H200: docs/decisions.md).
 PREFILL_ROWS, PREFILL_WARPS, PREFILL_STAGES = 64, 4, 2
-# The draft block over bf16 KV: 4 warps along the dots' columns (H200, batch 64: 0.334 vs
-# 0.374 ms at 4K, 2.52 vs 2.72 ms at 32K); over fp8 they lost (0.94 vs 0.70 ms at 16K).
+# The draft block over bf16 KV: 4 warps along the dots' columns (faster on the H200 over
+# bf16, slower over fp8).
 DRAFT_BF16_WARPS = 4
 # The same values for the kernel (Gluon reads only constexpr globals).
 MASK_ = gl.constexpr(-0.7 * 3.4028234663852886e38)  # finite: a row with no key stays exact
@@ -86,8 +83,8 @@ def _copy_block(k_slot, v_slot, head_pool, table_row, block, hi_block, table_wid
                 layer_pages, kj, kd, vpage, vd, vj, PAGE: gl.constexpr, PPB: gl.constexpr,
                 D: gl.constexpr):
     """Start one block's K [BK, D] and V^T [PPB * D, PAGE] copies (none past hi_block).
-    Its table entries load here: loading them a block ahead made verify 8% slower on the
-    H200 (more registers live across the loop; BENCHMARKS.md, thirteenth session)."""
+    Its table entries load here: loading them a block ahead makes verify slower on the
+    H200 (more registers live across the loop)."""
     k_page = _kernel_pages(_page_entries(table_row, block, kj, hi_block, table_width,
                                          PAGE, PPB), layer_pages)
     k_off = (k_page * (PAGE * D) + (kj % PAGE) * D)[:, None] + kd[None, :]
@@ -218,8 +215,7 @@ def paged_attention_kernel(
     tok = q_block * TOKENS + r // GQA
     # q_rows = TOKENS x GQA, a run-time value: folded to zeros, decode's padding rows' q
     # fragments would share one zero register and ptxas would rebuild each dot's operand
-    # with register moves (40 of fp8 decode's 589 loop instructions; no faster on the
-    # H200 either way, fifteenth session).
+    # with register moves (no faster on the H200 either way).
     if TOKENS * GQA < ROWS:
         in_q = (r < q_rows) & (tok < MAX_Q)
     else:
@@ -352,7 +348,8 @@ def paged_attention_kernel(
 
 
 def supports(q, pool, *, draft_block: bool = False) -> str | None:
-    """None if the Gluon kernel takes this call, else why not (for `use_gluon`)."""
+    """None if the Gluon kernel takes this call, else why not
+    (`pallas_kernels.attention.select_backend` asks)."""
     if jnp.dtype(pool.dtype) not in KV_DTYPES:
         return f"pool dtype {pool.dtype} (the Gluon kernel reads fp8 e4m3 or bf16 KV)"
     if draft_block and q.shape[1] > SPEC_MAX_Q:
@@ -363,25 +360,6 @@ def supports(q, pool, *, draft_block: bool = False) -> str | None:
     return None
 
 
-def use_gluon(q, pool, *, draft_block: bool = False) -> bool:
-    """The lowering on a GPU: the Gluon kernel for any call it takes past the Pallas
-    kernels' 2^31-element pools, and for fp8 decode / verify when batch x kv heads fill
-    the GPU twice (it has no key splits; the Pallas kernel splits below that). Among
-    decode and verify it follows the batch, heads and pool only, never max_q, so a row's
-    decode and verify passes take the same kernel and agree bit for bit. The draft block
-    over fp8 follows the same rule (0.15 / 0.60 ms against the Pallas kernel's 0.25 / 0.91
-    at 4K / 16K, batch 64, H200; verify-8 0.15 / 0.60 against 0.18 / 0.69). Over bf16
-    (decode, verify and draft within 2% of the Pallas kernel at 4K) and for prefill
-    (Pallas up to 1.27x faster) it is taken past 2^31 elements only (BENCHMARKS.md,
-    fifteenth session)."""
-    if jax.default_backend() != "gpu" or supports(q, pool, draft_block=draft_block):
-        return False
-    if pool.size > MAX_POOL_ELEMENTS:
-        return True
-    return (q.shape[1] <= SPEC_MAX_Q and pool.dtype == jnp.float8_e4m3fn
-            and q.shape[0] * pool.shape[0] >= 2 * NUM_SMS)
-
-
 def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=None,
            soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None, tuning=None):
     """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
@@ -389,11 +367,10 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     None, or (padded block keys, causal within the block). Decode, verify and the draft
     block (up to SPEC_MAX_Q queries) take 2 warps (the bf16 draft block
     DRAFT_BF16_WARPS), edge-only masks and row sums by dot; prefill PREFILL_ROWS rows per
-    program over PREFILL_WARPS warps, every block masked and rows summed by `gl.sum` (284
-    against 260 TFLOP/s over fp8 with the options above). Warps go along the rows, 16
-    rows each.
-    tuning: a dict overriding the constexprs so chosen (for benchmarks that compare them:
-    `benchmarks/probe_gluon_variants.py`)."""
+    program over PREFILL_WARPS warps, every block masked and rows summed by `gl.sum`
+    (faster for prefill than the spec options). Warps go along the rows, 16 rows each.
+    tuning: a dict overriding the constexprs so chosen (a benchmark comparing variants);
+    a key that names no constexpr raises."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     q_per_kv = num_q_heads // num_kv_heads
@@ -407,7 +384,7 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
         num_warps = DRAFT_BF16_WARPS
     num_warps = tuning.get("NUM_WARPS") or num_warps
     # Warps along the rows, 16 rows each, the rest along the dots' columns: a program's
-    # warps then exchange nothing per key block (BENCHMARKS.md, fifteenth session).
+    # warps then exchange nothing per key block.
     warps_m = max(1, min(num_warps, plan.rows // 16))
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
@@ -477,7 +454,7 @@ def draft_block_attention_gluon(q, pool, batch_table, ctx_lens, block_lens, bloc
                          f"got {block_k.shape=} {block_v.shape=}")
     _refuse(q, pool, draft_block=True)
     # The block's K / V go in as they are: the kernel pads, scales and converts them, so no
-    # XLA op runs beside it (BENCHMARKS.md, fourteenth session).
+    # XLA op runs beside it.
     pad = max(MIN_ROWS, pow2_at_least(q.shape[1]))
     return _call(q, pool, batch_table, ctx_lens, block_lens, block_k, block_v,
                  layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,

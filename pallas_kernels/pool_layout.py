@@ -63,9 +63,8 @@ def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
     num_kv_heads, _, num_layers, _, page_size, pool_head_dim = pool.shape
     if max_pool_elements is not None and pool.size > max_pool_elements:
         # Pallas Triton computes the kernels' element offsets in 32 bits: past 2^31 they
-        # wrap and the kernel reads other memory without an error (an fp8 pool of 2^32
-        # elements gave a relative error of 3e3 on the H200, BENCHMARKS.md thirteenth
-        # session), so such pools are refused here.
+        # wrap and the kernel reads other memory without an error, so such pools are
+        # refused here.
         gib = max_pool_elements * pool.dtype.itemsize / 2**30
         raise ValueError(
             f"pool has {pool.size:,} elements ({pool.shape}); the Pallas attention kernels "

@@ -40,14 +40,19 @@ def test_speculative_equals_plain_greedy_on_the_gluon_kernel(monkeypatch):
     """Every call the Gluon kernel takes goes to it (the fp8 target's prefill, decode and
     verify, the bf16 drafter's draft blocks), whatever the batch: its verify and decode
     lay their warps out differently and must still agree bit for bit."""
-    pg = pytest.importorskip("pallas_kernels.paged_attention_gluon")
+    pytest.importorskip("pallas_kernels.paged_attention_gluon")
+    from pallas_kernels import attention as kernels
+
     taken = []
+    select = kernels.select_backend
 
-    def use_gluon(q, pool, draft_block=False):
-        taken.append(pg.supports(q, pool, draft_block=draft_block) is None)
-        return taken[-1]
+    def select_and_record(q, pool, **kw):
+        taken.append(select(q, pool, **kw) == "gluon")
+        return "gluon" if taken[-1] else "pallas"
 
-    monkeypatch.setattr(pg, "use_gluon", use_gluon)
+    # every call the Gluon kernel takes is preferred to it, whatever the batch
+    monkeypatch.setattr(kernels, "_gluon_preferred", lambda *a, **k: True)
+    monkeypatch.setattr(kernels, "select_backend", select_and_record)
     params, spec_cfg, plain_cfg = tiny_pair(num_slots=8, kv_dtype="bf16",
                                             target_kv_dtype="fp8_e4m3", impl="pallas",
                                             head_dim=32, block_size=8)

@@ -1,5 +1,5 @@
 """pallas_kernels/paged_attention_gluon.py against the pure-jnp reference. Compiled for
-sm_90 on any machine with a Triton that has Gluon (`.[inspect]`); run on a GPU."""
+sm_90 on any machine with a Triton that has Gluon (the test extra's); run on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("triton.experimental.gluon._runtime",
-                    reason="pip install '.[inspect]' (a Triton with Gluon)")
+                    reason="a Triton with Gluon (triton>=3.5)")
 
+from pallas_kernels import attention as kernels  # noqa: E402
 from pallas_kernels import gluon_call as gc  # noqa: E402
 from pallas_kernels import paged_attention_gluon as pg  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
@@ -82,23 +83,6 @@ def test_refuses_what_it_does_not_take():
                                        layer_offset=0)
     with pytest.raises(ValueError, match="pool dtype float32"):
         pg.paged_attention_gluon(q[:, :1], pool.astype(jnp.float32), *args[1:], layer_offset=0)
-    assert not pg.use_gluon(q[:, :1], pool) or jax.default_backend() == "gpu"
-
-
-def test_which_calls_take_the_gluon_kernel(monkeypatch):
-    """Decode, verify and the draft block over fp8 at batch x kv heads >= 264 take it by
-    measurement; prefill and the bf16 draft block only where the Pallas kernels cannot
-    address the pool (past 2^31 elements)."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    for kv, fp8 in ((FP8, True), (jnp.bfloat16, False)):
-        small = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), kv)
-        large = jax.ShapeDtypeStruct((8, 2**31 // (8 * 2 * 16 * 128) + 1, 1, 2, 16, 128), kv)
-        for max_q, draft, want_small in ((1, False, fp8), (8, False, fp8), (64, False, False),
-                                         (8, True, fp8)):
-            q = jax.ShapeDtypeStruct((64, max_q, 32, 128), jnp.bfloat16)
-            assert pg.use_gluon(q, small, draft_block=draft) == want_small, (kv, max_q, draft)
-            assert pg.use_gluon(q, large, draft_block=draft), (kv, max_q, draft)
-        assert not pg.use_gluon(jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16), small)
 
 
 def test_launch_configs_and_tuning():
@@ -168,7 +152,7 @@ def test_pool_past_2_31_elements():
     q, pool, *rest = args = large_pool_case(2**31 // (8 * 2 * 16 * 128) + 64)
     out = gluon_attention(*args, layer_offset=0)
     assert rel_err(out, paged_attention_reference(*args, layer_offset=0)) < 1e-2
-    assert pg.use_gluon(q, pool)
+    assert kernels.select_backend(q, pool, impl="pallas") == "gluon"
 
 
 PREFILL_CASES = [  # kv dtype, max_q, window, soft cap, q heads per kv head
@@ -218,13 +202,13 @@ def test_prefill_and_draft_block_on_a_pool_past_2_31_elements():
 
     pages = 2**31 // (8 * 2 * 16 * 128) + 64
     args = large_pool_case(pages, max_q=64)
-    assert pg.use_gluon(args[0], args[1])
+    assert kernels.select_backend(args[0], args[1], impl="pallas") == "gluon"
     out = gluon_attention(*args, layer_offset=0)
     assert rel_err(out, paged_attention_reference(*args, layer_offset=0)) < 1e-2
     q, pool, table, ctx_lens, _ = large_pool_case(pages)
     block_k, block_v = (jax.random.normal(jax.random.key(i), (2, 8, 8, 128), jnp.bfloat16)
                         for i in (2, 3))
     draft = (q, pool, table, ctx_lens, jnp.array([8, 8], jnp.int32), block_k, block_v)
-    assert pg.use_gluon(q, pool, draft_block=True)
+    assert kernels.select_backend(q, pool, impl="pallas", draft_block=True) == "gluon"
     out = jax.jit(lambda *a: pg.draft_block_attention_gluon(*a, layer_offset=0))(*draft)
     assert rel_err(out, draft_block_attention_reference(*draft, layer_offset=0)) < 1e-2
