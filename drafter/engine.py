@@ -1,15 +1,23 @@
-"""`Engine.generate`: continuous batching over the jitted steps.
+"""The engine: one request lifecycle over the jitted steps, for every serving role.
 
-The host loop owns requests and admission only; the device state (cache,
-anchors, drafts) is one pytree threaded through donated jitted steps.
+    submit(request) ─> Scheduler.schedule() ─> StepPlan ─> dispatch: import_step per arrived
+         ^                                                 KV, one mixed_step (reset, prefill
+         │                                                 chunks, decode rows), export_step
+         └─ Results <── Scheduler.emit / finish <── read step N's outputs (after N+1 is
+                                                    dispatched: the host runs one step ahead)
 
-    loop:
-      admit waiting requests while a slot and worst-case pages are free
-        -> chunked prefill of each (chunks of max_step_tokens), first token
-           and first draft block
-      one decode step over every slot (fixed batch shape; free slots ride as
-        the dummy padding slot)
-      finished requests release their pages and slots
+Roles are configurations of this one loop:
+  * aggregated: prompts prefill locally, in chunks batched with decode rows;
+  * generation: admitted requests get their KV from a `KVSource` (another
+    mesh, several context workers, another process) and are imported by one
+    jitted step each;
+  * context (`export=True`): prompts prefill, then leave as `Export`s (KV
+    gathered into buffers on the device) instead of decoding.
+
+The device state is one pytree threaded through donated jitted calls; the
+only host reads are each step's outputs (committed tokens, ok masks), one
+`device_get` per step. Failure is data (`ok` masks) in the steps and a
+Result with finish_reason "error" for the one request it concerns.
 """
 
 from __future__ import annotations
@@ -18,43 +26,40 @@ import dataclasses
 import functools
 import time
 from collections import deque
+from typing import Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from drafter.steps import (StepConfig, decode_step, init_spec_state, plain_decode_step,
-                           prefill_step, redraft_step)
+from drafter.kv_io import KVPayload, export_payload, import_step, sent_pool_ids
+from drafter.mixed_step import StepBatch, mixed_step
+from drafter.request import Request, RequestError, Result, SamplingParams
+from drafter.scheduler import Phase, Scheduler, Sequence
+from drafter.steps import StepConfig, init_spec_state
 from pallas_kernels.batch_tables import bucket_width
-from unified_kv import AdmissionController, AdmissionError, admit_slots, init_state, release_slots
+from unified_kv import AdmissionError, init_state
+
+__all__ = ["Engine", "Export", "KVSource", "Result", "Request", "SamplingParams"]
+
+
+class KVSource(Protocol):
+    """Where a generation engine's admitted requests get their KV."""
+
+    def fetch(self, request: Request) -> None:
+        """Start producing `request`'s KV (it is admitted here: room is reserved)."""
+
+    def poll(self, timeout: float) -> list[tuple[str, "KVPayload | BaseException"]]:
+        """Arrived payloads (on this engine's devices) or failures, by request id;
+        waits up to `timeout` seconds for the first one."""
 
 
 @dataclasses.dataclass
-class Result:
-    """One finished request."""
+class Export:
+    """A context engine's prefilled request, leaving with its KV."""
 
-    request_id: str
-    prompt: list[int]
-    tokens: list[int]                 # generated tokens (first token included)
-    acceptance: list[int]             # tokens committed per decode step (AL = mean)
-    time_to_first_token_s: float
-    decode_time_s: float
-
-    @property
-    def acceptance_length(self) -> float:
-        return float(np.mean(self.acceptance)) if self.acceptance else 0.0
-
-
-@dataclasses.dataclass
-class _Active:
-    request_id: str
-    prompt: list[int]
-    max_new_tokens: int
-    slot: int
+    request: Request
+    payload: KVPayload
     submitted: float
-    tokens: list = dataclasses.field(default_factory=list)
-    acceptance: list = dataclasses.field(default_factory=list)
-    first_token_at: float = 0.0
 
 
 def _traced_on_mesh(mesh, jitted):
@@ -70,254 +75,410 @@ def _traced_on_mesh(mesh, jitted):
     return call
 
 
-def _keyed_step(params, state, *args, step, seed, counter, **static):
-    """`step(params, state, *args, key, **static)` with its PRNG key folded from
-    (seed, counter) inside the jit: splitting keys eagerly on the host cost an
-    extra dispatch per step, a sizeable part of a small model's host loop.
-    Module-level (steps and seeds are static arguments) so that every Engine
-    shares the compiled steps."""
-    key = jax.random.fold_in(jax.random.key(seed), counter)
-    return step(params, state, *args, key, **static)
+# One jitted function per step kind, shared by every Engine (static config as arguments).
+_MIXED = jax.jit(mixed_step, static_argnames=("cfg", "table_width", "decode", "speculative",
+                                              "greedy"), donate_argnums=1)
+_IMPORT = jax.jit(import_step, static_argnames=("cfg", "pool_ids", "mode", "table_width"),
+                  donate_argnums=1)
 
 
 class Engine:
-    """Speculative (DFlash) or plain greedy/sampled generation over one cache.
+    """Speculative (DFlash) or plain generation over one unified cache.
 
     Args:
-      params: {"target": target params, "draft": drafter params (speculative only)}.
-      cfg: the static StepConfig (target config, cache spec, drafter config or None).
-      speculative: use the drafter; False runs the plain decode step.
+      params: {"target": ..., "draft": ... (speculative or drafter context)}.
+      cfg: the static StepConfig.
+      speculative: decode with the drafter; False runs plain decoding.
+      mesh: this worker's devices (KV split over kv heads); None: the default device.
+      max_num_batched_tokens: per-step token budget; default: every slot decoding
+        plus two prefill chunks.
+      kv_source: a generation engine's KV source (no local prefill).
+      export: a context engine (prefilled requests leave through `take_exports`).
+      mode: "shared" (draft KV travels with the target's) or "private".
+      lookahead: dispatch the next step before reading the last one's outputs.
+      eos_token_ids: ids that end a request (unless it sets ignore_eos).
+      kv_timeout_s: a request waiting longer than this for its KV fails.
     """
 
-    def __init__(self, params, cfg: StepConfig, *, speculative: bool = True, seed: int = 0,
-                 mesh=None):
+    def __init__(self, params, cfg: StepConfig, *, speculative: bool = True, mesh=None,
+                 max_num_batched_tokens: int | None = None, kv_source: KVSource | None = None,
+                 export: bool = False, mode: str = "shared", lookahead: bool = True,
+                 eos_token_ids=(), kv_timeout_s: float = 60.0):
         if speculative and cfg.draft is None:
             raise ValueError("speculative=True needs StepConfig.draft (a DFlash config)")
-        self.params, self.cfg, self.speculative = params, cfg, speculative
-        self.spec = cfg.spec
-        self.admission = AdmissionController(cfg.spec)
-        self.mesh = mesh
-        if mesh is not None:  # params replicated on this worker's mesh, KV split by kv heads
-            params = jax.device_put(params, jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec()))
-            self.params = params
-        state = init_spec_state(cfg, init_state(cfg.spec, mesh=mesh))
+        if mode not in ("shared", "private"):
+            raise ValueError(f"draft KV mode {mode!r} is unknown; use 'shared' or 'private'")
+        self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
+        self.speculative = speculative and not export
+        self.kv_source, self.export, self.mode = kv_source, export, mode
+        self.lookahead, self.kv_timeout_s = lookahead, kv_timeout_s
+        budget = max_num_batched_tokens or (cfg.spec.num_slots * cfg.block_size
+                                            + 2 * cfg.spec.max_step_tokens)
+        self.scheduler = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=budget,
+                                   kv_from_source=kv_source is not None, export=export,
+                                   lookahead=int(lookahead), eos_token_ids=eos_token_ids)
+        self.params = self._place(params)
+        self.state = self._place_state(init_spec_state(cfg, init_state(cfg.spec, mesh=mesh)))
+        on_mesh = functools.partial(_traced_on_mesh, mesh)
+        self._mixed, self._import = on_mesh(_MIXED), on_mesh(_IMPORT)
+        self._export = on_mesh(export_payload)
+        slots = cfg.spec.num_slots + 1
+        self._temperatures = np.zeros(slots, np.float32)
+        self._seeds = np.zeros(slots, np.uint32)
+        self._len_bound = np.zeros(slots, np.int64)  # host upper bound of each slot's length
+        self._inflight = None
+        self._exports: list[Export] = []
+        self._awaiting_since: dict[str, float] = {}
+        # (dispatch, wait) seconds per step: the host's time to plan and dispatch
+        # a step, then its wait for the previous step's outputs.
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)
+        self.bytes_imported = 0
+
+    def _place(self, params):
+        if self.mesh is None:
+            return params
+        return jax.device_put(params, jax.sharding.NamedSharding(
+            self.mesh, jax.sharding.PartitionSpec()))
+
+    def _place_state(self, state):
         # Commit the fresh state where the steps' outputs will live: jit keys its
         # cache on committed-ness, and an uncommitted first state would make
-        # every step compile twice (seconds each on a GPU) on its first use.
-        if mesh is None:
-            self.state = jax.device_put(state, jax.devices()[0])
-        else:  # the KV is already split by kv heads; the rest is replicated
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            self.state = state.replace(anchors=jax.device_put(state.anchors, replicated),
-                                       drafts=jax.device_put(state.drafts, replicated))
-        self._counter = 0  # steps' PRNG keys are fold_in(key(seed), counter), in the jit
-        self._active: dict[int, _Active] = {}
-        self._lens = np.zeros(cfg.spec.num_slots, np.int64)  # host upper bound per slot
-        # (dispatch, wait) seconds of recent decode steps: the jitted call's
-        # return, then its outputs arriving on the host (profiling the host loop)
-        self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)
-        statics = ("cfg", "table_width", "temperature")
-        step = decode_step if speculative else plain_decode_step
-        on_mesh = functools.partial(_traced_on_mesh, mesh)
-        keyed = jax.jit(_keyed_step, static_argnames=statics + ("step", "seed"),
-                        donate_argnums=1)
-        self._prefill = on_mesh(functools.partial(keyed, step=prefill_step, seed=seed))
-        self._decode = on_mesh(functools.partial(keyed, step=step, seed=seed))
-        self._admit = on_mesh(jax.jit(admit_slots, static_argnums=0, donate_argnums=1))
-        self._redraft = on_mesh(jax.jit(redraft_step, static_argnames=("cfg", "table_width"),
-                                        donate_argnums=1))
-        self._release = on_mesh(jax.jit(release_slots, static_argnums=0, donate_argnums=1))
+        # every step compile twice on its first use.
+        if self.mesh is None:
+            return jax.device_put(state, jax.devices()[0])
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return state.replace(anchors=jax.device_put(state.anchors, replicated),
+                             drafts=jax.device_put(state.drafts, replicated),
+                             running=jax.device_put(state.running, replicated))
 
     # ------------------------------------------------------------ requests
 
-    def validate_prompt(self, prompt, max_new_tokens: int) -> list[int]:
-        vocab = self.cfg.target.vocab_size
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("empty prompt: give at least one token")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        need = len(prompt) + max_new_tokens + self.cfg.block_size
-        if need > self.spec.max_seq_len:
-            raise AdmissionError(
-                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} + "
-                f"{self.cfg.block_size} verify tokens = {need} exceeds max_seq_len="
-                f"{self.spec.max_seq_len}; shorten the prompt or build a larger cache")
-        return prompt
+    @property
+    def admission(self):
+        return self.scheduler.admission
 
-    def reserve(self, request_id: str, prompt, max_new_tokens: int) -> tuple[int, list[int]]:
-        """Validate and admit a request, giving it a fresh slot (no KV yet).
-        Returns (slot, prompt); AdmissionError/ValueError change nothing."""
-        prompt = self.validate_prompt(prompt, max_new_tokens)
-        max_len = len(prompt) + max_new_tokens + self.cfg.block_size
-        slot = self.admission.admit(request_id, max_len).slot
-        ids = jnp.array([slot], jnp.int32)
-        self.state = self.state.replace(kv=self._admit(self.spec, self.state.kv, ids))
-        return slot, prompt
+    @property
+    def reserved_ids(self) -> tuple[int, ...]:
+        """Token ids no prompt may hold: the drafter's mask token."""
+        return (self.cfg.draft.mask_token_id,) if self.cfg.draft is not None else ()
 
-    def activate(self, slot: int, request_id: str, prompt: list[int], max_new_tokens: int,
-                 first_token: int, submitted: float) -> None:
-        """Start decoding a reserved slot whose prompt KV, anchor and drafts are in place."""
-        act = _Active(request_id, prompt, max_new_tokens, slot, submitted)
-        act.tokens.append(int(first_token))
-        act.first_token_at = time.perf_counter()
-        self._active[slot] = act
-        self._lens[slot] = len(prompt)
+    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                     **fields) -> Request:
+        """A checked Request (RequestError names the problem); `fields` are
+        SamplingParams fields when `params` is not given."""
+        params = params or SamplingParams(**fields)
+        return Request.make(request_id, prompt, params, vocab_size=self.cfg.target.vocab_size,
+                            reserved_ids=self.reserved_ids)
 
-    def add_request(self, request_id: str, prompt, max_new_tokens: int, *,
-                    temperature: float = 0.0) -> int:
-        """Admit and prefill one request now; returns its slot. AdmissionError if
-        it cannot fit (nothing else changes)."""
-        submitted = time.perf_counter()
-        slot, prompt = self.reserve(request_id, prompt, max_new_tokens)
-        ids = jnp.array([slot], jnp.int32)
-        # Chunked prefill: a chunk never exceeds the cache's max_step_tokens,
-        # which is what admission reserved windowed-pool headroom for.
-        chunk = self.spec.max_step_tokens
-        for start in range(0, len(prompt), chunk):
-            piece = prompt[start:start + chunk]
-            tokens = np.zeros((1, chunk), np.int32)
-            tokens[0, :len(piece)] = piece
-            is_last = start + chunk >= len(prompt)
-            self.state, first, ok = self._prefill(
-                self.params, self.state, ids, tokens,
-                np.array([len(piece)], np.int32), np.array([is_last]),
-                counter=self._next_counter(), cfg=self.cfg,
-                table_width=self._table_width(start + chunk + self.cfg.block_size),
-                temperature=temperature)
-            if not bool(ok[0]):
-                self.release(request_id)
-                raise RuntimeError(f"request {request_id!r}: prefill could not allocate pages "
-                                   f"although admission reserved them (a bug in page "
-                                   f"accounting)")
-        self.activate(slot, request_id, prompt, max_new_tokens, int(first[0]), submitted)
-        return slot
+    def submit(self, request: Request) -> None:
+        """Queue a request. AdmissionError if it can never fit this cache or its
+        id is in flight; nothing changes then."""
+        self.scheduler.add(Sequence(request, time.perf_counter()))
 
-    def redraft(self, slot: int) -> None:
-        """Recompute a slot's draft block from its cache (after KV arrived)."""
-        if not self.speculative:
-            return
-        self.state = self._redraft(self.params, self.state, jnp.array([slot], jnp.int32),
-                                   cfg=self.cfg,
-                                   table_width=self._table_width(int(self._lens[slot])
-                                                                 + self.cfg.block_size))
+    def add_request(self, request_id: str, prompt, max_new_tokens: int, **fields) -> None:
+        """`submit(make_request(...))` with max_new_tokens."""
+        self.submit(self.make_request(request_id, prompt, max_new_tokens=max_new_tokens,
+                                      **fields))
+
+    def cancel(self, request_id: str) -> Result | None:
+        """End a request now (finish_reason "error", "cancelled"); its pages free next step."""
+        seq = self.scheduler.active.get(request_id) or next(
+            (s for s in self.scheduler.waiting if s.request_id == request_id), None)
+        if seq is None:
+            return None
+        return self.scheduler.finish(seq, time.perf_counter(), "error", f"request "
+                                     f"{request_id!r} was cancelled")
 
     @property
     def num_active(self) -> int:
-        return len(self._active)
+        return len(self.scheduler.active)
 
-    def detach(self, slot: int) -> tuple[list[int], int]:
-        """Stop decoding a prefilled slot (its KV stays until `release`);
-        returns (prompt, first token). A context worker hands it off."""
-        act = self._active.pop(slot)
-        return act.prompt, act.tokens[0]
+    @property
+    def has_work(self) -> bool:
+        return (self.scheduler.num_unfinished > 0 or self._inflight is not None
+                or self.scheduler.has_pending_resets)
 
-    def release(self, request_id: str) -> None:
-        """Free a request's pages and slot (finished, failed or handed off)."""
-        self._drop(self.admission.reservation(request_id).slot, request_id)
+    def take_exports(self) -> list[Export]:
+        """A context engine's requests prefilled since the last call."""
+        out, self._exports = self._exports, []
+        return out
 
-    def _drop(self, slot: int, request_id: str) -> None:
-        self.state = self.state.replace(
-            kv=self._release(self.spec, self.state.kv, jnp.array([slot], jnp.int32)))
-        self.admission.release(request_id)
-        self._active.pop(slot, None)
-        self._lens[slot] = 0
+    # -------------------------------------------------------------- stepping
 
-    def _next_counter(self) -> np.uint32:
-        self._counter += 1
-        return np.uint32(self._counter)
+    def step(self) -> list[Result]:
+        """Plan and dispatch one step, then read the previous one; returns the
+        requests that ended."""
+        start = time.perf_counter()
+        results = self._take_arrivals()
+        plan = self.scheduler.schedule()
+        for seq in plan.fetch:
+            self._awaiting_since[seq.request_id] = start
+            self.kv_source.fetch(seq.request)
+        dispatched = self._dispatch(plan) if plan.runs_device_work else None
+        issued = time.perf_counter()
+        if self._inflight is not None:
+            results += self._collect(*self._inflight)
+        self._inflight = dispatched
+        if dispatched is not None and not self.lookahead:
+            results += self._collect(*dispatched)
+            self._inflight = None
+        if dispatched is not None:
+            self.step_times.append((issued - start, time.perf_counter() - issued))
+        return results
 
-    def warmup(self, max_len: int | None = None, temperature: float = 0.0) -> int:
-        """Compile the decode step for every table width rows up to `max_len`
-        tokens (default max_seq_len) will use, so no request pays a compile
-        when it crosses a width bucket mid-run. Runs all-padding steps, which
-        change nothing. Returns the number of widths."""
+    def run(self, max_steps: int | None = None) -> list[Result]:
+        """Step until every submitted request has ended."""
+        results, steps = [], 0
+        while self.has_work and (max_steps is None or steps < max_steps):
+            results += self.step()
+            steps += 1
+        return results
+
+    def generate(self, prompts, max_new_tokens: int | None = None, *,
+                 params: SamplingParams | None = None, arrival_steps=None,
+                 **fields) -> list[Result]:
+        """Serve every prompt with continuous batching; results in prompt order.
+
+        Every prompt is checked before any is admitted (a bad one raises
+        RequestError and nothing runs). `arrival_steps[i]` (optional) is the
+        step at which prompt i is submitted. A request that fails raises
+        RuntimeError naming it once all others have ended.
+        """
+        if params is None:
+            params = SamplingParams(max_new_tokens=max_new_tokens or 64, **fields)
+        base = f"gen{id(prompts):x}-{time.perf_counter_ns()}"
+        requests = [self.make_request(f"{base}-{i}", p, params) for i, p in enumerate(prompts)]
+        for r in requests:
+            self.scheduler.check_fits(r)
+        arrival = list(arrival_steps) if arrival_steps is not None else [0] * len(requests)
+        order = deque(sorted(range(len(requests)), key=lambda i: arrival[i]))
+        results: dict[str, Result] = {}
+        step = 0
+        while order or len(results) < len(requests):
+            while order and arrival[order[0]] <= step:
+                self.submit(requests[order.popleft()])
+            for r in self.step():
+                results[r.request_id] = r
+            step += 1
+        self.run()  # return the last pages before handing back
+        failed = [r for r in results.values() if not r.ok]
+        if failed:
+            raise RuntimeError(failed[0].error)
+        return [results[r.request_id] for r in requests]
+
+    def warmup(self, max_len: int | None = None) -> int:
+        """Compile the decode step for every table width that rows up to
+        `max_len` tokens (default max_seq_len) use. Runs steps with no rows,
+        which change nothing. Returns the number of widths."""
         max_len = self.spec.max_seq_len if max_len is None else max_len
-        widths = sorted({self._table_width(n) for n in
-                         range(self.spec.page_size, max_len + 2 * self.cfg.block_size + 1,
-                               self.spec.page_size)})
-        slots = np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)
+        block = self.cfg.block_size
+        widths = sorted({self._table_width(n + 2 * block) for n in
+                         range(0, max_len + 1, self.spec.page_size)})
         for width in widths:
-            self.state, *_ = self._decode(self.params, self.state, slots,
-                                          counter=self._next_counter(), cfg=self.cfg,
-                                          table_width=width, temperature=temperature)
+            self.state, _ = self._mixed(self.params, self.state, self._empty_batch(0),
+                                        cfg=self.cfg, table_width=width, decode=True,
+                                        speculative=self.speculative, greedy=True)
         jax.block_until_ready(self.state)
         return len(widths)
+
+    # ------------------------------------------------------------ internals
 
     def _table_width(self, max_len: int) -> int:
         pages = -(-max_len // self.spec.page_size)
         return bucket_width(pages, self.spec.max_pages_per_seq, block_pages=16)
 
-    # -------------------------------------------------------------- stepping
-
-    def step(self, temperature: float = 0.0) -> list[Result]:
-        """One decode step over all active requests; returns those that finished."""
-        if not self._active:
+    def _take_arrivals(self) -> list[Result]:
+        if self.kv_source is None:
             return []
-        slots = np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)
-        for slot in self._active:
-            slots[slot] = slot
-        width = self._table_width(int(self._lens.max()) + 2 * self.cfg.block_size)
-        # Host arrays go straight to the jitted call (one transfer, no eager op);
-        # its outputs come back in one device_get.
-        start = time.perf_counter()
-        self.state, *outs = self._decode(self.params, self.state, slots,
-                                         counter=self._next_counter(), cfg=self.cfg,
-                                         table_width=width, temperature=temperature)
-        dispatched = time.perf_counter()
-        outs = jax.device_get(outs)
-        self.step_times.append((dispatched - start, time.perf_counter() - dispatched))
-        if self.speculative:
-            out_tokens, num_out, ok = outs
-        else:
-            token, ok = outs
-            out_tokens, num_out = token[:, None], np.where(ok, 1, 0)
-        finished = []
-        for slot, act in list(self._active.items()):
-            if not ok[slot]:
-                raise RuntimeError(f"request {act.request_id!r}: decode step could not "
-                                   f"allocate pages (a bug in admission accounting)")
-            n = int(num_out[slot])
-            act.tokens.extend(int(t) for t in out_tokens[slot, :n])
-            act.acceptance.append(n)
-            self._lens[slot] += n
-            if len(act.tokens) >= act.max_new_tokens:
-                now = time.perf_counter()
-                finished.append(Result(act.request_id, act.prompt,
-                                       act.tokens[:act.max_new_tokens], act.acceptance,
-                                       act.first_token_at - act.submitted,
-                                       now - act.first_token_at))
-                self._drop(slot, act.request_id)
-        return finished
+        now = time.perf_counter()
+        idle = self._inflight is None and not any(
+            s.phase is not Phase.AWAITING_KV or s.kv is not None
+            for s in self.scheduler.active.values())
+        results = []
+        for request_id, item in self.kv_source.poll(0.02 if idle else 0.0):
+            seq = self.scheduler.active.get(request_id)
+            if seq is None or seq.phase is not Phase.AWAITING_KV:
+                continue  # cancelled or failed meanwhile
+            self._awaiting_since.pop(request_id, None)
+            if isinstance(item, BaseException):
+                results.append(self.scheduler.finish(seq, now, "error", f"request "
+                               f"{request_id!r}: {type(item).__name__}: {item}"))
+            else:
+                self.scheduler.kv_arrived(seq, item)
+        for request_id, since in list(self._awaiting_since.items()):
+            seq = self.scheduler.active.get(request_id)
+            if seq is None or seq.phase is not Phase.AWAITING_KV:
+                self._awaiting_since.pop(request_id)
+            elif seq.kv is None and now - since > self.kv_timeout_s:
+                self._awaiting_since.pop(request_id)
+                results.append(self.scheduler.finish(seq, now, "error", f"request "
+                               f"{request_id!r}: its KV did not arrive within "
+                               f"{self.kv_timeout_s:.1f}s"))
+        return results
 
-    def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0,
-                 arrival_steps=None) -> list[Result]:
-        """Generate for every prompt with continuous batching; results in prompt order.
+    def _empty_batch(self, num_prefill: int) -> StepBatch:
+        spec, dummy = self.spec, self.spec.dummy_slot
+        t = spec.max_step_tokens
+        return StepBatch(
+            reset_slots=np.full(spec.num_slots, dummy, np.int32),
+            prefill_slots=np.full(num_prefill, dummy, np.int32),
+            prefill_tokens=np.zeros((num_prefill, t), np.int32),
+            prefill_lens=np.zeros(num_prefill, np.int32),
+            prefill_last=np.zeros(num_prefill, bool),
+            decode_slots=np.full(spec.num_slots, dummy, np.int32),
+            temperatures=self._temperatures, seeds=self._seeds)
 
-        `arrival_steps[i]` (optional) is the decode step at which prompt i
-        arrives, to exercise requests joining mid-run.
-        """
-        prompts = [self.validate_prompt(p, max_new_tokens) for p in prompts]
-        arrival = list(arrival_steps) if arrival_steps is not None else [0] * len(prompts)
-        waiting = deque(sorted(range(len(prompts)), key=lambda i: arrival[i]))
-        results: dict[str, Result] = {}
-        step = 0
-        while waiting or self._active:
-            while waiting and arrival[waiting[0]] <= step:
-                i = waiting[0]
-                try:
-                    self.add_request(f"req{i}", prompts[i], max_new_tokens,
-                                     temperature=temperature)
-                except AdmissionError:
-                    if not self._active:
-                        raise  # nothing will free room: this request can never run
-                    break      # full for now; retry after some request finishes
-                waiting.popleft()
-            for r in self.step(temperature):
-                results[r.request_id] = r
-            step += 1
-        return [results[f"req{i}"] for i in range(len(prompts))]
+    def _prefill_rows(self, n: int) -> int:
+        """Rows of a prefill call: 1, else the most a step can hold (two shapes
+        to compile; a lone prompt pays no padding)."""
+        if n <= 1:
+            return n
+        most = min(self.spec.num_slots, max(1, self.scheduler.budget // self.spec.max_step_tokens))
+        return max(n, most)
+
+    def _no_slots(self):
+        return np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)
+
+    def _no_prefill(self) -> dict:
+        t = self.spec.max_step_tokens
+        return dict(prefill_slots=np.zeros(0, np.int32), prefill_tokens=np.zeros((0, t), np.int32),
+                    prefill_lens=np.zeros(0, np.int32), prefill_last=np.zeros(0, bool))
+
+    def _dispatch(self, plan):
+        block = self.cfg.block_size
+        for slot in plan.reset_slots:
+            self._len_bound[slot] = 0
+        imported = [self._import_one(seq) for seq in plan.imports]
+        batch = self._empty_batch(self._prefill_rows(len(plan.prefill)))
+        batch.reset_slots[:len(plan.reset_slots)] = plan.reset_slots
+        sampled = []
+        for i, chunk in enumerate(plan.prefill):
+            seq, slot = chunk.seq, chunk.seq.slot
+            if chunk.start == 0:
+                self._temperatures[slot] = seq.request.params.temperature
+                self._seeds[slot] = seq.request.params.seed
+            piece = seq.request.prompt[chunk.start:chunk.start + chunk.num_tokens]
+            batch.prefill_slots[i] = slot
+            batch.prefill_tokens[i, :len(piece)] = piece
+            batch.prefill_lens[i] = len(piece)
+            batch.prefill_last[i] = chunk.is_last
+            self._len_bound[slot] = chunk.start + chunk.num_tokens
+            sampled.append(slot)
+        for seq in plan.decode:
+            batch.decode_slots[seq.slot] = seq.slot
+            sampled.append(seq.slot)
+        max_len = max([c.start + c.num_tokens + block for c in plan.prefill]
+                      + [int(self._len_bound[s.slot]) + 2 * block for s in plan.decode],
+                      default=block)
+        for seq in plan.decode:
+            self._len_bound[seq.slot] += block
+        greedy = not np.any(self._temperatures[sampled]) if sampled else True
+        batch = dataclasses.replace(batch, temperatures=self._temperatures.copy(),
+                                    seeds=self._seeds.copy())
+        width = self._table_width(max_len)
+        # Prefill chunks and decode rows of one plan go out as two calls: one
+        # program holding both compiles ~2x longer per variant and multiplies
+        # the variants (prefill row buckets x decode or not).
+        outputs = prefill_out = None
+        if plan.prefill or not plan.decode:
+            self.state, prefill_out = self._mixed(
+                self.params, self.state, batch, cfg=self.cfg, table_width=width, decode=False,
+                speculative=self.speculative, greedy=greedy)
+            batch = dataclasses.replace(batch, reset_slots=self._no_slots())
+        if plan.decode:
+            self.state, outputs = self._mixed(
+                self.params, self.state, dataclasses.replace(
+                    batch, **self._no_prefill()), cfg=self.cfg, table_width=width,
+                decode=True, speculative=self.speculative, greedy=greedy)
+        if prefill_out is not None:
+            outputs = prefill_out if outputs is None else dataclasses.replace(
+                outputs, first_tokens=prefill_out.first_tokens,
+                prefill_ok=prefill_out.prefill_ok)
+        for i, chunk in enumerate(plan.prefill):
+            if chunk.seq in plan.exports:
+                self._export_one(chunk.seq, outputs.first_tokens[i])
+        return plan, outputs, imported
+
+    def _import_one(self, seq: Sequence):
+        """Dispatch `import_step` for one arrived payload; (ok, first token) on the device."""
+        payload, seq.kv = seq.kv, None
+        request, slot = seq.request, seq.slot
+        self._temperatures[slot] = request.params.temperature
+        self._seeds[slot] = request.params.seed
+        want = sent_pool_ids(self.spec, self.mode)
+        problem = None
+        if payload.mode != self.mode or tuple(payload.pool_ids) != want:
+            problem = (f"the sender's draft KV mode {payload.mode!r} (pools "
+                       f"{list(payload.pool_ids)}) differs from this worker's {self.mode!r} "
+                       f"(pools {list(want)}); start both with the same mode")
+        elif payload.target_len != len(request.prompt):
+            problem = (f"the sender prefilled {payload.target_len} tokens, the prompt has "
+                       f"{len(request.prompt)}")
+        if problem is not None:
+            self.scheduler.finish(seq, time.perf_counter(), "error",
+                                  f"request {request.request_id!r}: KV import refused: {problem}")
+            return None
+        self._len_bound[slot] = payload.target_len
+        self.state, ok = self._import(
+            self.params, self.state, np.int32(slot), np.int32(payload.target_len),
+            np.int32(payload.draft_ctx_len), payload.first_token, payload.logical_pages,
+            payload.buffers, payload.checksums, cfg=self.cfg, pool_ids=tuple(payload.pool_ids),
+            mode=self.mode, table_width=self._table_width(payload.target_len + self.cfg.block_size))
+        self.bytes_imported += payload.nbytes
+        return ok, payload.first_token
+
+    def _export_one(self, seq: Sequence, first_token) -> None:
+        n = len(seq.request.prompt)
+        payload = self._export(self.spec, self.state, seq.slot, n,
+                               n if self.cfg.draft is not None else 0, first_token,
+                               mode=self.mode)
+        self._exports.append(Export(seq.request, payload, seq.submitted))
+        self.scheduler.release_exported(seq)
+
+    def _collect(self, plan, outputs, imported) -> list[Result]:
+        outputs, imported = jax.device_get((outputs, imported))
+        now = time.perf_counter()
+        scheduler, results = self.scheduler, []
+
+        def book(seq, tokens, decode_step):
+            if (r := scheduler.emit(seq, tokens, now, decode_step=decode_step)) is not None:
+                results.append(r)
+
+        for seq, got in zip(plan.imports, imported):
+            if got is None or seq.phase is Phase.DONE:
+                continue
+            ok, first = got
+            if not ok:
+                results.append(scheduler.finish(seq, now, "error", (
+                    f"request {seq.request_id!r}: KV import failed: a buffer's checksum or "
+                    f"its page ranges did not match (corrupted in transit, or the two caches "
+                    f"disagree on windows or page size)")))
+            else:
+                book(seq, [int(first)], False)
+        for i, chunk in enumerate(plan.prefill):
+            seq = chunk.seq
+            if seq.phase is Phase.DONE and seq not in plan.exports:
+                continue
+            if not outputs.prefill_ok[i]:
+                results.append(scheduler.finish(seq, now, "error", (
+                    f"request {seq.request_id!r}: prefill could not allocate pages although "
+                    f"admission reserved them (a bug in page accounting)")))
+            elif chunk.is_last and not self.export:
+                book(seq, [int(outputs.first_tokens[i])], False)
+        for seq in plan.decode:
+            if seq.phase is Phase.DONE:
+                continue
+            if not outputs.decode_ok[seq.slot]:
+                results.append(scheduler.finish(seq, now, "error", (
+                    f"request {seq.request_id!r}: a decode step could not allocate pages "
+                    f"(a bug in admission accounting)")))
+                continue
+            n = int(outputs.num_out[seq.slot])
+            book(seq, outputs.out_tokens[seq.slot, :n], True)
+            if seq.phase is not Phase.DONE:
+                self._len_bound[seq.slot] = (len(seq.request.prompt) + len(seq.tokens) - 1
+                                             + self.cfg.block_size * self.lookahead)
+        return results
+
+
+__all__ += ["RequestError", "AdmissionError"]

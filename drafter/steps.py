@@ -43,11 +43,16 @@ class SpecState:
       anchors: i32[num_slots + 1], each slot's last committed token (its KV not
         yet in the cache; the next step's first input).
       drafts: i32[num_slots + 1, block_size - 1], drafts following the anchor.
+      running: bool[num_slots + 1], the slot holds a request that decodes: set
+        when its prefill or KV import completes, cleared when the slot is reset.
+        Decode steps skip rows that are not running, so a failed import or a
+        finished request in a step dispatched ahead never grows state.
     """
 
     kv: KVState
     anchors: jax.Array
     drafts: jax.Array
+    running: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +95,8 @@ def _at_precision(step):
 def init_spec_state(cfg: StepConfig, kv: KVState) -> SpecState:
     slots = cfg.spec.num_slots + 1
     return SpecState(kv=kv, anchors=jnp.zeros((slots,), jnp.int32),
-                     drafts=jnp.zeros((slots, max(cfg.block_size - 1, 1)), jnp.int32))
+                     drafts=jnp.zeros((slots, max(cfg.block_size - 1, 1)), jnp.int32),
+                     running=jnp.zeros((slots,), bool))
 
 
 def batch_tables(cfg: StepConfig, kv: KVState, slot_ids, table_width: int):
@@ -113,11 +119,50 @@ def batch_tables(cfg: StepConfig, kv: KVState, slot_ids, table_width: int):
     return tables
 
 
-def sample(logits, temperature: float, key):
-    """Greedy at temperature 0, else a draw from softmax(logits / T). logits [..., V]."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+@flax.struct.dataclass
+class Sampler:
+    """How each row draws its tokens.
+
+    Attributes:
+      temperatures: f32[B], 0 = greedy (argmax).
+      keys: key[B], one PRNG key per row.
+      greedy: static; every row is greedy (skips the softmax over the vocabulary).
+    """
+
+    temperatures: jax.Array
+    keys: jax.Array
+    greedy: bool = flax.struct.field(pytree_node=False, default=True)
+
+    @classmethod
+    def uniform(cls, batch: int, temperature: float, key) -> "Sampler":
+        """Every row at one temperature, keys split from one key."""
+        return cls(jnp.full((batch,), temperature, jnp.float32), jax.random.split(key, batch),
+                   greedy=temperature == 0.0)
+
+    @classmethod
+    def per_row(cls, temperatures, seeds, positions, *, greedy: bool, stream: int) -> "Sampler":
+        """Row keys folded from (seed, position, stream): a request draws the same
+        numbers whatever else shares its batch."""
+        temperatures = temperatures.astype(jnp.float32)
+        if greedy:  # no draws: skip deriving keys
+            return cls(temperatures, jax.random.split(jax.random.key(0), seeds.shape[0]))
+
+        def key(seed, position):
+            k = jax.random.fold_in(jax.random.key(0), seed)
+            return jax.random.fold_in(jax.random.fold_in(k, position), stream)
+        return cls(temperatures, jax.vmap(key)(seeds, positions), greedy=False)
+
+
+def sample(logits, sampler: Sampler):
+    """Greedy where the temperature is 0, else a draw from softmax(logits / T).
+    logits f32[B, V] -> i32[B]."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if sampler.greedy:
+        return greedy
+    t = sampler.temperatures
+    drawn = jax.vmap(jax.random.categorical)(
+        sampler.keys, logits / jnp.where(t > 0, t, 1.0)[:, None]).astype(jnp.int32)
+    return jnp.where(t > 0, drawn, greedy)
 
 
 def _draft(params, cfg, kv, tables, anchors, ctx_lens, active):
@@ -126,11 +171,11 @@ def _draft(params, cfg, kv, tables, anchors, ctx_lens, active):
     return drafts
 
 
-@_at_precision
-def prefill_step(params, state: SpecState, slot_ids, tokens, num_tokens, is_last, key, *,
-                 cfg: StepConfig, table_width: int, temperature: float = 0.0):
+def prefill_rows(params, state: SpecState, slot_ids, tokens, num_tokens, is_last,
+                 sampler: Sampler, *, cfg: StepConfig, table_width: int):
     """Prefill one chunk per row: target KV, draft context KV, and on a row's
-    last chunk its first token (the anchor) and first draft block.
+    last chunk its first token (the anchor) and first draft block; the row then
+    runs (`SpecState.running`).
 
     Args:
       slot_ids: i32[B]; tokens: i32[B, T]; num_tokens: i32[B] (0 = padding);
@@ -154,7 +199,7 @@ def prefill_step(params, state: SpecState, slot_ids, tokens, num_tokens, is_last
                               num_tokens)
     kv = kv.replace(pools=pools)
     last = jnp.take_along_axis(logits, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)
-    first = sample(last[:, 0], temperature, key)
+    first = sample(last[:, 0], sampler)
     done = is_last & active & ok
     anchors = state.anchors.at[slot_ids].set(jnp.where(done, first, state.anchors[slot_ids]))
     drafts = state.drafts
@@ -162,10 +207,25 @@ def prefill_step(params, state: SpecState, slot_ids, tokens, num_tokens, is_last
         new = _draft(params, cfg, kv, tables, first, ends, done)
         drafts = drafts.at[slot_ids].set(jnp.where(done[:, None], new, drafts[slot_ids]))
     kv = retire_window_pages(spec, kv, slot_ids)
-    return SpecState(kv=kv, anchors=anchors, drafts=drafts), first, ok
+    running = state.running.at[slot_ids].set(done | state.running[slot_ids])
+    return (SpecState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running)),
+            first, ok)
 
 
-def accept(logits, drafts, temperature: float, key):
+def _idle_dummy(cfg: StepConfig, running):
+    return running.at[cfg.spec.dummy_slot].set(False)
+
+
+@_at_precision
+def prefill_step(params, state: SpecState, slot_ids, tokens, num_tokens, is_last, key, *,
+                 cfg: StepConfig, table_width: int, temperature: float = 0.0):
+    """`prefill_rows` with every row at one temperature (keys split from `key`)."""
+    sampler = Sampler.uniform(slot_ids.shape[0], temperature, key)
+    return prefill_rows(params, state, slot_ids, tokens, num_tokens, is_last, sampler, cfg=cfg,
+                        table_width=table_width)
+
+
+def accept(logits, drafts, sampler: Sampler):
     """How many drafts each row accepts, and the token that follows them.
 
     Greedy: the longest prefix with d_i == argmax y_{i-1}; the bonus is
@@ -174,25 +234,30 @@ def accept(logits, drafts, temperature: float, key):
     removed; if all pass, draw the bonus from P_K. Both are lossless.
     Returns (accepted i32[B], bonus i32[B]).
     """
-    batch, block, _ = logits.shape
-    if temperature == 0.0:
-        y = jnp.argmax(logits, axis=-1).astype(jnp.int32)                 # [B, K+1]
-        match = drafts == y[:, :-1]
-        accepted = jnp.cumprod(match, axis=1).sum(axis=1).astype(jnp.int32)
-        return accepted, jnp.take_along_axis(y, accepted[:, None], axis=1)[:, 0]
+    y = jnp.argmax(logits, axis=-1).astype(jnp.int32)                     # [B, K+1]
+    accepted = jnp.cumprod(drafts == y[:, :-1], axis=1).sum(axis=1).astype(jnp.int32)
+    bonus = jnp.take_along_axis(y, accepted[:, None], axis=1)[:, 0]
+    if sampler.greedy:
+        return accepted, bonus
+    t = sampler.temperatures
+    s_accepted, s_bonus = jax.vmap(_accept_sampled)(logits / jnp.where(t > 0, t, 1.0)[:, None, None],
+                                                    drafts, sampler.keys)
+    return jnp.where(t > 0, s_accepted, accepted), jnp.where(t > 0, s_bonus, bonus)
+
+
+def _accept_sampled(scaled_logits, drafts, key):
+    """One row's lossless rejection sampling: scaled_logits f32[K+1, V], drafts i32[K]."""
+    block = scaled_logits.shape[0]
     key_u, key_s = jax.random.split(key)
-    probs = jax.nn.softmax(logits / temperature, axis=-1)                 # [B, K+1, V]
-    p_draft = jnp.take_along_axis(probs[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    probs = jax.nn.softmax(scaled_logits, axis=-1)                        # [K+1, V]
+    p_draft = jnp.take_along_axis(probs[:-1], drafts[:, None], axis=-1)[:, 0]
     u = jax.random.uniform(key_u, p_draft.shape)
-    accepted = jnp.cumprod(u < p_draft, axis=1).sum(axis=1).astype(jnp.int32)
-    p_next = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]   # [B, V]
-    rejected = jnp.take_along_axis(
-        jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1),
-        accepted[:, None], axis=1)[:, 0]
-    residual = jnp.where((accepted < block - 1)[:, None]
-                         & (jnp.arange(probs.shape[-1])[None] == rejected[:, None]), 0.0, p_next)
-    bonus = jax.random.categorical(key_s, jnp.log(residual), axis=-1).astype(jnp.int32)
-    return accepted, bonus
+    accepted = jnp.cumprod(u < p_draft).sum().astype(jnp.int32)
+    p_next = probs[accepted]                                              # [V]
+    rejected = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)])[accepted]
+    residual = jnp.where((accepted < block - 1) & (jnp.arange(probs.shape[-1]) == rejected),
+                         0.0, p_next)
+    return accepted, jax.random.categorical(key_s, jnp.log(residual)).astype(jnp.int32)
 
 
 def emitted_tokens(tokens, accepted, bonus):
@@ -203,20 +268,21 @@ def emitted_tokens(tokens, accepted, bonus):
     return jnp.where(cols == accepted[:, None], bonus[:, None], out)
 
 
-@_at_precision
-def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, table_width: int,
-                temperature: float = 0.0):
+def decode_rows(params, state: SpecState, slot_ids, sampler: Sampler, *, cfg: StepConfig,
+                table_width: int):
     """One speculative step: verify, accept, commit, extend draft context, draft.
+    Rows whose slot is not running (padding, reset, failed import) do nothing.
 
     Returns:
       (state, out_tokens i32[B, block_size], num_out i32[B], ok bool[B]);
       out_tokens[b, :num_out[b]] are the committed tokens (accepted drafts,
-      then the bonus). Padding rows and rows with ok False emit nothing.
+      then the bonus). Rows not running and rows with ok False emit nothing.
     """
     spec, kv, block = cfg.spec, state.kv, cfg.block_size
-    active = slot_ids != spec.dummy_slot
+    active = (slot_ids != spec.dummy_slot) & state.running[slot_ids]
     p = kv.target_lens[slot_ids]
-    kv, ok = allocate_pages(spec, kv, slot_ids, p + block, p + block)
+    kv, ok = allocate_pages(spec, kv, jnp.where(active, slot_ids, spec.dummy_slot),
+                            p + block, p + block)
     live = active & ok
     tokens = jnp.concatenate([state.anchors[slot_ids][:, None], state.drafts[slot_ids]], axis=1)
     tables = batch_tables(cfg, kv, slot_ids, table_width)
@@ -224,53 +290,82 @@ def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, tab
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    p, verify_len, feature_layers=cfg.draft.target_layer_ids,
                                    impl=cfg.impl)
-    accepted, bonus = accept(logits, tokens[:, 1:], temperature, key)
+    accepted, bonus = accept(logits, tokens[:, 1:], sampler)
     num_out = jnp.where(live, accepted + 1, 0).astype(jnp.int32)
     pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, p, num_out)
-    new_len = p + num_out
+    new_len = jnp.where(live, p + num_out, p)
     kv = kv.replace(
         pools=pools,
         target_lens=kv.target_lens.at[slot_ids].set(new_len),
-        draft_ctx_lens=kv.draft_ctx_lens.at[slot_ids].set(new_len))
+        draft_ctx_lens=kv.draft_ctx_lens.at[slot_ids].set(
+            jnp.where(live, new_len, kv.draft_ctx_lens[slot_ids])))
     out_tokens = emitted_tokens(tokens, accepted, bonus)
     drafts = _draft(params, cfg, kv, tables, bonus, new_len, live)
-    kv = retire_window_pages(spec, kv, slot_ids)  # also zeroes the dummy slot's lengths
-    state = SpecState(
+    kv = retire_window_pages(spec, kv, jnp.where(active, slot_ids, spec.dummy_slot))
+    state = state.replace(
         kv=kv,
         anchors=state.anchors.at[slot_ids].set(jnp.where(live, bonus, state.anchors[slot_ids])),
         drafts=state.drafts.at[slot_ids].set(jnp.where(live[:, None], drafts,
                                                        state.drafts[slot_ids])))
-    return state, out_tokens, num_out, ok
+    return state, out_tokens, num_out, ok | ~active
 
 
-@_at_precision
-def plain_decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig,
-                      table_width: int, temperature: float = 0.0):
+def plain_decode_rows(params, state: SpecState, slot_ids, sampler: Sampler, *,
+                      cfg: StepConfig, table_width: int):
     """Non-speculative decode: the anchor goes in, one new token comes out.
 
-    Returns (state, tokens i32[B], ok bool[B]).
+    Returns (state, tokens i32[B], ok bool[B]); rows not running emit nothing.
     """
     spec, kv = cfg.spec, state.kv
-    active = slot_ids != spec.dummy_slot
+    active = (slot_ids != spec.dummy_slot) & state.running[slot_ids]
+    rows = jnp.where(active, slot_ids, spec.dummy_slot)
     p = kv.target_lens[slot_ids]
-    kv, ok = grow(spec, kv, slot_ids, p + 1, p + 1)
+    kv, ok = grow(spec, kv, rows, p + 1, p + 1)
     live = active & ok
     tables = batch_tables(cfg, kv, slot_ids, table_width)
     logits, pools, _ = forward(params["target"], cfg.target, spec, kv.pools, tables,
                                state.anchors[slot_ids][:, None], p,
                                live.astype(jnp.int32), impl=cfg.impl)
-    token = sample(logits[:, 0], temperature, key)
-    kv = retire_window_pages(spec, kv.replace(pools=pools), slot_ids)
+    token = sample(logits[:, 0], sampler)
+    kv = retire_window_pages(spec, kv.replace(pools=pools), rows)
     anchors = state.anchors.at[slot_ids].set(jnp.where(live, token, state.anchors[slot_ids]))
-    return state.replace(kv=kv, anchors=anchors), token, ok
+    return state.replace(kv=kv, anchors=anchors), token, ok | ~active
+
+
+def _uniform_running(cfg, state, slot_ids):
+    """The legacy single-call steps treat every real row in `slot_ids` as running."""
+    real = slot_ids != cfg.spec.dummy_slot
+    return state.replace(running=_idle_dummy(cfg, state.running.at[slot_ids].set(
+        real | state.running[slot_ids])))
 
 
 @_at_precision
-def redraft_step(params, state: SpecState, slot_ids, *, cfg: StepConfig, table_width: int):
+def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, table_width: int,
+                temperature: float = 0.0):
+    """`decode_rows` for every real row of `slot_ids`, at one temperature."""
+    state = _uniform_running(cfg, state, slot_ids)
+    return decode_rows(params, state, slot_ids,
+                       Sampler.uniform(slot_ids.shape[0], temperature, key), cfg=cfg,
+                       table_width=table_width)
+
+
+@_at_precision
+def plain_decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig,
+                      table_width: int, temperature: float = 0.0):
+    """`plain_decode_rows` for every real row of `slot_ids`, at one temperature."""
+    state = _uniform_running(cfg, state, slot_ids)
+    return plain_decode_rows(params, state, slot_ids,
+                             Sampler.uniform(slot_ids.shape[0], temperature, key), cfg=cfg,
+                             table_width=table_width)
+
+
+def redraft_rows(params, state: SpecState, slot_ids, *, cfg: StepConfig, table_width: int,
+                 active=None):
     """Draft a fresh block after each row's anchor from the cache as it stands
-    (a generation worker does this after receiving a request's KV)."""
+    (after a request's KV was imported)."""
     kv = state.kv
-    active = slot_ids != cfg.spec.dummy_slot
+    if active is None:
+        active = slot_ids != cfg.spec.dummy_slot
     tables = batch_tables(cfg, kv, slot_ids, table_width)
     new = _draft(params, cfg, kv, tables, state.anchors[slot_ids], kv.draft_ctx_lens[slot_ids],
                  active)

@@ -1,4 +1,4 @@
-"""Engine bad input: clear errors, and nothing else disturbed."""
+"""The engine's request lifecycle: bad input, queueing, stop ids, mixed arrivals, pages."""
 
 import logging
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from drafter.engine import Engine
+from drafter.request import RequestError, SamplingParams
 from tests.drafter.tiny import tiny_pair
 from unified_kv import AdmissionError
 
@@ -25,61 +26,140 @@ def assert_same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+def assert_all_free(engine):
+    spec = engine.spec
+    assert np.asarray(engine.state.kv.num_free).tolist() == [p.num_usable_pages
+                                                             for p in spec.pools]
+    assert engine.admission.reserved_pages == (0,) * len(spec.pools)
+    assert engine.admission.num_free_slots == spec.num_slots
+    assert not np.asarray(engine.state.running).any()
+
+
 @pytest.mark.parametrize("prompt,max_new,err,match", [
-    ([], 4, ValueError, "empty prompt"),
-    ([1, 2, 64], 4, ValueError, r"token ids \[64\] are outside the vocabulary \[0, 64\)"),
-    ([1, -1], 4, ValueError, r"token ids \[-1\]"),
+    ([], 4, RequestError, "empty prompt"),
+    ([1, 2, 64], 4, RequestError, r"token ids \[64\] are outside the vocabulary \[0, 64\)"),
+    ([1, -1], 4, RequestError, r"token ids \[-1\]"),
+    ([1, 63], 4, RequestError, r"\[63\] are reserved"),
+    ([1, "2"], 4, RequestError, "non-integer"),
     ([1] * 60, 4, AdmissionError, "exceeds max_seq_len=64"),
-    ([1, 2], 0, ValueError, "max_new_tokens must be >= 1"),
+    ([1, 2], 0, RequestError, "max_new_tokens must be an integer >= 1"),
 ])
 def test_bad_requests_are_refused_and_leave_others_intact(pair, prompt, max_new, err, match):
     params, spec_cfg, _ = pair
     engine = Engine(params, spec_cfg)
     engine.add_request("ok", [5, 6, 7, 8, 9, 10, 11, 12, 13], 6)
+    engine.step()
     before = snapshot(engine)
     with pytest.raises(err, match=match):
         engine.add_request("bad", prompt, max_new)
     assert_same(before, snapshot(engine))
-    # The admitted request still decodes exactly as it would alone.
-    done = []
-    while not done:
-        done = engine.step()
+    done = engine.run()
     alone = Engine(params, spec_cfg).generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]], 6)[0]
-    assert done[0].tokens == alone.tokens
+    assert [r.request_id for r in done] == ["ok"] and done[0].tokens == alone.tokens
+    assert_all_free(engine)
 
 
-def test_more_requests_than_slots(pair):
-    params, spec_cfg, _ = pair
-    engine = Engine(params, spec_cfg)
-    engine.add_request("a", [1, 2, 3], 5)
-    engine.add_request("b", [4, 5, 6], 5)
-    before = snapshot(engine)
-    with pytest.raises(AdmissionError, match="all 2 slots are busy"):
-        engine.add_request("c", [7, 8, 9], 5)
-    assert_same(before, snapshot(engine))
-    # generate() queues instead: 5 requests through 2 slots, all complete.
-    results = Engine(params, spec_cfg).generate([[i + 1, i + 2] for i in range(5)], 5)
-    assert [len(r.tokens) for r in results] == [5] * 5
-
-
-def test_pages_return_to_the_free_lists_after_generate(pair):
-    params, spec_cfg, _ = pair
-    engine = Engine(params, spec_cfg)
-    engine.generate([[3] * 20, [4] * 9, [5] * 33], 7)
-    free = np.asarray(engine.state.kv.num_free).tolist()
-    assert free == [p.num_usable_pages for p in spec_cfg.spec.pools]
-    assert engine.admission.reserved_pages == (0,) * len(spec_cfg.spec.pools)
-
-
-def test_step_times_hold_one_dispatch_and_wait_per_decode_step(pair):
+def test_duplicate_ids_and_bad_sampling_fields_are_named(pair):
     params, spec_cfg, _ = pair
     engine = Engine(params, spec_cfg)
     engine.add_request("a", [1, 2, 3], 4)
-    steps = 0
-    while not engine.step():
-        steps += 1
-    assert len(engine.step_times) == steps + 1
-    assert all(d > 0 and w >= 0 for d, w in engine.step_times)
+    with pytest.raises(AdmissionError, match="'a' is already in flight"):
+        engine.add_request("a", [1, 2, 3], 4)
+    for fields, match in [(dict(temperature=-1.0), "temperature"),
+                          (dict(temperature=float("nan")), "temperature"),
+                          (dict(seed=-3), "seed"), (dict(stop_token_ids=(99,)), "stop_token_ids"),
+                          (dict(max_new_tokens=2.9), "max_new_tokens"),
+                          (dict(max_new_tokens=True), "max_new_tokens")]:
+        with pytest.raises(RequestError, match=match):
+            engine.make_request("b", [1, 2], **fields)
+
+
+def test_more_requests_than_slots_wait_their_turn(pair):
+    params, spec_cfg, _ = pair
+    engine = Engine(params, spec_cfg)
+    prompts = [[i + 1, i + 2] for i in range(5)]
+    results = engine.generate(prompts, 5)
+    assert [len(r.tokens) for r in results] == [5] * 5
+    alone = [Engine(params, spec_cfg).generate([p], 5)[0].tokens for p in prompts[:2]]
+    assert [r.tokens for r in results[:2]] == alone
+    assert_all_free(engine)
+
+
+def test_stop_ids_end_a_request_and_free_its_pages(pair):
+    params, spec_cfg, _ = pair
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    full = Engine(params, spec_cfg).generate([prompt], 12)[0]
+    stop = full.tokens[4]
+    cut = full.tokens.index(stop) + 1
+    engine = Engine(params, spec_cfg, eos_token_ids=(full.tokens[cut - 1],))
+    by_stop = engine.generate([prompt], params=SamplingParams(12, stop_token_ids=(stop,)))[0]
+    assert by_stop.tokens == full.tokens[:cut] and by_stop.finish_reason == "stop"
+    # Acceptance counts only the kept tokens: the first token comes from prefill.
+    assert sum(by_stop.acceptance) + 1 == len(by_stop.tokens)
+    by_eos = engine.generate([prompt], 12)[0]
+    assert by_eos.tokens == full.tokens[:cut] and by_eos.finish_reason == "stop"
+    ignoring = engine.generate([prompt], params=SamplingParams(12, ignore_eos=True))[0]
+    assert ignoring.tokens == full.tokens and ignoring.finish_reason == "length"
+    assert_all_free(engine)
+
+
+def test_acceptance_counts_no_token_past_max_new_tokens(pair):
+    params, spec_cfg, _ = pair
+    for max_new in (1, 2, 5, 7):
+        r = Engine(params, spec_cfg).generate([[3, 4, 5, 6, 7, 8]], max_new)[0]
+        assert len(r.tokens) == max_new
+        assert sum(r.acceptance) + 1 == max_new
+
+
+def test_prefill_mixed_with_decode_equals_each_request_alone():
+    """Long prompts arriving while others decode: chunks of several prompts and
+    running rows share steps, and every request's tokens and per-step
+    acceptance equal serving it alone."""
+    params, cfg, _ = tiny_pair(num_slots=4, max_seq_len=160)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 63, n).tolist() for n in (40, 5, 33, 17, 26, 9)]
+    engine = Engine(params, cfg, max_num_batched_tokens=40)
+    mixed = engine.generate(prompts, 12, arrival_steps=[0, 0, 2, 3, 3, 5])
+    solo = Engine(params, cfg)
+    for prompt, got in zip(prompts, mixed):
+        want = solo.generate([prompt], 12)[0]
+        assert got.tokens == want.tokens and got.acceptance == want.acceptance
+    assert_all_free(engine)
+
+
+def test_sampled_requests_draw_the_same_whatever_shares_their_batch(pair):
+    params, spec_cfg, _ = pair
+    sampling = SamplingParams(10, temperature=0.8, seed=11)
+    alone = Engine(params, spec_cfg).generate([[1, 2, 3, 4]], params=sampling)[0]
+    engine = Engine(params, spec_cfg)
+    engine.submit(engine.make_request("greedy", [9, 8, 7, 6, 5], max_new_tokens=10))
+    engine.submit(engine.make_request("sampled", [1, 2, 3, 4], sampling))
+    got = {r.request_id: r for r in engine.run()}
+    assert got["sampled"].tokens == alone.tokens
+    other = Engine(params, spec_cfg).generate(
+        [[1, 2, 3, 4]], params=SamplingParams(10, temperature=0.8, seed=12))[0]
+    assert other.tokens != alone.tokens  # the seed matters
+
+
+def test_lookahead_off_gives_the_same_tokens(pair):
+    params, spec_cfg, _ = pair
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    ahead = Engine(params, spec_cfg).generate(prompts, 9)
+    lockstep = Engine(params, spec_cfg, lookahead=False).generate(prompts, 9)
+    assert [r.tokens for r in ahead] == [r.tokens for r in lockstep]
+    assert [r.acceptance for r in ahead] == [r.acceptance for r in lockstep]
+
+
+def test_cancel_frees_the_slot_and_its_pages(pair):
+    params, spec_cfg, _ = pair
+    engine = Engine(params, spec_cfg)
+    engine.add_request("a", [1, 2, 3, 4, 5], 30)
+    engine.step()
+    engine.step()
+    result = engine.cancel("a")
+    assert result.finish_reason == "error" and "cancelled" in result.error
+    engine.run()
+    assert_all_free(engine)
 
 
 def test_engine_runs_the_pallas_kernel_path_in_interpret_mode():
@@ -93,10 +173,8 @@ def test_engine_runs_the_pallas_kernel_path_in_interpret_mode():
 
 
 def test_fp8_kernel_options_stay_lossless_in_interpret_mode():
-    """Over fp8 target KV the kernels take their fp8 launch options (lazy
-    rescale, prefetched page ids, 5-stage verify) and speculative output
-    still equals plain greedy output (interpret mode; the H200 eval is
-    BENCHMARKS.md's)."""
+    """Over fp8 target KV the kernels take their fp8 launch options and
+    speculative output still equals plain greedy output (interpret mode)."""
     params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, max_seq_len=64,
                                             target_kv_dtype="fp8_e4m3", impl="interpret")
     prompt = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -111,10 +189,12 @@ def test_warmup_compiles_table_widths_and_changes_nothing():
     want = Engine(params, cfg).generate(prompts, 10)
     engine = Engine(params, cfg)
     engine.add_request("a", prompts[0], 10)
+    engine.step()
     before = jax.tree.map(np.asarray, engine.state)
     assert engine.warmup() == 2  # max_seq_len 160 at page 8 spans widths 16 and 32
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, engine.state))
-    engine.release("a")
+    engine.cancel("a")
+    engine.run()
     got = engine.generate(prompts, 10)
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
@@ -130,6 +210,5 @@ def test_a_warm_engine_compiles_nothing_more(caplog):
             engine.generate([[6, 7, 8, 9, 10]], 6)
     finally:
         jax.config.update("jax_log_compiles", False)
-    # An uncommitted first state made admit and prefill compile a second time here.
     compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
     assert not compiled, compiled

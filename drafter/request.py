@@ -1,0 +1,129 @@
+"""Requests and results: the one schema the Python API, JSON lines and HTTP share.
+
+A request is a prompt of token ids plus its own sampling parameters. Values
+are checked strictly (no coercion: `"3"`, `2.9` and `true` are not counts)
+and every error names the request, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    """A request that can never be served as given; names the field and the fix."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Attributes:
+      max_new_tokens: tokens to generate at most (the first token included).
+      temperature: 0 = greedy; > 0 samples (losslessly, under speculation).
+      seed: the request's PRNG seed (its draws do not depend on its batch).
+      stop_token_ids: generation ends after any of these (kept in the output).
+      ignore_eos: keep going past the model's end-of-sequence token.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, request_id: str, vocab_size: int) -> None:
+        where = f"request {request_id!r}"
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise RequestError(f"{where}: max_new_tokens must be an integer >= 1, got "
+                               f"{self.max_new_tokens!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise RequestError(f"{where}: temperature must be a finite number >= 0 "
+                               f"(0 = greedy), got {t!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise RequestError(f"{where}: seed must be an integer in [0, 2**32), got "
+                               f"{self.seed!r}")
+        bad = [s for s in self.stop_token_ids if not _is_int(s) or not 0 <= s < vocab_size]
+        if bad:
+            raise RequestError(f"{where}: stop_token_ids {bad[:5]} are not token ids in "
+                               f"[0, {vocab_size})")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"{where}: ignore_eos must be true or false, got "
+                               f"{self.ignore_eos!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request: an id unique among those in flight, prompt token ids, parameters."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+
+    @classmethod
+    def make(cls, request_id: str, prompt, params: SamplingParams | None = None, *,
+             vocab_size: int, reserved_ids=()) -> "Request":
+        """A checked request. `reserved_ids` are ids no prompt may hold (the
+        drafter's mask token). Raises RequestError."""
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request id must be a non-empty string, got {request_id!r}")
+        where = f"request {request_id!r}"
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise RequestError(f"{where}: prompt must be a list of token ids, got "
+                               f"{type(prompt).__name__}")
+        prompt = list(prompt)
+        if not prompt:
+            raise RequestError(f"{where}: empty prompt; give at least one token")
+        not_ints = [t for t in prompt if not _is_int(t)]
+        if not_ints:
+            raise RequestError(f"{where}: prompt holds non-integer entries {not_ints[:5]!r}; "
+                               f"give token ids")
+        bad = [int(t) for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"{where}: token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {vocab_size})")
+        reserved = sorted({int(t) for t in prompt} & set(reserved_ids))
+        if reserved:
+            raise RequestError(f"{where}: token ids {reserved} are reserved (the drafter's "
+                               f"mask token) and may not appear in a prompt")
+        params = params or SamplingParams()
+        params.validate(request_id, vocab_size)
+        return cls(request_id, tuple(int(t) for t in prompt), params)
+
+
+@dataclasses.dataclass
+class Result:
+    """One finished request.
+
+    Attributes:
+      tokens: generated tokens, the first included; at most max_new_tokens.
+      acceptance: tokens kept per decode step (AL = their mean; tokens past a
+        stop or max_new_tokens are not counted).
+      finish_reason: "length", "stop" (a stop id or EOS), or "error".
+      error: what went wrong, naming the request, when finish_reason is "error".
+      token_times_s: when each token reached the host, from submission.
+    """
+
+    request_id: str
+    prompt: list[int]
+    tokens: list[int]
+    acceptance: list[int]
+    time_to_first_token_s: float
+    decode_time_s: float
+    finish_reason: str = "length"
+    error: str | None = None
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        return float(np.mean(self.acceptance)) if self.acceptance else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != "error"
