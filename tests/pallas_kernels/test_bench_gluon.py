@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("triton.experimental.gluon._runtime",
-                    reason="pip install '.[inspect]' (a Triton with Gluon)")
+                    reason="a Triton with Gluon (triton>=3.5)")
 
 import benchmarks.bench_gluon_attention as bench  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402

@@ -1,6 +1,6 @@
 """pallas_kernels/gluon_call.py: a Gluon kernel called from JAX. The signature, Triton's
 compile for sm_90 and the CPU error run anywhere Triton with Gluon is installed
-(`.[inspect]`); the launch itself on a GPU."""
+(the test extra's Triton); the launch itself on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from pallas_kernels import gluon_call as gc
 
 gluon_runtime = pytest.importorskip(
     "triton.experimental.gluon._runtime",
-    reason="pip install '.[inspect]' (a Triton with Gluon) to compile Gluon kernels")
+    reason="a Triton with Gluon (triton>=3.5) to compile Gluon kernels")
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
