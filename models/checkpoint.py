@@ -89,18 +89,16 @@ def _mix32(words, seed: int):
 
 
 @jax.jit
-def _leaf_digests(leaves):
-    out = []
-    for a in leaves:
-        if jnp.issubdtype(a.dtype, jnp.floating):
-            a = a.astype(jnp.float32)  # the values served, whatever the storage dtype
-        elif a.dtype.itemsize != 4:
-            a = a.astype(jnp.int32)
-        words = jax.lax.bitcast_convert_type(a, jnp.uint32).reshape(-1)
-        # sums of mixed words mod 2^32: exact, so any device, order or sharding agrees
-        out.append(jnp.stack([jnp.sum(_mix32(words, s), dtype=jnp.uint32)
-                              for s in (0x1B873593, 0xE6546B64, 0x68E31DA4, 0x27D4EB2F)]))
-    return out
+def _leaf_digest(a):
+    """u32[4] of one array: four seeded sums of mixed 32-bit words."""
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        a = a.astype(jnp.float32)  # the values served, whatever the storage dtype
+    elif a.dtype.itemsize != 4:
+        a = a.astype(jnp.int32)
+    words = jax.lax.bitcast_convert_type(a, jnp.uint32).reshape(-1)
+    # sums mod 2^32 are exact, so any device, reduction order or sharding agrees
+    return jnp.stack([jnp.sum(_mix32(words, s), dtype=jnp.uint32)
+                      for s in (0x1B873593, 0xE6546B64, 0x68E31DA4, 0x27D4EB2F)])
 
 
 def fingerprint(params) -> str:
@@ -115,7 +113,8 @@ def fingerprint(params) -> str:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     if not flat:
         return hashlib.sha256(b"empty").hexdigest()[:32]
-    digests = jax.device_get(_leaf_digests([leaf for _, leaf in flat]))
+    # one call per leaf, on the leaf's own device(s): target and drafter may sit apart
+    digests = jax.device_get([_leaf_digest(leaf) for _, leaf in flat])
     h = hashlib.sha256()
     for (path, leaf), d in zip(flat, digests):
         h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:".encode())
