@@ -33,7 +33,6 @@ BATCH, HQ, HKV, D, PAGE = 64, 32, 8, 128, 16
 # bench_gluon_attention.py.
 LONG_CTX = 16384
 FP8 = jnp.float8_e4m3fn
-KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": FP8}  # by the names the scripts take
 
 
 def make_pool(key, num_pages, dtype, num_layers=1, head_dim=D):

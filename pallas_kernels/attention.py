@@ -29,7 +29,7 @@ import logging
 import jax.numpy as jnp
 
 from pallas_kernels.device import DeviceInfo, device_info
-from pallas_kernels.launch_plan import SPEC_MAX_Q
+from pallas_kernels.launch_plan import FEW_Q_MAX
 from pallas_kernels.paged_attention import (draft_block_attention,
                                             draft_block_attention_reference, paged_attention,
                                             paged_attention_reference)
@@ -71,7 +71,7 @@ def _gluon_preferred(q, pool, *, draft_block: bool, device: DeviceInfo) -> bool:
     decode / verify / draft block when batch x kv heads >= 2 x the SM count."""
     if pool.size > MAX_POOL_ELEMENTS:
         return True
-    return (q.shape[1] <= SPEC_MAX_Q and pool.dtype == jnp.float8_e4m3fn
+    return (q.shape[1] <= FEW_Q_MAX and pool.dtype == jnp.float8_e4m3fn
             and q.shape[0] * pool.shape[0] >= 2 * device.num_sms)
 
 

@@ -20,11 +20,11 @@ from pallas_kernels.device import device_info
 from pallas_kernels.pool_layout import pow2_at_least
 
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
-SPEC_MAX_Q = 16  # up to this many query tokens per row: decode, verify, draft block
-SPEC_ROWS = 32   # at most this many query rows per block for those (2 warps)
+FEW_Q_MAX = 16   # "few-query" calls have up to this many query tokens per row: decode, verify, draft block
+FEW_Q_ROWS = 32  # at most this many query rows per block for those (2 warps)
 # Key pages per split for those, when rows x kv heads cannot fill the GPU (measured on the
 # H200 against 32-page splits: docs/decisions.md).
-SPEC_SPLIT_PAGES = 128
+FEW_Q_SPLIT_PAGES = 128
 
 
 class LaunchPlan(NamedTuple):
@@ -44,7 +44,7 @@ class LaunchPlan(NamedTuple):
 def arithmetic(plan: LaunchPlan) -> tuple:
     """The fields that decide a query row's result bits. Stages and prefetch
     only schedule loads; rows and query blocks change no row's arithmetic up
-    to SPEC_ROWS rows per block over 2 warps while the dots' warp layout stays
+    to FEW_Q_ROWS rows per block over 2 warps while the dots' warp layout stays
     the same (test_gpu_compiled)."""
     return (plan.pages_per_block, plan.num_splits, plan.pages_per_split, plan.num_warps,
             plan.rescale_threshold, plan.warps_split_rows)
@@ -59,10 +59,10 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
                 num_sms: int | None = None) -> LaunchPlan:
     """The caller's explicit options, and measured defaults for those left None.
 
-    Up to SPEC_MAX_Q query tokens per row (decode, verify, draft block) every
+    Up to FEW_Q_MAX query tokens per row (decode, verify, draft block) every
     arithmetic field is the same whatever max_q and table width: blocks of at
-    most SPEC_ROWS rows over 2 warps, and, when rows x kv heads cannot fill
-    the GPU twice, key splits of SPEC_SPLIT_PAGES pages (else none). Whether
+    most FEW_Q_ROWS rows over 2 warps, and, when rows x kv heads cannot fill
+    the GPU twice, key splits of FEW_Q_SPLIT_PAGES pages (else none). Whether
     a call splits follows its batch, which in the engine is its slot count:
     two engines (plain and speculative, or an aggregated server and a
     disaggregated generation server) split a row's keys alike, and so agree
@@ -81,7 +81,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     head_dim and the rows otherwise (warpsPerCTA [1, 2] vs [2, 1] in the
     Triton IR); a 16-row decode block always splits
     head_dim, and a 32-row verify block at head dim 32 split rows and changed
-    bits on the H200. So spec blocks hold fewer rows than head_dim (16 at
+    bits on the H200. So few-query blocks hold fewer rows than head_dim (16 at
     head dim 32) unless q heads per kv head alone reach it.
 
     `fast_fp8` (the kernels pass it for calls over fp8 KV; on by default
@@ -90,22 +90,22 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     docs/decisions.md). Over bf16 KV and for prefill they are slower, so
     neither gets them.
     """
-    spec = max_q <= SPEC_MAX_Q
-    fast = fast_fp8 and spec  # prefill keeps its options (the lazy rescale slowed it)
+    few_q = max_q <= FEW_Q_MAX
+    fast = fast_fp8 and few_q  # prefill keeps its options (the lazy rescale slowed it)
     if rows_per_block is None:
-        rows_per_block = max(MIN_ROWS, min(SPEC_ROWS, head_dim // 2)) if spec else 128
+        rows_per_block = max(MIN_ROWS, min(FEW_Q_ROWS, head_dim // 2)) if few_q else 128
     tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))
     num_q_blocks = pl.cdiv(max_q, tokens_per_block)
     rows = max(MIN_ROWS, pow2_at_least(tokens_per_block * q_per_kv))
     pages_per_block = min(pages_per_block, pow2_at_least(table_width))
-    programs = batch * num_kv_heads * (1 if spec else num_q_blocks)
+    programs = batch * num_kv_heads * (1 if few_q else num_q_blocks)
     num_sms = num_sms or device_info().num_sms
-    if num_splits is None and spec and programs < 2 * num_sms:
+    if num_splits is None and few_q and programs < 2 * num_sms:
         # Splits of a fixed size: a row's split boundaries, and so its bits,
         # must not follow the table width, which follows the batch's longest
         # row and differs between a plain decode step and a verify step at
         # the same position. Splits past a row's keys add exact zeros.
-        pages_per_split = pl.cdiv(SPEC_SPLIT_PAGES, pages_per_block) * pages_per_block
+        pages_per_split = pl.cdiv(FEW_Q_SPLIT_PAGES, pages_per_block) * pages_per_block
         num_splits = pl.cdiv(table_width, pages_per_split)
     else:
         if num_splits is None:  # split the keys when the programs cannot fill the GPU twice
@@ -122,7 +122,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
         tokens_per_block=tokens_per_block, num_q_blocks=num_q_blocks, rows=rows,
         pages_per_block=pages_per_block, num_splits=num_splits,
         pages_per_split=pages_per_split,
-        num_warps=num_warps or (2 if spec or rows <= 32 else 4),
+        num_warps=num_warps or (2 if few_q or rows <= 32 else 4),
         num_stages=num_stages or (5 if fast and rows > 16 else 3),
         prefetch_page_ids=(fast and rows <= 16) if prefetch_page_ids is None
         else prefetch_page_ids,

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_store import layer_kv
-from pallas_kernels.launch_plan import MIN_ROWS, SPEC_ROWS, plan_launch
+from pallas_kernels.launch_plan import MIN_ROWS, FEW_Q_ROWS, plan_launch
 from pallas_kernels.pool_layout import (BAD_PAGE_INDEX, NULL_PAGE, kernel_views, pow2_at_least,
                                         static_validate_inputs)
 
@@ -275,7 +275,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_
     # after the loop, ran 1.6x slower), and fp8 prefill read and written in
     # q's layout was slower (H200).
     has_block = block_kv is not None
-    q_in_rows = rows > SPEC_ROWS or has_block
+    q_in_rows = rows > FEW_Q_ROWS or has_block
     if q_in_rows:  # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
         q_in = jnp.pad(q, ((0, 0), (0, num_q_blocks * tokens_per_block - max_q), (0, 0), (0, 0)))
         q_in = q_in.reshape(batch, num_q_blocks, tokens_per_block, num_kv_heads,

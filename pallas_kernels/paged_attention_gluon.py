@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from pallas_kernels.gluon_call import gluon_call
-from pallas_kernels.launch_plan import MIN_ROWS, SPEC_MAX_Q, plan_launch
+from pallas_kernels.launch_plan import MIN_ROWS, FEW_Q_MAX, plan_launch
 from pallas_kernels.pool_layout import (BAD_PAGE_INDEX, MAX_POOL_ELEMENTS, pow2_at_least,
                                         static_validate_inputs)
 
@@ -49,7 +49,7 @@ async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_gl
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 LOG2E = math.log2(math.e)
-KV_DTYPES = {jnp.dtype(jnp.float8_e4m3fn): "fp8", jnp.dtype(jnp.bfloat16): "bf16"}
+GLUON_POOL_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16))  # pools it reads
 BLOCK_KEYS, STAGES, NUM_WARPS = 64, 3, 2  # keys per block: pages_per_block = 64 / page
 # Prefill: 16 query rows per warp, 2 stages (faster than 3 on the H200: docs/decisions.md).
 PREFILL_ROWS, PREFILL_WARPS, PREFILL_STAGES = 64, 4, 2
@@ -350,10 +350,10 @@ def paged_attention_kernel(
 def supports(q, pool, *, draft_block: bool = False) -> str | None:
     """None if the Gluon kernel takes this call, else why not
     (`pallas_kernels.attention.select_backend` asks)."""
-    if jnp.dtype(pool.dtype) not in KV_DTYPES:
+    if jnp.dtype(pool.dtype) not in GLUON_POOL_DTYPES:
         return f"pool dtype {pool.dtype} (the Gluon kernel reads fp8 e4m3 or bf16 KV)"
-    if draft_block and q.shape[1] > SPEC_MAX_Q:
-        return f"a draft block of {q.shape[1]} queries (at most {SPEC_MAX_Q})"
+    if draft_block and q.shape[1] > FEW_Q_MAX:
+        return f"a draft block of {q.shape[1]} queries (at most {FEW_Q_MAX})"
     head_dim, page_size = pool.shape[-1], pool.shape[-2]
     if head_dim not in (32, 64, 128) or page_size not in (8, 16, 32, 64):
         return f"head_dim {head_dim} / page_size {page_size} (32-128 / 8-64)"
@@ -365,21 +365,21 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
     K / V pointers), constexprs and grid for a call; `supports` must hold. draft_block:
     None, or (padded block keys, causal within the block). Decode, verify and the draft
-    block (up to SPEC_MAX_Q queries) take 2 warps (the bf16 draft block
+    block (up to FEW_Q_MAX queries) take 2 warps (the bf16 draft block
     DRAFT_BF16_WARPS), edge-only masks and row sums by dot; prefill PREFILL_ROWS rows per
     program over PREFILL_WARPS warps, every block masked and rows summed by `gl.sum`
-    (faster for prefill than the spec options). Warps go along the rows, 16 rows each.
+    (faster for prefill than the few-query options). Warps go along the rows, 16 rows each.
     tuning: a dict overriding the constexprs so chosen (a benchmark comparing variants);
     a key that names no constexpr raises."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     q_per_kv = num_q_heads // num_kv_heads
-    spec, tuning = max_q <= SPEC_MAX_Q, dict(tuning or {})
+    few_q, tuning = max_q <= FEW_Q_MAX, dict(tuning or {})
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, table_width=batch_table.shape[1], num_splits=1,
-                       rows_per_block=tuning.get("ROWS") or (None if spec else PREFILL_ROWS))
+                       rows_per_block=tuning.get("ROWS") or (None if few_q else PREFILL_ROWS))
     fp8 = pool.dtype == jnp.float8_e4m3fn
-    num_warps = NUM_WARPS if spec else PREFILL_WARPS
+    num_warps = NUM_WARPS if few_q else PREFILL_WARPS
     if draft_block is not None and not fp8:
         num_warps = DRAFT_BF16_WARPS
     num_warps = tuning.get("NUM_WARPS") or num_warps
@@ -395,12 +395,12 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     block_keys_pad, block_causal = draft_block or (0, False)
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
                       PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
-                      TOKENS=plan.tokens_per_block, STAGES=STAGES if spec else PREFILL_STAGES,
+                      TOKENS=plan.tokens_per_block, STAGES=STAGES if few_q else PREFILL_STAGES,
                       NUM_WARPS=num_warps, WARPS_M=warps_m, KV_FP8=fp8,
                       HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
                       QUERIES_CACHED=draft_block is None, BLOCK_KEYS_PAD=block_keys_pad,
-                      BLOCK_CAUSAL=block_causal, Q_IN_SMEM=False, EDGE_MASKS=spec,
-                      SUM_BY_MMA=spec)
+                      BLOCK_CAUSAL=block_causal, Q_IN_SMEM=False, EDGE_MASKS=few_q,
+                      SUM_BY_MMA=few_q)
     unknown = set(tuning) - set(constexprs)
     if unknown:
         raise ValueError(f"tuning names no constexpr of the kernel: {sorted(unknown)}")

@@ -3,7 +3,7 @@
 import pytest
 
 from pallas_kernels.device import device_info
-from pallas_kernels.launch_plan import (SPEC_MAX_Q, SPEC_ROWS, SPEC_SPLIT_PAGES, arithmetic,
+from pallas_kernels.launch_plan import (FEW_Q_MAX, FEW_Q_ROWS, FEW_Q_SPLIT_PAGES, arithmetic,
                                         plan_launch)
 
 
@@ -17,10 +17,10 @@ def test_decode_and_verify_plans_share_their_arithmetic(fast_fp8, head_dim, q_pe
     shape = dict(batch=batch, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
                  head_dim=head_dim, table_width=table_width, fast_fp8=fast_fp8)
     decode = plan_launch(max_q=1, **shape)
-    for max_q in range(2, SPEC_MAX_Q + 1):
+    for max_q in range(2, FEW_Q_MAX + 1):
         verify = plan_launch(max_q=max_q, **shape)
         assert arithmetic(verify) == arithmetic(decode), f"{max_q=}"
-        assert verify.rows <= max(SPEC_ROWS, q_per_kv * 2)  # one token may exceed 32 rows
+        assert verify.rows <= max(FEW_Q_ROWS, q_per_kv * 2)  # one token may exceed 32 rows
         assert verify.tokens_per_block * verify.num_q_blocks >= max_q
 
 
@@ -40,11 +40,11 @@ def test_measured_defaults():
     assert (prefill.rows, prefill.num_warps, prefill.num_q_blocks, prefill.num_splits) == (
         128, 4, 64, 1)
     # A 16-token verify at GQA 8 is 128 rows: four 32-row blocks, decode's
-    # splits (4 rows x kv heads: splits of SPEC_SPLIT_PAGES pages).
+    # splits (4 rows x kv heads: splits of FEW_Q_SPLIT_PAGES pages).
     small = dict(batch=2, q_per_kv=8, num_kv_heads=2, head_dim=128, table_width=4096)
     v16 = plan_launch(max_q=16, **small)
     assert (v16.num_q_blocks, v16.rows, v16.num_warps) == (4, 32, 2)
-    assert v16.num_splits == plan_launch(max_q=1, **small).num_splits == 4096 // SPEC_SPLIT_PAGES
+    assert v16.num_splits == plan_launch(max_q=1, **small).num_splits == 4096 // FEW_Q_SPLIT_PAGES
     # At head dim 32 a 32-row block would lay its dots out by rows, decode's
     # 16 rows by head_dim: verify-8 at GQA 4 takes two 16-row blocks.
     v8 = plan_launch(max_q=8, **dict(shape, head_dim=32))
@@ -72,7 +72,7 @@ def test_spec_split_boundaries_do_not_follow_the_table_width(batch, num_kv_heads
              for width in widths for max_q in (1, 8)]
     splits = {p.num_splits for p in plans}
     if batch * num_kv_heads < 2 * device_info().num_sms:
-        assert {p.pages_per_split for p in plans} == {SPEC_SPLIT_PAGES}
-        assert splits == {-(-width // SPEC_SPLIT_PAGES) for width in widths}
+        assert {p.pages_per_split for p in plans} == {FEW_Q_SPLIT_PAGES}
+        assert splits == {-(-width // FEW_Q_SPLIT_PAGES) for width in widths}
     else:
         assert splits == {1}  # one split per row: no boundary at all

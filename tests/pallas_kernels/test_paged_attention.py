@@ -186,7 +186,7 @@ def test_wider_tables_change_no_bit(interpret, monkeypatch):
     sets it): decode and verify split the keys at fixed page boundaries, and
     splits past a row's keys add exact zeros."""
     import pallas_kernels.launch_plan as launch_plan
-    monkeypatch.setattr(launch_plan, "SPEC_SPLIT_PAGES", 4)  # several splits per row
+    monkeypatch.setattr(launch_plan, "FEW_Q_SPLIT_PAGES", 4)  # several splits per row
     q, pool, table, kv_lens, q_lens = make_case(
         np.random.default_rng(9), batch=3, max_q=3, num_q_heads=4, num_kv_heads=2,
         kv_lens=[120, 41, 9], q_lens=[3, 2, 1], table_width=16, kv_dtype=jnp.float8_e4m3fn)

@@ -52,7 +52,7 @@ def test_compiles_for_hopper(kv_dtype, max_q, window, soft_cap, head_dim, page_s
     compiled, grid = compile_for_hopper(q, pool, sliding_window=window, soft_cap=soft_cap)
     assert compiled.metadata.shared <= 100 * 1024  # shared memory for at least 2 CTAs/SM
     assert grid[1:] == (4, 2)
-    if max_q > pg.SPEC_MAX_Q:  # prefill: 64-row query blocks over 4 warps
+    if max_q > pg.FEW_Q_MAX:  # prefill: 64-row query blocks over 4 warps
         assert compiled.metadata.num_warps == pg.PREFILL_WARPS
         assert grid[0] == -(-max_q // (pg.PREFILL_ROWS // gqa))
 
