@@ -99,11 +99,10 @@ def test_compiled_verify_equals_decode_bit_for_bit_across_gqa(kv_dtype, num_q_he
 @pytest.mark.parametrize("head_dim", [32, 128])
 @pytest.mark.parametrize("window", [None, 100])
 def test_compiled_fp8_options_keep_verify_equal_to_decode(fast_fp8, head_dim, window):
-    """fast_fp8 (the default) as BENCHMARKS.md times it: decode with prefetched
-    page ids, verify with 5 stages (at head dim 128; 16-row blocks at 32
-    prefetch too), both rescaling lazily; and the plain options. (With the
-    fast ones on and the earlier blocking, the default pair's H200 eval once
-    reported lossless=False.)"""
+    """fast_fp8 (the default): decode with prefetched page ids, verify with 5
+    stages (at head dim 128; 16-row blocks at 32 prefetch too), both rescaling
+    lazily; and the plain options. Verify must equal decode bit for bit under
+    both (docs/decisions.md, "Exactness")."""
     assert_verify_equals_decode(
         np.random.default_rng(5), max_q=8, batch=16, num_q_heads=8, num_kv_heads=2,
         head_dim=head_dim, page_size=16, kv_dtype=jnp.float8_e4m3fn, window=window,

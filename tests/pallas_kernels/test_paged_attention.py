@@ -92,8 +92,8 @@ def test_verify_rows_are_causal_among_themselves(interpret):
 def test_queries_past_q_len_change_no_other_bit(interpret, blocking):
     """Query tokens past q_len (and padding rows) hold whatever the caller left
     there. NaN in them must leave every live query's bits alone and still give
-    zeros (a kernel variant that skipped the mask in blocks every live row sees
-    whole let those rows attend: BENCHMARKS.md, ninth session)."""
+    zeros (a kernel that skips the mask in blocks every live row sees whole must
+    still keep those rows out)."""
     rng = np.random.default_rng(11)
     q, pool, table, kv_lens, q_lens = make_case(
         rng, batch=4, max_q=3, num_q_heads=8, num_kv_heads=2, window=40,
@@ -148,7 +148,7 @@ def test_verify_equals_decode_bit_for_bit(interpret, kv_dtype, threshold, window
 
 
 def test_fp8_launch_options_keep_verify_equal_to_decode(interpret):
-    """Decode with prefetched page ids, verify without, both lazy (BENCHMARKS.md)."""
+    """Decode with prefetched page ids, verify without, both lazy (the fp8 options)."""
     lazy = dict(pages_per_block=2, rescale_threshold=8.0)
     assert_verify_equals_decode(np.random.default_rng(8), max_q=4, batch=6, max_len=90,
                                 num_q_heads=8, num_kv_heads=2, kv_dtype=jnp.float8_e4m3fn,
