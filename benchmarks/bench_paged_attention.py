@@ -2,11 +2,13 @@
 
     PYTHONPATH=. python benchmarks/bench_paged_attention.py [--out DIR] [--quick]
 
-Decode: batch 64, 32 query / 8 kv heads, head dim 128, page 16, contexts 4K
-and 32K; KV bytes read per second vs the device copy bandwidth; vs
-`jax.experimental.pallas.ops.gpu.paged_attention` on the same K/V; vs cuDNN
-dense attention on the same K/V laid out contiguously. fp8 vs bf16 at 32K.
-Verify (8 queries per row) vs decode (1 query). Error norms vs the reference.
+The Pallas kernels. Decode: batch 64, 32 query / 8 kv heads, head dim 128, page 16,
+contexts 4K and 16K (the largest pool their 32-bit offsets address at batch 64); KV bytes
+read per second vs the device copy bandwidth; vs `jax.experimental.pallas.ops.gpu.
+paged_attention` on the same K/V; vs cuDNN dense attention on the same K/V laid out
+contiguously. fp8 vs bf16. Verify (8 queries per row) and the draft block vs decode (1
+query). Chunked prefill vs XLA / cuDNN / jax's Mosaic GPU dense attention. Error norms vs
+the reference.
 """
 
 from __future__ import annotations

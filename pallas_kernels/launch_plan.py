@@ -70,11 +70,13 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     at or above it (H200, 8 kv heads: both under 33 slots, or both 33 or more).
     Splitting always would drop that condition at some large-batch decode
     time (docs/decisions.md). num_sms: the device's (`device.device_info`)
-    unless given. On the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
+    unless given.
+
+    On the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
     at GQA 4, or 8 at GQA 5-8) or 2 warps over 128 rows changed bits against
     2-warp decode, and so did a split count that followed the number of query
-    blocks (test_gpu_compiled); tuning verify's blocking alone (8 pages, 4
-    warps, 13% faster over fp8) once flipped a near-tied argmax. Such
+    blocks (test_gpu_compiled); a verify blocked apart from decode can
+    flip a near-tied argmax. Such
     verifies take several 32-row query blocks per row, launched side by side
     so their reads of the row's keys meet in L2. Triton (3.6, and the H200's)
     lays the two dots out over 2 warps by splitting head_dim when rows <

@@ -268,12 +268,10 @@ def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_
     # q carries every logit scale (softmax, K dequantisation, base 2, and 1 /
     # soft cap ahead of the tanh), so the loop's logits come straight off the dot.
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
-    # Decode and verify read q and write the result in q's own layout: the XLA
-    # ops that laid them out cost 3% of a 4K decode. Prefill and the draft
-    # block get q in rows, scaled, from XLA: there a q scaled in the kernel
-    # spilled in the loop (128 rows; the draft block, whose own keys use q
-    # after the loop, ran 1.6x slower), and fp8 prefill read and written in
-    # q's layout was slower (H200).
+    # Decode and verify read q and write the result in q's own layout, so no
+    # XLA op lays them out around the kernel. Prefill and the draft block get
+    # q in rows, scaled, from XLA: there a q scaled in the kernel spills in the
+    # loop (128 rows; the draft block's own keys use q after the loop).
     has_block = block_kv is not None
     q_in_rows = rows > FEW_Q_ROWS or has_block
     if q_in_rows:  # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
