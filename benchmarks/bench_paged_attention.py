@@ -24,6 +24,7 @@ import numpy as np
 
 from benchmarks.timing import device_copy_bandwidth, time_call, write_results
 from pallas_kernels.kv_store import layer_kv
+from pallas_kernels.launch_plan import LaunchOptions
 from pallas_kernels.paged_attention import (draft_block_attention,
                                             draft_block_attention_reference, paged_attention,
                                             paged_attention_reference)
@@ -73,9 +74,11 @@ def kv_bytes(ctx, dtype):
     return BATCH * ctx * HKV * D * 2 * jnp.dtype(dtype).itemsize
 
 
-def ours(q, pool, table, kv_lens, q_lens, kernel=paged_attention, **kw):
+def ours(q, pool, table, kv_lens, q_lens, kernel=paged_attention, **options):
+    """The kernel jitted for these inputs, with `options` (LaunchOptions fields)."""
     interpret = jax.default_backend() == "cpu"  # lets the script be smoke-tested on CPU
-    return jax.jit(lambda *a: kernel(*a, layer_offset=0, interpret=interpret, **kw))
+    return jax.jit(lambda *a: kernel(*a, layer_offset=0, interpret=interpret,
+                                     options=LaunchOptions(**options)))
 
 
 def sweep_configs(args, configs, label, rate=None, iters=50):
@@ -203,7 +206,7 @@ def bench_draft_block(ctx, cfg, block=8):
     blens = jnp.full((BATCH,), block, jnp.int32)
     interpret = jax.default_backend() == "cpu"
     draft = jax.jit(lambda *a: draft_block_attention(*a, layer_offset=0, interpret=interpret,
-                                                     **cfg))
+                                                     options=LaunchOptions(**cfg)))
     t_draft = time_call(draft, qb, pool, table, kv_lens, blens, bk, bv)
     t_decode = time_call(ours(q1, pool, table, kv_lens, None, **cfg), q1, pool, table, kv_lens,
                          jnp.ones((BATCH,), jnp.int32))

@@ -12,7 +12,7 @@ and tests check that decode and verify plans agree on them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jax.experimental import pallas as pl
 
@@ -25,6 +25,20 @@ FEW_Q_ROWS = 32  # at most this many query rows per block for those (2 warps)
 # Key pages per split for those, when rows x kv heads cannot fill the GPU (measured on the
 # H200 against 32-page splits: docs/decisions.md).
 FEW_Q_SPLIT_PAGES = 128
+
+
+class LaunchOptions(NamedTuple):
+    """A Pallas attention call's launch choices, passed as one static argument. A field
+    left None takes the default `plan_launch` picks for the call's shapes."""
+    rows_per_block: int | None = None      # query rows per program
+    pages_per_block: int = 4               # pages per key block (a power of two)
+    num_splits: int | None = None          # key splits per (row, kv head, query block)
+    num_warps: int | None = None
+    num_stages: int | None = None          # pipeline stages of the key loop
+    compute_dtype: Any = None              # the dots' dtype (None: q's; f16 over fp8 KV)
+    prefetch_page_ids: bool | None = None  # load a block's page ids one block ahead
+    rescale_threshold: float | None = None  # lazy rescale: move a row's max by > 2**T only
+    fast_fp8: bool = True                  # over fp8 KV, the fp8 defaults (`plan_launch`)
 
 
 class LaunchPlan(NamedTuple):

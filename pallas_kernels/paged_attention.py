@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_store import layer_kv
-from pallas_kernels.launch_plan import MIN_ROWS, FEW_Q_ROWS, plan_launch
+from pallas_kernels.launch_plan import FEW_Q_ROWS, MIN_ROWS, LaunchOptions, plan_launch
 from pallas_kernels.pool_layout import (BAD_PAGE_INDEX, NULL_PAGE, kernel_views, pow2_at_least,
                                         static_validate_inputs)
 
@@ -245,17 +245,22 @@ def paged_attention_kernel(
 
 def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_cached,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
-                    block_causal, compute_dtype, interpret, **launch_options):
+                    block_causal, options: LaunchOptions, interpret):
     """Shared wrapper: plan the launch, run, combine splits (if any)."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, _, _, _, page_size, _ = pool.shape
     table_width = batch_table.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    fast_fp8 = launch_options.pop("fast_fp8") and pool.dtype == jnp.float8_e4m3fn
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, table_width=table_width, fast_fp8=fast_fp8,
-                       **launch_options)
+                       head_dim=head_dim, table_width=table_width,
+                       rows_per_block=options.rows_per_block,
+                       pages_per_block=options.pages_per_block, num_splits=options.num_splits,
+                       num_warps=options.num_warps, num_stages=options.num_stages,
+                       prefetch_page_ids=options.prefetch_page_ids,
+                       rescale_threshold=options.rescale_threshold,
+                       fast_fp8=options.fast_fp8 and pool.dtype == jnp.float8_e4m3fn)
+    compute_dtype = options.compute_dtype
     tokens_per_block, num_q_blocks, rows = plan.tokens_per_block, plan.num_q_blocks, plan.rows
     num_splits = plan.num_splits
     # The dots run in q's dtype, or in f16 over fp8 KV: e4m3 -> f16 is one
@@ -356,8 +361,7 @@ def _attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_
 
 
 _STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
-           "rows_per_block", "pages_per_block", "num_splits", "num_warps", "num_stages",
-           "compute_dtype", "prefetch_page_ids", "rescale_threshold", "fast_fp8", "interpret")
+           "options", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -374,15 +378,7 @@ def paged_attention(
     soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    rows_per_block: int | None = None,
-    pages_per_block: int = 4,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    compute_dtype: jnp.dtype | None = None,
-    prefetch_page_ids: bool | None = None,
-    rescale_threshold: float | None = None,
-    fast_fp8: bool = True,
+    options: LaunchOptions = LaunchOptions(),
     interpret: bool = False,
 ) -> jax.Array:
     """Paged GQA attention: decode (max_q 1), verify (K+1), chunked prefill (chunk).
@@ -395,28 +391,26 @@ def paged_attention(
     (default: q's dtype, or float16 over fp8 KV) with f32 accumulation and an
     f32 softmax.
 
-    Launch options left None take the values measured on the H200 for the
-    query count (`launch_plan.plan_launch`), keeping a row's decode and
+    `options` (`launch_plan.LaunchOptions`, one static argument) holds the
+    launch choices; fields left None take the values measured on the H200 for
+    the query count (`launch_plan.plan_launch`), keeping a row's decode and
     verify passes bit-for-bit equal. Over fp8 KV, up to 16 query tokens,
     `fast_fp8` (on by default; False for the plain fp8 options) takes the
-    options below that make fp8 decode and verify faster on the H200 (see
-    plan_launch). `prefetch_page_ids` loads each block's page-table entries
-    one iteration ahead, so Triton keeps the next blocks' K/V loads in flight
-    (docs/decisions.md); it changes no bit. `rescale_threshold` T > 0 moves a
-    row's running max (and rescales its accumulator) only when a block's max
-    passes it by more than T (base 2), so p stays below 2**T and most blocks
-    skip the rescale; 0 rescales whenever the max grows. It changes rounding.
+    options that make fp8 decode and verify faster on the H200.
+    `prefetch_page_ids` loads each block's page-table entries one iteration
+    ahead, so Triton keeps the next blocks' K/V loads in flight; it changes
+    no bit. `rescale_threshold` T > 0 moves a row's running max (and rescales
+    its accumulator) only when a block's max passes it by more than T (base
+    2), so p stays below 2**T and most blocks skip the rescale; 0 rescales
+    whenever the max grows. It changes rounding.
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
-                           sliding_window, pages_per_block, compute_dtype)
+                           sliding_window, options.pages_per_block, options.compute_dtype)
     return _attention_call(
         q, pool, batch_table, kv_lens, q_lens, None, queries_cached=True,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
-        rows_per_block=rows_per_block, pages_per_block=pages_per_block,
-        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        rescale_threshold=rescale_threshold, fast_fp8=fast_fp8, interpret=interpret)
+        options=options, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
@@ -436,15 +430,7 @@ def draft_block_attention(
     soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    rows_per_block: int | None = None,
-    pages_per_block: int = 4,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    compute_dtype: jnp.dtype | None = None,
-    prefetch_page_ids: bool | None = None,
-    rescale_threshold: float | None = None,
-    fast_fp8: bool = True,
+    options: LaunchOptions = LaunchOptions(),
     interpret: bool = False,
 ) -> jax.Array:
     """DFlash draft block: block queries at positions ctx_len .. ctx_len + B - 1
@@ -453,7 +439,7 @@ def draft_block_attention(
     causally within the block. Block K/V stay out of the cache.
     """
     static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
-                           sliding_window, pages_per_block, compute_dtype)
+                           sliding_window, options.pages_per_block, options.compute_dtype)
     if block_k.shape != block_v.shape or block_k.shape != (
             q.shape[0], q.shape[1], pool.shape[0], q.shape[3]):
         raise ValueError("block_k and block_v must be [batch, block_size, num_kv_heads, "
@@ -463,10 +449,7 @@ def draft_block_attention(
         q, pool, batch_table, ctx_lens, block_lens, (block_k, block_v), queries_cached=False,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,
-        rows_per_block=rows_per_block, pages_per_block=pages_per_block,
-        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        compute_dtype=compute_dtype, prefetch_page_ids=prefetch_page_ids,
-        rescale_threshold=rescale_threshold, fast_fp8=fast_fp8, interpret=interpret)
+        options=options, interpret=interpret)
 
 
 def _combine_splits(o, m, l):

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.launch_plan import LaunchOptions
 from pallas_kernels.paged_attention import (draft_block_attention,
                                             draft_block_attention_reference, paged_attention,
                                             paged_attention_reference)
@@ -21,8 +22,9 @@ def test_compiled_attention_matches_reference_at_head_dim_128(kv_dtype, max_q, c
         rng, batch=16, max_q=max_q, num_q_heads=32, num_kv_heads=8, head_dim=128,
         page_size=16, kv_dtype=kv_dtype, window=512, kv_lens=rng.integers(max_q, 4000, 16))
     kw = dict(layer_offset=1, sliding_window=512)
-    out = paged_attention(q, pool, table, kv_lens, q_lens, compute_dtype=compute_dtype,
-                          interpret=False, **kw)
+    out = paged_attention(q, pool, table, kv_lens, q_lens,
+                          options=LaunchOptions(compute_dtype=compute_dtype), interpret=False,
+                          **kw)
     assert rel_err(out, paged_attention_reference(q, pool, table, kv_lens, q_lens, **kw)) < 1e-2
 
 

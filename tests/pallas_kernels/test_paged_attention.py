@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from pallas_kernels.launch_plan import LaunchOptions
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.testing import (POISON, kv_scales, make_case, make_draft_case,  # noqa: F401
                                     rel_err)
@@ -65,9 +66,10 @@ def test_kernel_matches_reference(interpret, name, kwargs, soft_cap):
     lazy = ((3, None, 1.0), (1, None, 8.0)) if soft_cap is None else ()
     for splits, compute, threshold in ((1, None, None), (3, None, None), (1, jnp.bfloat16, None),
                                        *lazy):
-        out = paged_attention(q, pool, table, kv_lens, q_lens, pages_per_block=2,
-                              num_splits=splits, compute_dtype=compute,
-                              rescale_threshold=threshold, interpret=interpret, **args)
+        options = LaunchOptions(pages_per_block=2, num_splits=splits, compute_dtype=compute,
+                                rescale_threshold=threshold)
+        out = paged_attention(q, pool, table, kv_lens, q_lens, options=options,
+                              interpret=interpret, **args)
         assert out.shape == q.shape
         assert rel_err(out, ref) < 2e-2, f"{name} splits={splits} {compute} {threshold=}"
         assert_zero_past_q_len(out, q_lens)
@@ -99,13 +101,20 @@ def test_queries_past_q_len_change_no_other_bit(interpret, blocking):
         rng, batch=4, max_q=3, num_q_heads=8, num_kv_heads=2, window=40,
         kv_lens=[70, 0, 55, 64], q_lens=[1, 0, 3, 2])
     past = past_q_len(q_lens, q.shape[1])
-    kw = dict(layer_offset=1, sliding_window=40, pages_per_block=2, interpret=interpret,
-              **blocking)
+    kw = dict(layer_offset=1, sliding_window=40, interpret=interpret,
+              options=LaunchOptions(pages_per_block=2, **blocking))
     out = np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **kw), np.float32)
     q_nan = jnp.where(jnp.asarray(past)[:, :, None, None], jnp.nan, q)
     out_nan = np.asarray(paged_attention(q_nan, pool, table, kv_lens, q_lens, **kw), np.float32)
     np.testing.assert_array_equal(out_nan, out)
     assert (out[past] == 0).all() and np.isfinite(out).all()
+
+
+def _with_options(blocking):
+    """A blocking dict as keywords: LaunchOptions fields as `options`, the rest as they are."""
+    blocking = dict(blocking or {})
+    fields = {k: blocking.pop(k) for k in list(blocking) if k in LaunchOptions._fields}
+    return {**blocking, **({"options": LaunchOptions(**fields)} if fields else {})}
 
 
 def assert_verify_equals_decode(rng, *, max_q, batch, max_len, interpret, window,
@@ -116,16 +125,19 @@ def assert_verify_equals_decode(rng, *, max_q, batch, max_len, interpret, window
     the same key blocks and arithmetic, whatever the masks (windowed rows
     included, whose earliest visible page differs per query). Decode takes
     `decode_blocking` where given (launch options that only schedule loads
-    may differ), else `blocking`. `attention` is the kernel (another lowering
-    with paged_attention's signature; a window is passed only where given)."""
+    may differ), else `blocking` (LaunchOptions fields; other keywords, such
+    as soft_cap, go to both passes). `attention` is the kernel (another
+    lowering with paged_attention's signature; a window is passed only where
+    given)."""
     q, pool, table, kv_lens, q_lens = make_case(
         rng, batch=batch, max_q=max_q, window=window, q_lens=np.full(batch, max_q),
         kv_lens=rng.integers(max_q, max_len, batch), **case)
     kw = dict(layer_offset=1, k_scale=0.5, v_scale=0.25, interpret=interpret)
     if window is not None:
         kw["sliding_window"] = window
-    verify = np.asarray(attention(q, pool, table, kv_lens, q_lens, **kw, **(blocking or {})))
-    kw.update((blocking if decode_blocking is None else decode_blocking) or {})
+    verify = np.asarray(attention(q, pool, table, kv_lens, q_lens, **kw,
+                                  **_with_options(blocking)))
+    kw.update(_with_options(blocking if decode_blocking is None else decode_blocking))
     ones = jnp.ones((batch,), jnp.int32)
     for i in range(max_q):
         decode = attention(q[:, i:i + 1], pool, table, kv_lens - (max_q - 1 - i), ones, **kw)
@@ -173,9 +185,8 @@ def test_fp8_launch_options_are_the_default_over_fp8_kv_only(monkeypatch, kv_dty
     q, pool, table, kv_lens, q_lens = make_case(
         np.random.default_rng(2), batch=2, max_q=1, num_q_heads=4, num_kv_heads=2,
         kv_dtype=kv_dtype)
-    kw = {} if fast_fp8 else {"fast_fp8": False}
     paged_attention.__wrapped__(q, pool, table, kv_lens, q_lens, layer_offset=1,
-                                interpret=True, **kw)
+                                interpret=True, options=LaunchOptions(fast_fp8=fast_fp8))
     (plan,) = plans
     assert (plan.prefetch_page_ids, plan.rescale_threshold) == ((True, 8.0) if want
                                                                 else (False, 0.0))
@@ -191,7 +202,7 @@ def test_wider_tables_change_no_bit(interpret, monkeypatch):
         np.random.default_rng(9), batch=3, max_q=3, num_q_heads=4, num_kv_heads=2,
         kv_lens=[120, 41, 9], q_lens=[3, 2, 1], table_width=16, kv_dtype=jnp.float8_e4m3fn)
     wide = jnp.pad(table, ((0, 0), (0, 32)), constant_values=-1)  # 48 pages, all BAD past 16
-    kw = dict(layer_offset=1, pages_per_block=2, interpret=interpret)
+    kw = dict(layer_offset=1, options=LaunchOptions(pages_per_block=2), interpret=interpret)
     np.testing.assert_array_equal(
         np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **kw)),
         np.asarray(paged_attention(q, pool, wide, kv_lens, q_lens, **kw)))
@@ -214,9 +225,9 @@ def test_verify_equals_decode_bit_for_bit_over_several_query_blocks(interpret):
     (dict(batch_table=jnp.zeros((3, 4), jnp.int32)), "batch_table must be i32"),
     (dict(kv_lens=jnp.zeros((2,), jnp.float32)), "kv_lens must be i32"),
     (dict(layer_offset=2), "layer_offset=2 outside"),
-    (dict(pages_per_block=3), "pages_per_block must be a power of two"),
-    (dict(compute_dtype=jnp.int8), "compute_dtype must be None, float16"),
-    (dict(rescale_threshold=-1.0), "rescale_threshold must be in"),
+    (dict(options=LaunchOptions(pages_per_block=3)), "pages_per_block must be a power of two"),
+    (dict(options=LaunchOptions(compute_dtype=jnp.int8)), "compute_dtype must be None, float16"),
+    (dict(options=LaunchOptions(rescale_threshold=-1.0)), "rescale_threshold must be in"),
 ])
 def test_invalid_inputs_raise_at_trace_time(change, match):
     args = dict(q=jnp.zeros((2, 1, 4, 32), jnp.bfloat16),
@@ -261,8 +272,9 @@ def test_chunked_prefill_matches_reference(interpret, name, kwargs, rows_per_blo
     q, pool, table, kv_lens, q_lens = make_case(rng, **kwargs)
     args = dict(layer_offset=0, sliding_window=kwargs.get("window"), **kv_scales(pool))
     ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, **args)
-    out = paged_attention(q, pool, table, kv_lens, q_lens, rows_per_block=rows_per_block,
-                          pages_per_block=2, interpret=interpret, **args)
+    options = LaunchOptions(rows_per_block=rows_per_block, pages_per_block=2)
+    out = paged_attention(q, pool, table, kv_lens, q_lens, options=options,
+                          interpret=interpret, **args)
     assert rel_err(out, ref) < 2e-2
     assert_zero_past_q_len(out, q_lens)
 
@@ -285,8 +297,9 @@ def test_draft_block_matches_reference(interpret, name, kwargs, causal):
                                ctx=[0, 9, 16, 41, 57], causal=causal, **kwargs)
     ref = draft_block_attention_reference(*args, **kw)
     for splits, prefetch in ((1, False), (2, True)):
-        out = draft_block_attention(*args, pages_per_block=2, num_splits=splits,
-                                    prefetch_page_ids=prefetch, interpret=interpret, **kw)
+        options = LaunchOptions(pages_per_block=2, num_splits=splits,
+                                prefetch_page_ids=prefetch)
+        out = draft_block_attention(*args, options=options, interpret=interpret, **kw)
         assert rel_err(out, ref) < 2e-2, f"splits={splits} {prefetch=}"
         assert (np.asarray(out[-1], np.float32) == 0).all()  # padding row
 
@@ -296,9 +309,9 @@ def test_prefetched_page_ids_change_no_bit(interpret, name):
     """prefetch_page_ids moves the table loads, not the arithmetic."""
     kwargs = dict(CASES)[name]
     q, pool, table, kv_lens, q_lens = make_case(np.random.default_rng(5), **kwargs)
-    args = dict(layer_offset=1, sliding_window=kwargs.get("window"), pages_per_block=2,
-                num_splits=3, interpret=interpret)
+    args = dict(layer_offset=1, sliding_window=kwargs.get("window"), interpret=interpret)
+    options = LaunchOptions(pages_per_block=2, num_splits=3)
     np.testing.assert_array_equal(
-        np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, prefetch_page_ids=True,
-                                   **args)),
-        np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, **args)))
+        np.asarray(paged_attention(q, pool, table, kv_lens, q_lens,
+                                   options=options._replace(prefetch_page_ids=True), **args)),
+        np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, options=options, **args)))
