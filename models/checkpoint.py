@@ -383,7 +383,8 @@ def restore_orbax(path, template) -> tuple[dict, dict]:
             params = ckpt.restore(path / "params", template)
     except Exception as e:  # orbax / tensorstore raise many types; name the file, keep it short
         named = [n for n in names if n.replace(".", "/") in str(e) or n in str(e)]
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(" See full TensorStore details")[0][:300]
         raise CheckpointError(f"{path / 'params'}: orbax cannot restore it"
                               f"{' (array ' + repr(named[0]) + ')' if named else ''}: "
                               f"{type(e).__name__}: {first}; the checkpoint is damaged or "

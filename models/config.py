@@ -110,8 +110,8 @@ def parse_rope(hf: dict, source) -> tuple[float, RopeScaling | None]:
     theta = get_float({"rope_theta": d.pop("rope_theta", top_theta)}, "rope_theta", source)
     if not theta > 1:
         raise ConfigError(f"{source}: rope_theta={theta} must be > 1")
-    partial = d.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    partial = d.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
         refuse(source, "partial_rotary_factor", partial, "1.0 (RoPE over the whole head)")
     if "type" in d and "rope_type" in d and d["type"] != d["rope_type"]:
         raise ConfigError(f"{source}: rope scaling has type={d['type']!r} and "
