@@ -16,7 +16,8 @@ Every step is float32, in HF's order (transformers 4.5x `_compute_*_parameters`
 and 5.x alike), so the tables match HF's to the last bit or two. Positions
 are never rescaled: the paged kernels, windows and page tables see the same
 absolute positions with or without scaling; only the K written into the
-pages (rotated, and scaled by attention_factor under YaRN) differs.
+pages (rotated, and scaled by attention_factor under YaRN) differs, so an fp8
+layer's k_scale must be calibrated on the scaled K.
 """
 
 from __future__ import annotations

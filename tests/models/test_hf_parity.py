@@ -175,3 +175,54 @@ def test_drafter_rope_scaling_matches_zlab(rope):
         np.testing.assert_allclose(np.asarray(v_got),
                                    (c @ lp["v"]).view(1, t, -1, cfg.head_dim).numpy(),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_drafter_block_with_yarn_matches_zlab_forward():
+    """The whole draft block (dense, as trained) against z-lab's DFlashDraftModel forward,
+    written here in torch from HF's Qwen3 modules, under YaRN: q and k rotated and scaled."""
+    from drafter.train import block_logits
+    from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
+    target_cfg = qwen3_config_from_hf(BASE)
+    target = init_params(target_cfg, jax.random.key(5))
+    hf = {**{k: v for k, v in BASE.items() if k != "architectures"}, "num_hidden_layers": 2,
+          "architectures": ["DFlashDraftModel"], "num_target_layers": 3, "block_size": 4,
+          "dflash_config": {"mask_token_id": 95, "target_layer_ids": [0, 2]},
+          "rope_scaling": YARN}
+    cfg = dflash_config_from_hf(hf)
+    draft = init_draft(cfg, jax.random.key(6))
+    t, anchor, block = 30, 21, cfg.block_size
+    tokens = jnp.asarray([PROMPT[:t]], jnp.int32)
+    features = jax.random.normal(jax.random.key(7), (1, t, 2 * cfg.hidden_size))
+    got = block_logits(draft, cfg, target, target_cfg, tokens, features, jnp.array([[anchor]]))
+
+    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in hf.items()
+                                         if k not in ("model_type", "architectures")})
+    p = jax.tree.map(lambda a: torch.tensor(np.asarray(a)), draft)
+    embed = torch.tensor(np.asarray(target["embed"]))
+    head = torch.tensor(np.asarray(target["lm_head"]))
+    eps, hd = cfg.rms_norm_eps, cfg.head_dim
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    ids = torch.tensor([[PROMPT[anchor]] + [95] * (block - 1)])
+    x = embed[ids]                                                     # noise_embedding
+    c = rms(torch.tensor(np.asarray(features))[:, :anchor] @ p["fc"], p["hidden_norm"])
+    cos, sin = hf_qwen3.Qwen3RotaryEmbedding(hf_cfg)(x, torch.arange(anchor + block)[None])
+    cos, sin = cos[:, None], sin[:, None]
+    for lp in p["layers"]:
+        h = rms(x, lp["input_norm"])
+        q = rms((h @ lp["q"]).view(1, block, -1, hd), lp["q_norm"]).transpose(1, 2)
+        kv_in = torch.cat([c, h], dim=1)                               # context, then block
+        k = rms((kv_in @ lp["k"]).view(1, anchor + block, -1, hd), lp["k_norm"]).transpose(1, 2)
+        v = (kv_in @ lp["v"]).view(1, anchor + block, -1, hd).transpose(1, 2)
+        q = q * cos[..., -block:, :] + hf_qwen3.rotate_half(q) * sin[..., -block:, :]
+        k = k * cos + hf_qwen3.rotate_half(k) * sin
+        group = cfg.num_heads // cfg.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        w = torch.softmax(q @ k.transpose(-1, -2) / hd ** 0.5, dim=-1)  # non-causal block
+        x = x + (w @ v).transpose(1, 2).reshape(1, block, -1) @ lp["o"]
+        h = rms(x, lp["post_norm"])
+        x = x + (torch.nn.functional.silu(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
+    want = (rms(x, p["norm"]) @ head)[:, 1:]
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=2e-4, atol=2e-4)
