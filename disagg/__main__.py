@@ -2,7 +2,7 @@
 
 demo   the shipped held-out prompts through aggregated, disaggregated-shared and
        disaggregated-private serving; prints a table (acceptance length,
-       tokens/s, time to first token, bytes moved, GB/s, KV memory per pool)
+       tokens/s, time to first token, bytes moved, KV memory per pool)
        and with --json FILE writes it for scripts and notebooks.
 serve  keeps a context and a generation worker up and serves JSON lines
        {"id": ..., "prompt": "text" (or "tokens": [ids]), "max_new_tokens": N}
@@ -23,8 +23,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from disagg import processes
+from disagg.serving import serve_json_lines
+from disagg.sources import disaggregated_engine
 from disagg.transfer import MOVE_PATHS
-from disagg.workers import ContextWorker, DisaggregatedPair, GenerationWorker
+from drafter.corpus import ByteTokenizer
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from unified_kv import bytes_per_pool
@@ -58,47 +60,39 @@ def split_meshes():
             jax.sharding.Mesh(devices[half:2 * half], ("tp",)))
 
 
-def summarize(name, results, seconds, pair=None):
+def summarize(name, results, seconds, engine):
     tokens = sum(len(r.tokens) for r in results)
     row = {"mode": name, "requests": len(results),
            "acceptance_length": float(np.mean([a for r in results for a in r.acceptance])),
            "tokens_per_s": tokens / seconds,
            "ttft_ms": 1e3 * float(np.mean([r.time_to_first_token_s for r in results])),
-           "bytes_transferred": 0, "transfer_GBps": None}
-    if pair is not None:
-        gen = pair.generation
-        row["bytes_transferred"] = gen.bytes_received
-        row["transfer_GBps"] = (gen.bytes_received / gen.transfer_seconds / 1e9
-                                if gen.transfer_seconds else None)
+           "bytes_transferred": engine.bytes_imported}
     return row
+
+
+def make_engine(name: str, params, step_cfg, move_path: str) -> Engine:
+    """The one engine every mode is a configuration of."""
+    mesh_ctx, mesh_gen = split_meshes()
+    if name == "aggregated":
+        return Engine(params, step_cfg, mesh=mesh_gen)
+    return disaggregated_engine(params, step_cfg, mode=name.split("-")[1],
+                                context_meshes=(mesh_ctx,), mesh=mesh_gen, move_path=move_path)
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     params, tcfg, dcfg = load_default()
     step_cfg = default_step_config(tcfg, dcfg, num_slots=cfg.num_slots)
     prompts = [p["tokens"] for p in load_prompts() if p["length"] <= 512][:cfg.num_prompts]
-    mesh_ctx, mesh_gen = split_meshes()
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; "
           f"{len(prompts)} held-out prompts, {cfg.max_new_tokens} new tokens each")
     rows = []
     for name in tqdm(("aggregated", "disagg-shared", "disagg-private"), desc="serving"):
-        pair = None
-        if name == "aggregated":
-            engine = Engine(params, step_cfg, mesh=mesh_gen)
-            engine.generate(prompts[:1], 2)  # compile outside the timing
-            start = time.perf_counter()
-            results = engine.generate(prompts, cfg.max_new_tokens)
-        else:
-            mode = name.split("-")[1]
-            pair = DisaggregatedPair(
-                ContextWorker(params, step_cfg, mesh=mesh_ctx, mode=mode),
-                GenerationWorker(params, step_cfg, mesh=mesh_gen, mode=mode,
-                                 move_path=cfg.move_path))
-            pair.generate(prompts[:1], 2)
-            pair.generation.bytes_received, pair.generation.transfer_seconds = 0, 0.0
-            start = time.perf_counter()
-            results = pair.generate(prompts, cfg.max_new_tokens)
-        rows.append(summarize(name, results, time.perf_counter() - start, pair))
+        engine = make_engine(name, params, step_cfg, cfg.move_path)
+        engine.generate(prompts[:2], 2)  # compile outside the timing
+        engine.bytes_imported = 0
+        start = time.perf_counter()
+        results = engine.generate(prompts, cfg.max_new_tokens)
+        rows.append(summarize(name, results, time.perf_counter() - start, engine))
         rows[-1]["tokens"] = [r.tokens for r in results]
     pools = [{"pool": p.pool_id, "kv_dtype": p.kv_dtype, "window": p.sliding_window,
               "layers": list(p.layer_names), "MiB": b / 2**20}
@@ -109,12 +103,11 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def print_table(report: dict) -> None:
-    head = f"{'mode':<16}{'AL':>6}{'tok/s':>9}{'TTFT ms':>9}{'moved MiB':>11}{'GB/s':>7}"
+    head = f"{'mode':<16}{'AL':>6}{'tok/s':>9}{'TTFT ms':>9}{'moved MiB':>11}"
     print("\n" + head + "\n" + "-" * len(head))
     for r in report["rows"]:
-        gbps = f"{r['transfer_GBps']:.2f}" if r["transfer_GBps"] else "-"
         print(f"{r['mode']:<16}{r['acceptance_length']:>6.2f}{r['tokens_per_s']:>9.1f}"
-              f"{r['ttft_ms']:>9.0f}{r['bytes_transferred'] / 2**20:>11.2f}{gbps:>7}")
+              f"{r['ttft_ms']:>9.0f}{r['bytes_transferred'] / 2**20:>11.2f}")
     print("\nKV memory per pool:")
     for p in report["pools"]:
         print(f"  pool {p['pool']}: {p['kv_dtype']:<8} window={str(p['window']):<5} "
@@ -126,11 +119,9 @@ def print_table(report: dict) -> None:
 def serve(args) -> None:
     params, tcfg, dcfg = load_default()
     step_cfg = default_step_config(tcfg, dcfg, num_slots=args.num_slots)
-    mesh_ctx, mesh_gen = split_meshes()
-    pair = DisaggregatedPair(ContextWorker(params, step_cfg, mesh=mesh_ctx, mode=args.draft_kv),
-                             GenerationWorker(params, step_cfg, mesh=mesh_gen,
-                                              mode=args.draft_kv))
-    processes.serve_json_lines(pair, args.input)
+    name = "aggregated" if args.draft_kv == "aggregated" else f"disagg-{args.draft_kv}"
+    serve_json_lines(make_engine(name, params, step_cfg, "coalesced"), args.input,
+                     ByteTokenizer())
 
 
 def main(argv=None):
@@ -146,7 +137,8 @@ def main(argv=None):
     srv = sub.add_parser("serve", help="serve JSON-line requests from a file or stdin")
     srv.add_argument("input", nargs="?", default="-")
     srv.add_argument("--num-slots", type=int, default=4)
-    srv.add_argument("--draft-kv", default="shared", choices=("shared", "private"))
+    srv.add_argument("--draft-kv", default="shared", choices=("shared", "private", "aggregated"),
+                     help="disaggregated with the draft KV shared or private, or aggregated")
     processes.add_parser(sub)
     args = ap.parse_args(argv)
     if args.command == "serve-remote":

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import struct
 import time
 
-from disagg.transfer import TransferError
-from disagg.workers import TransferTimeout
+from disagg.transfer import TransferError, TransferTimeout
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 << 20   # a page list of a ~1M-token request is far below this
@@ -71,6 +71,12 @@ class ControlChannel:
         with self._failures(f"{self.peer} took no message within {timeout:.1f}s"):
             self._sock.sendall(_HEADER.pack(len(data)) + data)
 
+    def poll(self, timeout: float) -> bool:
+        """Whether a message (or EOF) is waiting, after at most `timeout` seconds;
+        unlike `recv`, running out of time leaves the channel usable."""
+        self._check_usable()
+        return bool(select.select([self._sock], [], [], max(timeout, 0.0))[0])
+
     def recv(self, timeout: float) -> dict:
         self._check_usable()
         deadline = time.monotonic() + timeout
@@ -113,6 +119,10 @@ class ControlChannel:
         # Closing at once tells the peer (EOF) instead of leaving it to time out.
         self._broken = True
         self._sock.close()
+
+    @property
+    def broken(self) -> bool:
+        return self._broken
 
     def _check_usable(self) -> None:
         if self._broken:

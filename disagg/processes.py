@@ -15,7 +15,7 @@ line per request. `ContextProcess` starts the context side from Python.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
 import os
 import re
@@ -26,9 +26,39 @@ import sys
 import time
 from pathlib import Path
 
-from disagg.remote import PairSource
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSource:
+    """Which model pair and cache a worker process builds (both sides must agree;
+    the layout handshake says so when they do not)."""
+
+    pair_dir: str | None = None   # target/ and draft/ HF checkpoints; None: the embedded pair
+    num_slots: int = 4
+    max_seq_len: int = 9216
+    kv_memory_mib: int = 1024
+
+    def load(self):
+        """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV)."""
+        from drafter.default import default_step_config, load_default
+        from drafter.checkpoint import load_dflash
+        from models.checkpoint import load_qwen3
+        if self.pair_dir is None:
+            params, tcfg, dcfg = load_default()
+        else:
+            tcfg, target = load_qwen3(Path(self.pair_dir) / "target")
+            dcfg, draft = load_dflash(Path(self.pair_dir) / "draft")
+            params = {"target": target, "draft": draft}
+        return params, default_step_config(tcfg, dcfg, num_slots=self.num_slots,
+                                           max_seq_len=self.max_seq_len,
+                                           memory_budget_bytes=self.kv_memory_mib << 20)
+
+    def cli_args(self) -> list[str]:
+        args = ["--num-slots", str(self.num_slots), "--max-seq-len", str(self.max_seq_len),
+                "--kv-memory-mib", str(self.kv_memory_mib)]
+        return args + (["--pair", str(self.pair_dir)] if self.pair_dir else [])
 
 
 def add_parser(sub) -> None:
@@ -72,8 +102,11 @@ def local_mesh(tp: int):
 
 
 def run(args) -> None:
-    from disagg.remote import ContextServer, RemoteContext, RemotePair
-    from disagg.workers import ContextWorker, GenerationWorker
+    from disagg.remote import ContextServer, RemoteSource
+    from disagg.serving import serve_json_lines
+    from disagg.sources import ContextWorker
+    from drafter.corpus import ByteTokenizer
+    from drafter.engine import Engine
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("disagg").setLevel(logging.INFO)
@@ -94,37 +127,13 @@ def run(args) -> None:
         if args.warmup:
             server.warm_up()
         return server.serve(args.max_connections)
-    gen = GenerationWorker(params, cfg, mesh=mesh, mode=args.draft_kv)
-    remote = RemoteContext(args.address, gen.layout, transfer_host=args.transfer_host,
-                           timeout=args.timeout, pull_device=mesh.devices.flat[0])
-    serve_json_lines(RemotePair(remote, gen), args.input)
+    from disagg.layout import Layout
+    remote = RemoteSource(args.address, Layout.of(cfg.spec, args.draft_kv), mesh=mesh,
+                          transfer_host=args.transfer_host, timeout=args.timeout)
+    engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=args.draft_kv,
+                    speculative=cfg.draft is not None, kv_timeout_s=args.timeout)
+    serve_json_lines(engine, args.input, ByteTokenizer())
     logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())
-
-
-def serve_json_lines(pair, path: str) -> None:
-    """Answer JSON-line requests {"id", "prompt": text | "tokens": [ids],
-    "max_new_tokens"} from `path` ("-": stdin) with `pair.generate`, one JSON
-    line each on stdout; a bad request gets an error line and serving goes on."""
-    from drafter.corpus import ByteTokenizer
-    tok = ByteTokenizer()
-    source = open(path) if path != "-" else sys.stdin
-    try:
-        for line_no, line in enumerate(source, 1):
-            if not line.strip():
-                continue
-            try:
-                req = json.loads(line)
-                prompt = req["tokens"] if "tokens" in req else tok.encode(req["prompt"])
-                result = pair.generate([prompt], int(req.get("max_new_tokens", 64)))[0]
-                out = {"id": req.get("id", line_no), "tokens": result.tokens,
-                       "text": tok.decode(result.tokens),
-                       "acceptance_length": result.acceptance_length}
-            except (ValueError, KeyError, RuntimeError) as e:  # bad request: report, go on
-                out = {"id": line_no, "error": f"{type(e).__name__}: {e}"}
-            print(json.dumps(out), flush=True)
-    finally:
-        if source is not sys.stdin:
-            source.close()
 
 
 def child_env(num_devices: int) -> dict:

@@ -1,145 +1,59 @@
 """Context and generation workers in separate OS processes.
 
-    context process                                       generation process
-    ContextServer (ContextWorker)                         RemoteContext + GenerationWorker
-      control listener  <------ hello {layout, transfer address} ------  connect
-      check_layouts     ------- hello {layout, transfer address} ----->  check_layouts
-                        <------ prefill {id, prompt, max_new_tokens} ---
-      prefill, gather live pages,
-      await_pull(uuid, shards) - handoff {lengths, logical pages,
-                                 checksums, shapes, uuid, layout} --->  pull(uuid)
-                        ======= KV shards: jax.experimental.transfer ==>  receive: gate, reserve,
-                                                                         checksum, scatter, redraft
-      complete (free)   <------ ack | abort {error} -------------------
+    context process                                    generation process
+    ContextServer (ContextWorker: export Engine)       Engine + RemoteSource (KV source)
+      listener  <---- hello {layout, transfer address} ----  connect (reconnects after a drop)
+      check     ----- hello {layout, transfer address} --->  check
+                <---- prefill {request} (as admitted) -----  fetch: room already reserved here
+      batched, chunked prefill; export_step;
+      await_pull(uuid, shards)
+                ----- handoff {lengths, first token, ----->  reader thread: pull(uuid) ->
+                       logical pages, checksums, uuid}        KVPayload -> poll() -> import_step
+                ===== KV shards: jax.experimental.transfer =>
+                ----- refused {request, error} ----------->  that request fails, alone
 
-The control channel (disagg.control) carries metadata only; the bulk KV moves
-through the two processes' transfer servers. Every wait has a timeout: the
-context frees a request's pages on ack, abort, timeout or a closed peer; the
-generation side frees its own in `GenerationWorker.receive` and aborts. A
-layout mismatch raises LayoutMismatch on both sides at the handshake, and
-`receive` checks the layout sent with every handoff again.
+The control channel (disagg.control) carries metadata only. Requests from
+the stream are pipelined: the generation side sends each admitted request at
+once, the context batches whatever is waiting into its prefill steps, and the
+reader thread pulls each handoff while the generation engine keeps decoding.
+The context frees a request's pages as soon as its export is dispatched (the
+offered buffers are copies), so no page is held across the wire; an offer
+nobody pulls expires after `timeout`. Every wait has a timeout. A dropped
+channel fails the requests in flight on it, by name; the next request
+reconnects.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import functools
 import logging
+import queue
 import secrets
+import threading
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import transfer as jax_transfer
 
 from disagg.control import ControlChannel, Listener, PeerClosed
 from disagg.layout import Layout, LayoutMismatch, check_layouts
-from disagg.transfer import Handoff, PoolPayload, TransferError
-from disagg.workers import (ContextWorker, DisaggregatedPair, GenerationWorker,
-                            TransferTimeout)
-from unified_kv import AdmissionError, pages_per_request
+from disagg.sources import ContextWorker
+from disagg.transfer import TransferError, TransferTimeout, move_payload
+from disagg.wire import (assemble, corrupt, hello, layout_from_wire, layout_to_wire, peer_layout,
+                         request_from_wire, request_to_wire, split_shards, start_transfer_server)
+from drafter.kv_io import KVPayload
+from drafter.request import Request, RequestError
+from unified_kv import AdmissionError
 
 log = logging.getLogger("disagg.remote")
-
-
-@dataclasses.dataclass(frozen=True)
-class PairSource:
-    """Which model pair and cache a worker process builds (both sides must agree;
-    the layout handshake says so when they do not)."""
-
-    pair_dir: str | None = None   # target/ and draft/ HF checkpoints; None: the embedded pair
-    num_slots: int = 4
-    max_seq_len: int = 9216
-    kv_memory_mib: int = 1024
-
-    def load(self):
-        """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV)."""
-        from drafter.default import default_step_config, load_default
-        from models.checkpoint import load_dflash, load_qwen3
-        if self.pair_dir is None:
-            params, tcfg, dcfg = load_default()
-        else:
-            tcfg, target = load_qwen3(Path(self.pair_dir) / "target")
-            dcfg, draft = load_dflash(Path(self.pair_dir) / "draft")
-            params = {"target": target, "draft": draft}
-        return params, default_step_config(tcfg, dcfg, num_slots=self.num_slots,
-                                           max_seq_len=self.max_seq_len,
-                                           memory_budget_bytes=self.kv_memory_mib << 20)
-
-    def cli_args(self) -> list[str]:
-        args = ["--num-slots", str(self.num_slots), "--max-seq-len", str(self.max_seq_len),
-                "--kv-memory-mib", str(self.kv_memory_mib)]
-        return args + (["--pair", str(self.pair_dir)] if self.pair_dir else [])
-
-
-# ------------------------------------------------------------------ wire format
-
-def layout_to_wire(layout: Layout) -> dict:
-    return dataclasses.asdict(layout)
-
-
-def layout_from_wire(fields: dict) -> Layout:
-    return Layout(**{**fields, "layers": tuple(tuple(l) for l in fields["layers"])})
-
-
-def hello(role: str, layout: Layout, transfer_address: str) -> dict:
-    return {"op": "hello", "role": role, "layout": layout_to_wire(layout),
-            "transfer_address": transfer_address}
-
-
-def peer_layout(message: dict, role: str) -> Layout:
-    if message.get("op") != "hello" or message.get("role") != role:
-        raise TransferError(f"expected a hello from a {role} worker, got "
-                            f"{ {k: message.get(k) for k in ('op', 'role')} }")
-    return layout_from_wire(message["layout"])
-
-
-def split_shards(buffer: jax.Array) -> tuple[list[jax.Array], list[list[list[int]]]]:
-    """A buffer's distinct shards (a replica once) and the box each covers,
-    [[start, stop] per dim]: pulled as they lie, reassembled on the receiver."""
-    pieces, boxes = [], []
-    for shard in buffer.addressable_shards:
-        box = [list(s.indices(n)[:2]) for s, n in zip(shard.index, buffer.shape)]
-        if box not in boxes:
-            pieces.append(shard.data)
-            boxes.append(box)
-    return pieces, boxes
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _assemble(shape, dtype, boxes, *pieces):
-    out = jnp.zeros(shape, dtype)
-    for box, piece in zip(boxes, pieces):
-        out = out.at[tuple(slice(a, b) for a, b in box)].set(piece)
-    return out
-
-
-def assemble(shape, dtype, boxes, pieces) -> jax.Array:
-    if len(pieces) == 1 and list(pieces[0].shape) == list(shape):
-        return pieces[0]
-    boxes = tuple(tuple(tuple(b) for b in box) for box in boxes)
-    return _assemble(tuple(shape), jnp.dtype(dtype), boxes, *pieces)
-
-
-def corrupt(piece: jax.Array) -> jax.Array:
-    """Fault injection: change one value (to 1 if it was 0, else 0), checksum untouched."""
-    first = (0,) * piece.ndim
-    return piece.at[first].set(jnp.where(piece[first] == 0, 1, 0).astype(piece.dtype))
-
-
-def start_transfer_server(host: str):
-    """A transfer server on `host` with an explicit transport address (DESIGN: Transfers)."""
-    return jax_transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0",
-                                              [f"{host}:0"])
 
 
 # --------------------------------------------------------------- context side
 
 class ContextServer:
-    """Serves one generation peer at a time: handshake, then prefill -> offer -> ack."""
+    """Serves one generation peer at a time: handshake, then a stream of
+    prefill requests answered by handoffs (or refusals) as their prefills end."""
 
     def __init__(self, worker: ContextWorker, *, address: str = "127.0.0.1:0",
                  transfer_host: str = "127.0.0.1", timeout: float = 30.0,
@@ -155,9 +69,14 @@ class ContextServer:
         return self.listener.address
 
     def warm_up(self, num_tokens: int = 64) -> None:
-        """Compile prefill and export by handing off a dummy request to nobody."""
-        self.worker.prefill("warm-up", [0] * num_tokens, 1)
-        self.worker.complete("warm-up")
+        """Compile prefill and export with a request handed to nobody."""
+        engine = self.worker.engine
+        self.worker.submit(engine.make_request("warm-up", [0] * num_tokens, max_new_tokens=1))
+        handoffs = []
+        while not handoffs:
+            handoffs += self.worker.pump()[0]
+        jax.block_until_ready(handoffs[0].payload.buffers)
+        engine.run()
 
     def serve(self, max_connections: int | None = None) -> None:
         """Accept peers until `max_connections` have been served (None: forever)."""
@@ -179,65 +98,89 @@ class ContextServer:
                      self.timeout)
         check_layouts(self.worker.layout, theirs)
         log.info("generation peer %s connected", channel.peer)
-        while True:
-            try:
-                message = channel.recv(self.idle_timeout)
-            except PeerClosed:
-                return  # the peer is done
-            op = message.get("op")
-            if op == "prefill":
-                self.hand_off(channel, message)
-            elif op in ("stats", "close"):
-                channel.send(self.stats(), self.timeout)
-                if op == "close":
-                    return
-            else:
-                raise TransferError(f"unknown control message op={op!r}")
-
-    def hand_off(self, channel: ControlChannel, message: dict) -> None:
-        request_id = message["request_id"]
         try:
-            try:
-                handoff = self.worker.prefill(request_id, message["prompt"],
-                                              message["max_new_tokens"])
-            except (AdmissionError, ValueError) as e:
-                self._note(f"request {request_id!r} refused: {type(e).__name__}: {e}")
-                channel.send({"op": "refused", "request_id": request_id,
-                              "error_type": type(e).__name__, "error": str(e)}, self.timeout)
-                return
-            uuid = secrets.randbits(62)   # single use: a fresh one per handoff
-            pieces, pools = [], []
-            for pool_id, payload in handoff.pools.items():
-                shards, boxes = split_shards(payload.buffer)
-                pieces += shards
-                pools.append({"pool_id": pool_id, "logical_pages": payload.logical_pages.tolist(),
-                              "checksum": payload.checksum, "shape": list(payload.buffer.shape),
-                              "dtype": str(payload.buffer.dtype), "shards": boxes})
-            if request_id in self.corrupt_request_ids:
-                pieces[0] = corrupt(pieces[0])
-            # The offer expires with the ack wait, so a vanished peer leaves nothing behind.
-            expiry = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout)
-            self.transfer.await_pull(uuid, pieces, timeout=expiry)
-            channel.send({"op": "handoff", "request_id": request_id, "prompt": handoff.prompt,
-                          "max_new_tokens": handoff.max_new_tokens,
-                          "first_token": handoff.first_token, "target_len": handoff.target_len,
-                          "draft_ctx_len": handoff.draft_ctx_len, "uuid": uuid, "pools": pools,
-                          "layout": layout_to_wire(handoff.layout)}, self.timeout)
-            reply = channel.recv(self.timeout)
-            if reply.get("op") == "ack" and reply.get("request_id") == request_id:
-                self.num_completed += 1
-            else:
-                self._note(f"request {request_id!r} aborted by the generation worker: "
-                           f"{reply.get('error')}")
-        except TransferError as e:
-            self._note(f"request {request_id!r}: {type(e).__name__}: {e}")
-            raise  # the channel is unusable: drop the peer
+            while True:
+                busy = self.worker.busy
+                if channel.poll(0.0 if busy else self.idle_timeout):
+                    try:
+                        message = channel.recv(self.timeout)
+                    except PeerClosed:
+                        return  # the peer is done
+                    if not self._handle(channel, message):
+                        return
+                elif not busy:
+                    self._note(f"peer {channel.peer}: no request within "
+                               f"{self.idle_timeout:.0f}s; dropped")
+                    return
+                if self.worker.busy:
+                    handoffs, failed = self.worker.pump()
+                    for result in failed:
+                        self._refuse(channel, result.request_id, TransferError(result.error))
+                    for handoff in handoffs:
+                        self._offer(channel, handoff)
         finally:
-            self.worker.complete(request_id)  # pages freed on ack, abort, timeout, error
+            self._drop_requests(channel.peer)
+
+    def _handle(self, channel: ControlChannel, message: dict) -> bool:
+        """Act on one message; False when the peer said goodbye."""
+        op = message.get("op")
+        if op == "prefill":
+            engine = self.worker.engine
+            try:
+                self.worker.submit(request_from_wire(
+                    message, vocab_size=engine.cfg.target.vocab_size,
+                    reserved_ids=engine.reserved_ids))
+            except (RequestError, AdmissionError, TypeError) as e:
+                self._refuse(channel, str(message.get("request_id")), e)
+            return True
+        if op in ("stats", "close"):
+            channel.send(self.stats(), self.timeout)
+            return op != "close"
+        raise TransferError(f"unknown control message op={op!r}")
+
+    def _refuse(self, channel: ControlChannel, request_id: str, error: BaseException) -> None:
+        self._note(f"request {request_id!r} refused: {type(error).__name__}: {error}")
+        channel.send({"op": "refused", "request_id": request_id,
+                      "error_type": type(error).__name__, "error": str(error)}, self.timeout)
+
+    def _offer(self, channel: ControlChannel, handoff) -> None:
+        payload, request_id = handoff.payload, handoff.request_id
+        sums, first = jax.device_get((payload.checksums, payload.first_token))
+        uuid = secrets.randbits(62)   # single use: a fresh one per handoff
+        pieces, pools = [], []
+        for k, pool_id in enumerate(payload.pool_ids):
+            shards, boxes = split_shards(payload.buffers[k])
+            pieces += shards
+            pools.append({"pool_id": pool_id,
+                          "logical_pages": payload.logical_pages[k].tolist(),
+                          "checksum": int(sums[k]), "shape": list(payload.buffers[k].shape),
+                          "dtype": str(payload.buffers[k].dtype), "shards": boxes})
+        if request_id in self.corrupt_request_ids:
+            pieces[0] = corrupt(pieces[0])
+        # The offer expires, so a vanished peer leaves nothing behind.
+        expiry = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout)
+        self.transfer.await_pull(uuid, pieces, timeout=expiry)
+        channel.send({"op": "handoff", "request_id": request_id,
+                      "target_len": payload.target_len, "draft_ctx_len": payload.draft_ctx_len,
+                      "first_token": int(first), "mode": payload.mode, "uuid": uuid,
+                      "pools": pools, "layout": layout_to_wire(handoff.layout)}, self.timeout)
+        self.num_completed += 1
+
+    def _drop_requests(self, peer: str) -> None:
+        """The peer is gone: end whatever it asked for, and free the pages."""
+        engine = self.worker.engine
+        dropped = list(engine.scheduler.active) + [s.request_id for s in engine.scheduler.waiting]
+        for request_id in dropped:
+            engine.cancel(request_id)
+            self._note(f"request {request_id!r}: peer {peer} left before its handoff")
+        engine.run()
+        engine.take_exports()
 
     def stats(self) -> dict:
         engine = self.worker.engine
-        return {"op": "stats", "num_held": self.worker.num_held,
+        if not engine.num_active:
+            engine.run()  # let pending slot resets land
+        return {"op": "stats", "num_active": engine.num_active,
                 "free_pages": np.asarray(engine.state.kv.num_free).tolist(),
                 "usable_pages": [p.num_usable_pages for p in engine.spec.pools],
                 "reserved_pages": list(engine.admission.reserved_pages),
@@ -250,44 +193,143 @@ class ContextServer:
 
 # ------------------------------------------------------------ generation side
 
-class RemoteContext:
-    """The generation process's handle on a context worker process."""
+class RemoteSource:
+    """A generation engine's KV source: a context worker in another process.
 
-    def __init__(self, address: str, layout: Layout, *, pull_device=None,
+    Args:
+      address: the context server's control address.
+      layout: this generation worker's layout (checked at every handshake).
+      mesh: the generation engine's mesh; KV is pulled onto its first device
+        and resharded onto it.
+      timeout: seconds any single wait (connect, send, a pull) may take.
+    """
+
+    def __init__(self, address: str, layout: Layout, *, mesh=None,
                  transfer_host: str = "127.0.0.1", timeout: float = 30.0):
-        self.address, self.layout, self.timeout = address, layout, timeout
-        self.pull_device = pull_device or jax.devices()[0]
+        self.address, self.layout, self.mesh, self.timeout = address, layout, mesh, timeout
+        self.pull_device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         self.transfer = start_transfer_server(transfer_host)
-        self.channel = ControlChannel.connect(address, timeout)
+        self.bytes_pulled, self.pull_seconds = 0, 0.0
+        self._arrivals: queue.Queue = queue.Queue()
+        self._replies: queue.Queue = queue.Queue()
+        self._outstanding: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.channel = None
+        self._connect()
+        self._reader = threading.Thread(target=self._read_loop, name="remote-source",
+                                        daemon=True)
+        self._reader.start()
+
+    def _connect(self) -> None:
+        channel = ControlChannel.connect(self.address, self.timeout)
         try:
-            self.channel.send(hello("generation", layout, self.transfer.address()), timeout)
-            reply = self.channel.recv(timeout)
-            check_layouts(peer_layout(reply, "context"), layout)
+            channel.send(hello("generation", self.layout, self.transfer.address()),
+                         self.timeout)
+            reply = channel.recv(self.timeout)
+            check_layouts(peer_layout(reply, "context"), self.layout)
         except BaseException:
-            self.channel.close()
+            channel.close()
             raise
         self.peer_transfer_address = reply["transfer_address"]
         self._pulls = self.transfer.connect(self.peer_transfer_address)
-        self.bytes_pulled, self.pull_seconds = 0, 0.0
+        self.channel = channel
 
-    def prefill(self, request_id: str, prompt, max_new_tokens: int) -> dict:
-        """Ask the context worker to prefill; returns its handoff message."""
-        self.channel.send({"op": "prefill", "request_id": request_id,
-                           "prompt": [int(t) for t in prompt],
-                           "max_new_tokens": int(max_new_tokens)}, self.timeout)
-        reply = self.channel.recv(self.timeout)
-        if reply.get("op") == "refused":
-            error = AdmissionError if reply["error_type"] == "AdmissionError" else TransferError
-            raise error(f"context worker refused request {request_id!r}: {reply['error']}")
-        if reply.get("op") != "handoff" or reply.get("request_id") != request_id:
-            self.channel.close()
-            raise TransferError(f"expected the handoff of {request_id!r}, got "
-                                f"op={reply.get('op')!r} for {reply.get('request_id')!r}")
-        return reply
+    # ------------------------------------------------------------ KVSource
 
-    def pull(self, message: dict, *, submitted: float) -> Handoff:
-        """Pull a handoff's KV shards onto `pull_device` and rebuild the Handoff."""
+    def fetch(self, request: Request) -> None:
+        try:
+            if self.channel is None or self.channel.broken:
+                self._connect()  # the peer may have restarted
+            with self._lock:
+                self._outstanding.add(request.request_id)
+            self.channel.send({"op": "prefill", **request_to_wire(request)}, self.timeout)
+        except (TransferError, LayoutMismatch) as e:
+            self._fail(request.request_id, e)
+
+    def poll(self, timeout: float) -> list:
+        out = []
+        try:
+            out.append(self._arrivals.get(timeout=timeout) if timeout > 0
+                       else self._arrivals.get_nowait())
+            while True:
+                out.append(self._arrivals.get_nowait())
+        except queue.Empty:
+            return out
+
+    # ------------------------------------------------------------ control
+
+    def stats(self) -> dict:
+        """The context worker's page counts and failures."""
+        self.channel.send({"op": "stats"}, self.timeout)
+        return self._reply()
+
+    def close(self) -> dict | None:
+        """Say goodbye; returns the context worker's final stats (None if gone)."""
+        try:
+            if self.channel is not None and not self.channel.broken:
+                self.channel.send({"op": "close"}, self.timeout)
+                return self._reply()
+        except TransferError:
+            return None
+        finally:
+            self._stop.set()
+            self._reader.join(self.timeout)
+            if self.channel is not None:
+                self.channel.close()
+
+    def _reply(self) -> dict:
+        try:
+            return self._replies.get(timeout=self.timeout)
+        except queue.Empty:
+            raise TransferTimeout(f"no reply from the context worker at {self.address} "
+                                  f"within {self.timeout:.1f}s") from None
+
+    # ------------------------------------------------------------ reader
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            self._outstanding.discard(request_id)
+        self._arrivals.put((request_id, error))
+
+    def _read_loop(self) -> None:
+        while not self._stop.is_set():
+            channel = self.channel
+            try:
+                if channel is None or channel.broken or not channel.poll(0.05):
+                    time.sleep(0.01 if channel is None or channel.broken else 0)
+                    continue
+                message = channel.recv(self.timeout)
+            except TransferError as e:
+                with self._lock:
+                    lost, self._outstanding = self._outstanding, set()
+                for request_id in lost:
+                    self._arrivals.put((request_id, PeerClosed(
+                        f"the context worker at {self.address} was lost: {e}")))
+                continue
+            op, request_id = message.get("op"), message.get("request_id")
+            if op == "handoff":
+                try:
+                    payload = self._pull(message)
+                except TransferError as e:
+                    self._fail(request_id, e)
+                    continue
+                with self._lock:
+                    self._outstanding.discard(request_id)
+                self._arrivals.put((request_id, payload))
+            elif op == "refused":
+                error = {"AdmissionError": AdmissionError,
+                         "RequestError": RequestError}.get(message.get("error_type"),
+                                                           TransferError)
+                self._fail(request_id, error(f"the context worker refused request "
+                                             f"{request_id!r}: {message.get('error')}"))
+            elif op == "stats":
+                self._replies.put(message)
+
+    def _pull(self, message: dict) -> KVPayload:
+        """Pull a handoff's KV shards onto `pull_device`, then onto the mesh."""
         request_id = message["request_id"]
+        check_layouts(layout_from_wire(message["layout"]), self.layout)
         local = jax.sharding.SingleDeviceSharding(self.pull_device)
         avals = [jax.ShapeDtypeStruct([b - a for a, b in box], jnp.dtype(pool["dtype"]),
                                       sharding=local)
@@ -297,17 +339,20 @@ class RemoteContext:
         self._await(pieces, request_id)
         self.pull_seconds += time.perf_counter() - start
         self.bytes_pulled += sum(p.nbytes for p in pieces)
-        pools = {}
+        buffers = []
         for pool in message["pools"]:
             mine, pieces = pieces[:len(pool["shards"])], pieces[len(pool["shards"]):]
-            pools[pool["pool_id"]] = PoolPayload(
-                np.asarray(pool["logical_pages"], np.int32),
-                assemble(pool["shape"], pool["dtype"], pool["shards"], mine), pool["checksum"])
-        return Handoff(request_id=request_id, prompt=message["prompt"],
-                       max_new_tokens=message["max_new_tokens"],
-                       first_token=message["first_token"], target_len=message["target_len"],
-                       draft_ctx_len=message["draft_ctx_len"], pools=pools,
-                       layout=layout_from_wire(message["layout"]), submitted=submitted)
+            buffers.append(assemble(pool["shape"], pool["dtype"], pool["shards"], mine))
+        payload = KVPayload(
+            target_len=message["target_len"], draft_ctx_len=message["draft_ctx_len"],
+            first_token=np.int32(message["first_token"]),
+            pool_ids=tuple(p["pool_id"] for p in message["pools"]),
+            logical_pages=tuple(np.asarray(p["logical_pages"], np.int32)
+                                for p in message["pools"]),
+            buffers=tuple(buffers),
+            checksums=np.asarray([p["checksum"] for p in message["pools"]], np.uint32),
+            mode=message["mode"])
+        return move_payload(payload, self.mesh)
 
     def _await(self, pieces, request_id: str) -> None:
         # The pull's own `timeout` argument is not honoured on CPU in jax 0.11.2 (a pull of
@@ -335,64 +380,3 @@ class RemoteContext:
         if poison is not None:
             poison()
         self._pulls = self.transfer.connect(self.peer_transfer_address)
-
-    def finish(self, request_id: str, error: BaseException | None = None) -> None:
-        """Ack a received handoff, or abort it: either way the context frees its pages.
-        Best effort: a context that cannot hear it times out (or sees EOF) and frees
-        them itself, and an unheard ack loses nothing here (the KV has arrived)."""
-        message = {"op": "ack" if error is None else "abort", "request_id": request_id,
-                   "error": None if error is None else f"{type(error).__name__}: {error}"}
-        try:
-            self.channel.send(message, self.timeout)
-        except TransferError as e:
-            log.warning("request %r: could not %s to the context worker: %s",
-                        request_id, message["op"], e)
-
-    def stats(self) -> dict:
-        """The context worker's page counts and failures."""
-        self.channel.send({"op": "stats"}, self.timeout)
-        return self.channel.recv(self.timeout)
-
-    def close(self) -> dict:
-        """Say goodbye; returns the context worker's final stats."""
-        try:
-            self.channel.send({"op": "close"}, self.timeout)
-            return self.channel.recv(self.timeout)
-        finally:
-            self.channel.close()
-
-
-def check_room(engine, request_id: str, prompt, max_new_tokens: int) -> None:
-    """AdmissionError now (ValueError for a bad prompt) rather than after the context
-    worker has prefilled a request this worker cannot admit yet."""
-    prompt = engine.validate_prompt(prompt, max_new_tokens)
-    admission = engine.admission
-    if admission.num_free_slots == 0:
-        raise AdmissionError(f"request {request_id!r}: all {engine.spec.num_slots} "
-                             f"generation slots are busy")
-    need = pages_per_request(engine.spec, len(prompt) + max_new_tokens + engine.cfg.block_size)
-    for pool, n, held in zip(engine.spec.pools, need, admission.reserved_pages):
-        if held + n > pool.num_usable_pages:
-            raise AdmissionError(f"request {request_id!r}: generation pool {pool.pool_id} "
-                                 f"has {pool.num_usable_pages - held} unreserved pages, needs {n}")
-
-
-class RemotePair(DisaggregatedPair):
-    """DisaggregatedPair's serving loop with the context worker in another process."""
-
-    def __init__(self, remote: RemoteContext, generation: GenerationWorker):
-        # No in-process ContextWorker: the handshake already ran in RemoteContext.
-        check_layouts(remote.layout, generation.layout)
-        self.remote, self.generation, self.context = remote, generation, None
-        self.timeout = remote.timeout
-
-    def transfer_one(self, request_id: str, prompt, max_new_tokens: int) -> None:
-        check_room(self.generation.engine, request_id, prompt, max_new_tokens)
-        submitted = time.perf_counter()
-        message = self.remote.prefill(request_id, prompt, max_new_tokens)
-        try:
-            self.generation.receive(self.remote.pull(message, submitted=submitted))
-        except BaseException as e:
-            self.remote.finish(request_id, error=e)
-            raise
-        self.remote.finish(request_id)

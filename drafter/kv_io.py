@@ -113,7 +113,9 @@ def export_step(state: SpecState, slot, logical_pages, *, pool_ids: tuple[int, .
 
 def _pages_match(row, logical, num_pages: int):
     """The receiver's valid entries are exactly the sender's logical pages."""
-    sent = jnp.zeros((num_pages,), bool).at[logical].set(True, mode="drop")
+    # BAD (-1) pads would wrap to the last entry: send them out of range instead.
+    sent = jnp.zeros((num_pages,), bool).at[jnp.where(logical >= 0, logical, num_pages)].set(
+        True, mode="drop")
     return jnp.all((row != BAD_PAGE_INDEX) == sent)
 
 

@@ -18,12 +18,45 @@ def test_demo_writes_the_table(tmp_path, capsys):
     assert "disagg-shared" in capsys.readouterr().out
 
 
-def test_serve_answers_json_lines_and_reports_bad_ones(monkeypatch, capsys):
-    lines = [json.dumps({"id": "a", "prompt": "def add(a, b):\n    return", "max_new_tokens": 6}),
-             "not json", json.dumps({"id": "c", "prompt": "", "max_new_tokens": 3})]
-    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
-    main(["serve"])
-    out = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()[-3:]]
-    assert out[0]["id"] == "a" and len(out[0]["text"]) > 0
-    assert "error" in out[1]
-    assert out[2]["acceptance_length"] > 0  # BOS alone is a valid prompt
+BAD_LINES = [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'"text"', "must be a JSON object"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b'{"id": "n", "prompt": "x", "max_new_tokens": null}', "max_new_tokens"),
+    (b'{"id": "s", "prompt": "x", "max_new_tokens": "3"}', "max_new_tokens"),
+    (b'{"id": "f", "prompt": "x", "max_new_tokens": 2.9}', "max_new_tokens"),
+    (b'{"id": "b", "prompt": "x", "max_new_tokens": true}', "max_new_tokens"),
+    (b'{"id": "i", "prompt": 7}', "must be a string"),
+    (b'{"id": "t", "tokens": [[1, 2]]}', "non-integer"),
+    (b'{"id": "e", "prompt": ""}', "empty prompt"),
+    (b'{"id": "z", "tokens": []}', "empty prompt"),
+    (b'{"id": "u", "prompt": "x", "colour": "red"}', "unknown fields"),
+    (b'{"id": "m", "tokens": [1, 258]}', "reserved"),
+]
+
+
+class Stdin:
+    def __init__(self, data: bytes):
+        self.buffer = io.BytesIO(data)
+
+
+def test_serve_batches_the_stream_and_answers_every_line_once(monkeypatch, capsys):
+    good = [{"id": f"g{i}", "prompt": f"def f{i}(a, b):\n    return", "max_new_tokens": 6}
+            for i in range(5)]
+    lines = [json.dumps(g).encode() for g in good[:3]] + [l for l, _ in BAD_LINES] + \
+        [json.dumps(g).encode() for g in good[3:]] + [b'{"prompt": "no id", "max_new_tokens": 2}']
+    monkeypatch.setattr(sys, "stdin", Stdin(b"\n".join(lines) + b"\n"))
+    main(["serve", "--draft-kv", "shared"])
+    out = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()
+           if l.startswith("{")]
+    by_id = {o["id"]: o for o in out}
+    assert len(out) == len(lines) == len(by_id)  # one answer per line, none lost
+    for g in good:
+        assert by_id[g["id"]]["finish_reason"] == "length" and by_id[g["id"]]["text"]
+    assert len(by_id[f"line-{len(lines)}"]["tokens"]) == 2
+    errors = [o for o in out if "error" in o]
+    assert len(errors) == len(BAD_LINES)
+    for line_no, (raw, match) in enumerate(BAD_LINES, 4):
+        rid = json.loads(raw)["id"] if raw.startswith(b'{"id"') else f"line-{line_no}"
+        assert match in by_id[rid]["error"], (rid, by_id[rid])

@@ -1,4 +1,5 @@
-"""Disaggregated serving: identical to aggregated in shared mode, loud on every failure."""
+"""Disaggregated serving in one process: identical to aggregated in shared mode,
+loud and contained on every failure, pages conserved on both sides."""
 
 import dataclasses
 import time
@@ -8,9 +9,8 @@ import numpy as np
 import pytest
 
 from disagg.layout import Layout, LayoutMismatch, check_layouts
-from disagg.transfer import MOVE_PATHS, TransferError
-from disagg.workers import (Channel, ContextWorker, DisaggregatedPair, GenerationWorker,
-                            TransferTimeout, connect)
+from disagg.sources import ContextWorker, InProcessSource, disaggregated_engine
+from disagg.transfer import MOVE_PATHS
 from drafter.engine import Engine
 from tests.drafter.test_context import PAIR, periodic_prompts
 from tests.drafter.tiny import tiny_pair
@@ -23,12 +23,33 @@ def meshes():
     return (jax.sharding.Mesh(devices[:2], ("tp",)), jax.sharding.Mesh(devices[2:4], ("tp",)))
 
 
-def free_pages(worker):
-    return np.asarray(worker.engine.state.kv.num_free).tolist()
+def assert_all_free(engine):
+    spec = engine.spec
+    assert np.asarray(engine.state.kv.num_free).tolist() == [p.num_usable_pages
+                                                             for p in spec.pools]
+    assert engine.admission.reserved_pages == (0,) * len(spec.pools)
+    assert engine.num_active == 0 and not np.asarray(engine.state.running).any()
 
 
-def all_free(worker):
-    return [p.num_usable_pages for p in worker.engine.spec.pools]
+def assert_pair_free(engine):
+    assert_all_free(engine)
+    for ctx in engine.kv_source.contexts:
+        ctx.engine.run()
+        assert_all_free(ctx.engine)
+
+
+class Tampered:
+    """A KV source whose arrivals pass through `change(request_id, item)` (a bad wire)."""
+
+    def __init__(self, inner, change):
+        self.inner, self.change = inner, change
+        self.contexts = inner.contexts
+
+    def fetch(self, request):
+        self.inner.fetch(request)
+
+    def poll(self, timeout):
+        return [(rid, self.change(rid, item)) for rid, item in self.inner.poll(timeout)]
 
 
 @pytest.mark.parametrize("path", MOVE_PATHS)
@@ -41,19 +62,19 @@ def test_shared_mode_equals_aggregated_token_for_token_and_step_for_step(path):
     prompts = [rng.integers(0, 63, n).tolist() for n in (5, 17, 33, 40, 9)]  # > draft window 16
     agg = Engine(params, cfg).generate(prompts, 16)
     mesh_a, mesh_b = meshes()
-    pair = DisaggregatedPair(ContextWorker(params, cfg, mesh=mesh_a),
-                             GenerationWorker(params, cfg, mesh=mesh_b, move_path=path))
-    dis = pair.generate(prompts, 16)
+    engine = disaggregated_engine(params, cfg, context_meshes=(mesh_a,), mesh=mesh_b,
+                                  move_path=path)
+    dis = engine.generate(prompts, 16, arrival_steps=[0, 0, 1, 4, 6])
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
-    assert pair.generation.bytes_received > 0
-    assert pair.context.num_held == 0 and free_pages(pair.context) == all_free(pair.context)
-    assert free_pages(pair.generation) == all_free(pair.generation)
+    assert engine.bytes_imported > 0
+    assert_pair_free(engine)
 
 
 def test_private_mode_loses_acceptance_not_output():
-    from models.checkpoint import load_dflash, load_qwen3
+    from drafter.checkpoint import load_dflash
     from drafter.steps import StepConfig
+    from models.checkpoint import load_qwen3
     from unified_kv import CacheSpec
     tcfg, target = load_qwen3(PAIR / "target")
     dcfg, draft = load_dflash(PAIR / "draft")
@@ -61,11 +82,8 @@ def test_private_mode_loses_acceptance_not_output():
                      1 << 26, 8)
     cfg, params = StepConfig(tcfg, spec, dcfg, "reference"), {"target": target, "draft": draft}
     prompts = periodic_prompts(n=4)
-    runs = {}
-    for mode in ("shared", "private"):
-        pair = DisaggregatedPair(ContextWorker(params, cfg, mode=mode),
-                                 GenerationWorker(params, cfg, mode=mode))
-        runs[mode] = pair.generate(prompts, 32)
+    runs = {mode: disaggregated_engine(params, cfg, mode=mode).generate(prompts, 32)
+            for mode in ("shared", "private")}
     al = {m: np.mean([a for r in rs for a in r.acceptance]) for m, rs in runs.items()}
     assert [r.tokens for r in runs["shared"]] == [r.tokens for r in runs["private"]]
     assert al["private"] < al["shared"] - 0.5, al
@@ -101,55 +119,112 @@ def test_layout_gate_fails_fast_naming_both_sides(change, match):
     assert time.monotonic() - start < 1.0
 
 
-def test_connect_refuses_mismatched_workers():
+def test_a_mismatched_pair_is_refused_when_built():
     params, cfg, _ = tiny_pair(num_slots=2)
+    context = ContextWorker(params, cfg, mode="shared")
+    start = time.monotonic()
     with pytest.raises(LayoutMismatch, match="mode"):
-        connect(ContextWorker(params, cfg, mode="shared"),
-                GenerationWorker(params, cfg, mode="private"))
+        InProcessSource([context], layout=Layout.of(cfg.spec, "private"))
+    assert time.monotonic() - start < 1.0
 
 
 @pytest.mark.parametrize("which", [0, -1])
-def test_corrupted_buffer_is_caught_and_pages_freed_on_both_sides(which):
-    """Any pool's corruption (the last one too: every pool is verified before
-    any is scattered into the receiver's cache) fails the request, nothing else."""
+def test_a_corrupted_buffer_fails_that_request_alone(which):
+    """Any pool's corruption (the last one too) fails its request inside the
+    import step; the others are served exactly, and no page leaks anywhere."""
     params, cfg, _ = tiny_pair(num_slots=2)
-    ctx, gen = ContextWorker(params, cfg), GenerationWorker(params, cfg)
-    handoff = ctx.prefill("r0", list(range(1, 30)), 8)
-    pool_id = list(handoff.pools)[which]
-    buf = handoff.pools[pool_id].buffer
-    handoff.pools[pool_id].buffer = buf.at[0, 0, 0, 0, 0, 0].add(1.0)  # one value off
-    with pytest.raises(TransferError, match="checksum .* corrupted in transit"):
-        gen.receive(handoff)
-    ctx.complete("r0")
-    assert free_pages(gen) == all_free(gen)
-    assert gen.engine.admission.reserved_pages == (0,) * len(gen.engine.spec.pools)
-    assert free_pages(ctx) == all_free(ctx) and ctx.num_held == 0
-    assert not any(pool.is_deleted() for pool in gen.engine.state.kv.pools)
+    prompts = [list(range(1, 30)), list(range(3, 20)), list(range(5, 14))]
+    agg = Engine(params, cfg).generate(prompts, 8)
+    engine = disaggregated_engine(params, cfg)
+    victim = {}
+
+    def corrupt(request_id, payload):
+        if not victim:
+            victim["id"] = request_id
+            bufs = list(payload.buffers)
+            bufs[which] = bufs[which].at[0, 0, 0, 0, 0, 0].add(1.0)  # one value off
+            payload = dataclasses.replace(payload, buffers=tuple(bufs))
+        return payload
+
+    engine.kv_source = Tampered(engine.kv_source, corrupt)
+    requests = [engine.make_request(f"r{i}", p, max_new_tokens=8) for i, p in enumerate(prompts)]
+    for r in requests:
+        engine.submit(r)
+    results = {r.request_id: r for r in engine.run()}
+    bad = results.pop(victim["id"])
+    assert bad.finish_reason == "error" and "checksum" in bad.error and victim["id"] in bad.error
+    for i, r in enumerate(requests):
+        if r.request_id in results:
+            assert results[r.request_id].tokens == agg[i].tokens
+    assert_pair_free(engine)
 
 
-def test_silent_peer_times_out_and_context_pages_are_freed():
+def test_a_lost_request_times_out_alone_and_frees_its_pages():
     params, cfg, _ = tiny_pair(num_slots=2)
-    ctx, gen = ContextWorker(params, cfg), GenerationWorker(params, cfg)
-    pair = DisaggregatedPair(ctx, gen, timeout=0.2)
-    pair.channel.send = lambda item: None  # the wire drops everything: a dead peer
-    ctx.prefill("warm", [1, 2, 3, 4, 5], 4)  # compile outside the timed wait
-    ctx.complete("warm")
+    engine = disaggregated_engine(params, cfg, kv_timeout_s=0.5)
+    engine.generate([[1, 2, 3, 4, 5]], 4)  # compile outside the timed wait
+    engine.kv_source = Tampered(engine.kv_source, lambda rid, item: item)
+    real_poll = engine.kv_source.poll
+    engine.kv_source.poll = lambda t: [x for x in real_poll(t) if x[0] != "lost"]
+    engine.submit(engine.make_request("lost", [1, 2, 3, 4, 5], max_new_tokens=4))
+    engine.submit(engine.make_request("kept", [6, 7, 8, 9], max_new_tokens=4))
     start = time.monotonic()
-    with pytest.raises(TransferTimeout, match="within 0.2s"):
-        pair.transfer_one("r0", [1, 2, 3, 4, 5], 4)
-    assert time.monotonic() - start < 1.0
-    assert ctx.num_held == 0 and free_pages(ctx) == all_free(ctx)
-    assert free_pages(gen) == all_free(gen)
+    results = {r.request_id: r for r in engine.run()}
+    assert time.monotonic() - start < 5.0
+    assert results["kept"].ok and len(results["kept"].tokens) == 4
+    assert not results["lost"].ok and "did not arrive within 0.5s" in results["lost"].error
+    assert_pair_free(engine)
 
 
-def test_channel_recv_times_out():
-    with pytest.raises(TransferTimeout):
-        Channel().recv(timeout=0.05)
+def test_decode_steps_keep_running_while_a_transfer_is_pending():
+    """A slow transport: one request's KV is held back for many steps; the
+    running request keeps decoding meanwhile and both equal aggregated."""
+    params, cfg, _ = tiny_pair(num_slots=2)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 10, 11, 12, 13]]
+    agg = Engine(params, cfg).generate(prompts, 20)
+    engine = disaggregated_engine(params, cfg)
+    held, steps_while_held = [], []
+
+    def slow(request_id, item):
+        if request_id == "slow":
+            held.append(item)
+        return item
+
+    engine.kv_source = Tampered(engine.kv_source, slow)
+    real_poll = engine.kv_source.poll
+
+    def poll(timeout):
+        got = [x for x in real_poll(timeout) if x[0] != "slow"]
+        if held and len(steps_while_held) < 12:
+            steps_while_held.append(engine.scheduler.active["fast"].tokens[:])
+        elif held:
+            got.append(("slow", held.pop()))
+        return got
+
+    engine.kv_source.poll = poll
+    engine.submit(engine.make_request("fast", prompts[0], max_new_tokens=20))
+    engine.submit(engine.make_request("slow", prompts[1], max_new_tokens=20))
+    results = {r.request_id: r for r in engine.run()}
+    assert len(steps_while_held) == 12
+    grew = [len(t) for t in steps_while_held]
+    assert grew[-1] > grew[0], grew  # decode steps ran while the KV was in flight
+    assert results["fast"].tokens == agg[0].tokens and results["slow"].tokens == agg[1].tokens
+    assert_pair_free(engine)
+
+
+def test_room_is_checked_on_the_generation_side_before_any_prefill():
+    """6 prompts into 2 generation slots cost exactly 6 prefills."""
+    params, cfg, _ = tiny_pair(num_slots=2)
+    engine = disaggregated_engine(params, cfg)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(6)]
+    engine.generate(prompts, 6)
+    assert engine.kv_source.contexts[0].num_prefilled == 6
+    assert_pair_free(engine)
 
 
 @pytest.mark.parametrize("gen_tp", [2, 1])
 def test_context_tp4_into_generation_tp2_and_tp1(gen_tp):
-    """kv heads split 4 ways on the context side are resharded (fan-in) on receipt."""
+    """kv heads split 4 ways on the context side are resharded on receipt."""
     devices = np.array(jax.devices())
     if len(devices) < 4:
         pytest.skip("needs 4 (host) devices")
@@ -159,13 +234,12 @@ def test_context_tp4_into_generation_tp2_and_tp1(gen_tp):
     agg = Engine(params, cfg).generate(prompts, 12)
     ctx_mesh = jax.sharding.Mesh(devices[:4], ("tp",))
     gen_mesh = jax.sharding.Mesh(devices[4 - gen_tp:], ("tp",))
-    pair = DisaggregatedPair(ContextWorker(params, cfg, mesh=ctx_mesh),
-                             GenerationWorker(params, cfg, mesh=gen_mesh))
-    assert len(pair.context.engine.state.kv.pools[0].sharding.device_set) == 4
-    dis = pair.generate(prompts, 12)
-    assert len(pair.generation.engine.state.kv.pools[0].sharding.device_set) == gen_tp
+    engine = disaggregated_engine(params, cfg, context_meshes=(ctx_mesh,), mesh=gen_mesh)
+    dis = engine.generate(prompts, 12)
+    assert len(engine.state.kv.pools[0].sharding.device_set) == gen_tp
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
+    assert_pair_free(engine)
 
 
 def test_long_prompt_into_windowed_pools_takes_only_the_window_tail():
@@ -177,9 +251,8 @@ def test_long_prompt_into_windowed_pools_takes_only_the_window_tail():
     assert windowed and all(p.num_usable_pages < -(-len(prompt) // cfg.spec.page_size)
                             for p in windowed)
     agg = Engine(params, cfg).generate([prompt], 8)
-    pair = DisaggregatedPair(ContextWorker(params, cfg), GenerationWorker(params, cfg))
-    dis = pair.generate([prompt], 8)
+    engine = disaggregated_engine(params, cfg)
+    dis = engine.generate([prompt], 8)
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
-    assert free_pages(pair.generation) == all_free(pair.generation)
-    assert pair.context.num_held == 0 and free_pages(pair.context) == all_free(pair.context)
+    assert_pair_free(engine)

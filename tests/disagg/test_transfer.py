@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from disagg.transfer import (MOVE_PATHS, Handoff, MovePathUnavailable, PoolPayload, TransferError,
-                             _bucket, assemble_heads, checksum, move_buffer,
-                             pinned_host_sharding, split_heads)
+from disagg.transfer import (MOVE_PATHS, Handoff, MovePathUnavailable, TransferError,
+                             assemble_heads, move_buffer, pinned_host_sharding, split_heads)
+from drafter.kv_io import KVPayload, checksum, page_bucket as _bucket
+from drafter.request import Request
 
 
 def kv_buffer(heads=4, pages=3, dtype=jnp.bfloat16, seed=0):
@@ -77,9 +78,10 @@ def test_unknown_move_path_is_named():
 
 def handoff_of(buf):
     pages = np.arange(buf.shape[1], dtype=np.int32)
-    return Handoff(request_id="r0", prompt=[1, 2], max_new_tokens=4, first_token=3,
-                   target_len=2, draft_ctx_len=2, layout=None,
-                   pools={0: PoolPayload(pages, buf, int(checksum(buf)))})
+    payload = KVPayload(target_len=2, draft_ctx_len=2, first_token=np.int32(3), pool_ids=(0,),
+                        logical_pages=(pages,), buffers=(buf,),
+                        checksums=np.asarray([checksum(buf)], np.uint32), mode="shared")
+    return Handoff(Request("r0", (1, 2)), payload, layout=None)
 
 
 def tp_buffer(tp):
@@ -94,12 +96,14 @@ def test_split_then_assemble_gives_back_the_buffer_and_its_checksum():
     buf = tp_buffer(4)
     whole = handoff_of(buf)
     slices = split_heads(whole)
-    assert [s.pools[0].heads for s in slices] == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert all(len(s.pools[0].buffer.devices()) == 1 for s in slices)
+    assert [s.heads[0] for s in slices] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert all(len(s.payload.buffers[0].devices()) == 1 for s in slices)
     joined = assemble_heads(slices[::-1], jax.devices()[3])  # any arrival order
-    assert joined.num_slices == 1 and joined.pools[0].checksum == whole.pools[0].checksum
-    assert joined.pools[0].buffer.devices() == {jax.devices()[3]}
-    np.testing.assert_array_equal(np.asarray(joined.pools[0].buffer, np.float32),
+    assert joined.num_slices == 1
+    assert np.asarray(joined.payload.checksums).tolist() == \
+        np.asarray(whole.payload.checksums).tolist()
+    assert joined.payload.buffers[0].devices() == {jax.devices()[3]}
+    np.testing.assert_array_equal(np.asarray(joined.payload.buffers[0], np.float32),
                                   np.asarray(buf, np.float32))
 
 
@@ -109,15 +113,15 @@ def test_assemble_names_a_missing_or_repeated_slice():
         assemble_heads(slices[:1], jax.devices()[0])
     with pytest.raises(TransferError, match=r"head slices \[1, 1\] arrived"):
         assemble_heads([slices[1], slices[1]], jax.devices()[0])
-    bad = dataclasses.replace(slices[1], pools={0: dataclasses.replace(
-        slices[1].pools[0], heads=(0, 1))})
+    bad = dataclasses.replace(slices[1], heads=((0, 1),))
     with pytest.raises(TransferError, match="kv heads 1..-1 are missing or repeated"):
         assemble_heads([slices[0], bad], jax.devices()[0])
 
 
 def test_a_corrupted_slice_fails_the_joined_checksum():
     slices = split_heads(handoff_of(tp_buffer(2)))
-    part = slices[1].pools[0]
-    part.buffer = part.buffer.at[0, 0, 0, 0, 0, 0].add(1.0)
+    buf = slices[1].payload.buffers[0]
+    slices[1] = dataclasses.replace(slices[1], payload=dataclasses.replace(
+        slices[1].payload, buffers=(buf.at[0, 0, 0, 0, 0, 0].add(1.0),)))
     joined = assemble_heads(slices, jax.devices()[0])
-    assert int(checksum(joined.pools[0].buffer)) != joined.pools[0].checksum
+    assert int(checksum(joined.payload.buffers[0])) != int(joined.payload.checksums[0])

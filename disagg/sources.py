@@ -1,0 +1,207 @@
+"""KV sources in one process: context workers on their own meshes feeding a generation engine.
+
+    generation Engine ──fetch(request)──> InProcessSource ──> ContextWorker k (own mesh)
+      (admitted: room reserved        │                         export Engine: chunked,
+       before any prefill)            │                         batched prefill, export_step
+                                      │                                │ Handoff
+      import_step <──poll()── arrivals <── move to the generation mesh ┘ (device puts)
+
+The generation engine admits a request (slot and worst-case pages reserved)
+before it asks a source for the request's KV, so no prefill is ever spent on a
+request that cannot be placed. Nothing here waits on the device: exports,
+moves and imports are dispatched asynchronously; only the engines read their
+own step outputs.
+
+Cooperative (default): `poll` steps each context worker once, in the caller's
+thread. Threaded (fan-in): each context worker runs in its own thread and
+pulls work from one queue; every engine is touched by exactly one thread,
+and only requests and handoffs (gathered copies, never views of a cache)
+cross threads, through queues.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+
+from disagg.layout import Layout, check_layouts
+from disagg.transfer import Handoff, TransferError, assemble_heads, move_payload, split_heads
+from drafter.engine import Engine
+from drafter.request import Request
+from drafter.steps import StepConfig
+
+
+class ContextWorker:
+    """Prefills requests on its own mesh and hands their KV over; never decodes."""
+
+    def __init__(self, params, cfg: StepConfig, *, mesh=None, mode: str = "shared",
+                 max_num_batched_tokens: int | None = None):
+        self.engine = Engine(params, cfg, mesh=mesh, export=True, mode=mode,
+                             speculative=False, max_num_batched_tokens=max_num_batched_tokens)
+        self.layout = Layout.of(cfg.spec, mode)
+        self.mesh, self.mode = mesh, mode
+        self.num_prefilled = 0
+
+    def submit(self, request: Request) -> None:
+        self.engine.submit(request)
+
+    @property
+    def has_room(self) -> bool:
+        """A slot is free beyond the requests already queued here."""
+        e = self.engine
+        return e.admission.num_free_slots > len(e.scheduler.waiting)
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_work
+
+    def pump(self) -> tuple[list[Handoff], list]:
+        """One engine step: (handoffs of requests whose prefill was dispatched,
+        Results of requests that failed here)."""
+        failed = self.engine.step()
+        handoffs = [Handoff(e.request, e.payload, self.layout, e.submitted)
+                    for e in self.engine.take_exports()]
+        self.num_prefilled += len(handoffs)
+        return handoffs, failed
+
+
+class InProcessSource:
+    """Context workers in this process as one generation engine's KV source.
+
+    Args:
+      contexts: context workers (each on its own mesh).
+      mesh: the generation engine's mesh (None: the default device).
+      layout: the generation worker's layout; every context is checked against it.
+      move_path: how buffers move (disagg.transfer.MOVE_PATHS).
+      threaded: one thread per context worker (fan-in); else `poll` steps them.
+      head_slices: send each buffer as one handoff per kv-head shard, joined here.
+    """
+
+    def __init__(self, contexts: list[ContextWorker], *, mesh=None, layout: Layout,
+                 move_path: str = "coalesced", threaded: bool = False,
+                 head_slices: bool = False):
+        if not contexts:
+            raise ValueError("a KV source needs at least one context worker")
+        for ctx in contexts:
+            check_layouts(ctx.layout, layout)
+        self.contexts, self.mesh, self.move_path = list(contexts), mesh, move_path
+        self.threaded, self.head_slices = threaded, head_slices
+        self.bytes_moved = 0
+        self._arrivals: queue.Queue = queue.Queue()
+        self._slices: dict[str, list[Handoff]] = collections.defaultdict(list)
+        self._next = 0
+        if threaded:
+            self._work: queue.Queue = queue.Queue()
+            self._stop = threading.Event()
+            self._threads = [threading.Thread(target=self._context_loop, args=(ctx,),
+                                              name=f"context-{k}", daemon=True)
+                             for k, ctx in enumerate(self.contexts)]
+            for t in self._threads:
+                t.start()
+
+    # ------------------------------------------------------------ KVSource
+
+    def fetch(self, request: Request) -> None:
+        if self.threaded:
+            self._work.put(request)
+            return
+        # Least loaded first, round robin among equals.
+        k = min(range(len(self.contexts)), key=lambda i: (
+            len(self.contexts[i].engine.scheduler.waiting),
+            (i - self._next) % len(self.contexts)))
+        self._next = k + 1
+        self.contexts[k].submit(request)
+
+    def poll(self, timeout: float) -> list:
+        if not self.threaded:
+            for ctx in self.contexts:
+                if ctx.busy:
+                    self._send(*ctx.pump())
+        out = []
+        try:
+            item = self._arrivals.get(timeout=timeout) if timeout > 0 else \
+                self._arrivals.get_nowait()
+        except queue.Empty:
+            return out
+        while True:
+            out.extend(self._arrived(item))
+            try:
+                item = self._arrivals.get_nowait()
+            except queue.Empty:
+                return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.threaded:
+            self._stop.set()
+            for t in self._threads:
+                t.join(timeout)
+
+    # ------------------------------------------------------------ internals
+
+    def _send(self, handoffs: list[Handoff], failed) -> None:
+        """Queue handoffs (split into head slices if asked) and failures."""
+        for r in failed:
+            self._arrivals.put((r.request_id, TransferError(f"context worker: {r.error}")))
+        for h in handoffs:
+            for part in (split_heads(h) if self.head_slices else [h]):
+                self._arrivals.put(part)
+
+    def _arrived(self, item) -> list:
+        if isinstance(item, tuple):
+            return [item]
+        handoff = item
+        if handoff.num_slices > 1:
+            parts = self._slices[handoff.request_id]
+            parts.append(handoff)
+            if len(parts) < handoff.num_slices:
+                return []
+            del self._slices[handoff.request_id]
+            device = self.mesh.devices.flat[0] if self.mesh is not None else None
+            try:
+                handoff = assemble_heads(parts, device or _default_device(),
+                                         path=self.move_path)
+            except TransferError as e:
+                return [(handoff.request_id, e)]
+        payload = move_payload(handoff.payload, self.mesh, path=self.move_path)
+        self.bytes_moved += payload.nbytes
+        return [(handoff.request_id, payload)]
+
+    def _context_loop(self, ctx: ContextWorker) -> None:
+        while not self._stop.is_set():
+            while ctx.has_room:
+                try:
+                    ctx.submit(self._work.get_nowait())
+                except queue.Empty:
+                    break
+            if not ctx.busy:
+                try:
+                    ctx.submit(self._work.get(timeout=0.02))
+                except queue.Empty:
+                    continue
+            try:
+                self._send(*ctx.pump())
+            except BaseException as e:  # this worker is lost: fail what it held
+                held = list(ctx.engine.scheduler.active) + [
+                    s.request_id for s in ctx.engine.scheduler.waiting]
+                for rid in held:
+                    self._arrivals.put((rid, TransferError(f"context worker failed: {e!r}")))
+                return
+            time.sleep(0)  # let the generation thread dispatch
+
+
+def _default_device():
+    import jax
+    return jax.devices()[0]
+
+
+def disaggregated_engine(params, cfg: StepConfig, *, mode: str = "shared", context_meshes=(None,),
+                         mesh=None, move_path: str = "coalesced", threaded: bool = False,
+                         head_slices: bool = False, **engine_kwargs) -> Engine:
+    """A generation Engine fed by context workers on `context_meshes` (one each)."""
+    contexts = [ContextWorker(params, cfg, mesh=m, mode=mode) for m in context_meshes]
+    source = InProcessSource(contexts, mesh=mesh, layout=Layout.of(cfg.spec, mode),
+                             move_path=move_path, threaded=threaded, head_slices=head_slices)
+    return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,
+                  speculative=cfg.draft is not None, **engine_kwargs)
