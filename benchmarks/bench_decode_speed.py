@@ -8,9 +8,10 @@ prompts, then decoded two ways:
   device   `steps` decode steps in one jitted loop (no host in between):
            device seconds per step and tokens committed per step, so
            tokens/s = rows x tokens per step / step time
-  engine   `Engine.step()` from the host, as `generate` runs it: wall seconds
-           per step, split into the jitted call's dispatch and the wait for
-           its outputs, the rest being host bookkeeping
+  engine   `Engine.step()` from the host, as `generate` runs it (the next
+           step dispatched before the last one's outputs are read): wall
+           seconds per step, split into planning + dispatch and the wait for
+           the previous step's outputs
 
 Speculative tokens per step is the acceptance length; plain commits one.
 """
@@ -28,19 +29,25 @@ from drafter.evaluate import device_rate, prefilled_engine
 
 
 def engine_rate(engine, steps: int) -> dict:
-    """Wall time of Engine.step() (the host loop), and where it goes."""
+    """Wall time of Engine.step() (the host loop, one step in flight ahead), and
+    where it goes: planning + dispatch, then the wait for the previous step."""
     longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + (steps + 3) * \
         engine.cfg.block_size
     engine.warmup(longest)  # rows cross table-width buckets while timed: compile them first
     for _ in range(3):
         engine.step()
+    engine.flush()
     engine.step_times.clear()
-    lens = lambda: int(np.asarray(engine.state.kv.target_lens).sum())
-    before, start = lens(), time.perf_counter()
+
+    def committed():
+        return sum(len(s.tokens) for s in engine.scheduler.active.values())
+
+    before, start = committed(), time.perf_counter()
     for _ in range(steps):
         engine.step()
+    engine.flush()
     wall = (time.perf_counter() - start) / steps
-    tokens = (lens() - before) / steps
+    tokens = (committed() - before) / steps
     dispatch, wait = np.median(np.asarray(engine.step_times), axis=0)
     return {"engine_step_ms": wall * 1e3, "engine_tokens_per_s": tokens / wall,
             "dispatch_ms": float(dispatch) * 1e3, "wait_ms": float(wait) * 1e3}

@@ -1,7 +1,7 @@
 """Moving one request's KV: gather, each move path, scatter, against the link rate.
 
     PYTHONPATH=. python3 benchmarks/bench_transfer.py --out DIR [--sizes 64M,256M,1G,4G]
-        [--fragments-max 1G] [--e2e] [--quick]
+        [--fragments-max 1G] [--quick]
 
 KV layout: a Qwen3-8B-like target (36 layers, 8 kv heads, head dim 128, fp8
 KV, page 16, no windows) plus a 2-layer bf16 DFlash drafter (8 kv heads, head
@@ -11,8 +11,9 @@ target + 128 KiB draft). A request of S bytes holds S / 80 KiB tokens
 pool (shuffled free lists) and filled with random bytes. Each size gets its
 own source and destination caches, sized for exactly that request.
 
-Everything goes through the code users run: `export_kv` (gather + checksum),
-`move` (per path), `import_kv` (allocate + verify + scatter). A "fragment" is
+Everything goes through the code users run: `export_step` (gather +
+checksum), `move_payload` (per path), `import_step` (allocate + verify +
+scatter). A "fragment" is
 what the `fragments` path puts at once: one logical page of one pool (all its
 layers, K and V, all kv heads; 1.125 MiB for the target pool), the per-page
 fallback that a transfer without coalescing makes in this layout.
@@ -29,12 +30,8 @@ Timing: one warm-up call (compiles), then 3 rounds of back-to-back calls
 (as many as fill ~0.25 s, at most 20) with one block_until_ready per round;
 the median per call is reported.
 
---e2e: on the embedded default pair, the handoff from prefill end to the
-first generation step (export, move, import + redraft) at prompt lengths
-512/2048/8192 (the aggregated path has none), and end-to-end tokens/s on a
-few prompts: aggregated, disaggregated-shared with prefill and handoff on
-the serving thread (DisaggregatedPair), and disaggregated-shared with the
-context worker prefilling on its own thread (FanIn with one context worker).
+End-to-end serving figures (handoff, disaggregated vs aggregated) are
+benchmarks/bench_serving.py's.
 
 --quick: tiny sizes (a smoke test; runs on CPU in seconds).
 """
@@ -52,8 +49,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from benchmarks.timing import write_results
-from disagg.transfer import (Handoff, _gather, _padded, _scatter, checksum, export_kv,
-                             import_kv, live_pages, move, pinned_host_sharding)
+from disagg.transfer import move_payload, pinned_host_sharding
+from drafter.kv_io import (KVPayload, checksum, export_step, import_step, live_logical_pages,
+                           padded_pages, sent_pool_ids)
+from drafter.steps import SpecState, StepConfig
 from unified_kv import NULL_PAGE, CacheSpec, LayerSpec, grow, init_state
 
 TARGET_LAYERS, DRAFT_LAYERS, KV_HEADS, HEAD_DIM, PAGE = 36, 2, 8, 128, 16
@@ -142,8 +141,21 @@ def source_cache(spec: CacheSpec, mesh: Mesh, tokens: int, seed: int = 0):
                                   for i, (p, sharding) in enumerate(zip(spec.pools, shardings))))
 
 
-def buffers(payloads) -> list:
-    return [p.buffer for p in payloads.values()]
+@jax.jit
+def _gather(pools, pages):
+    return [jnp.take(pool, p, axis=1) for pool, p in zip(pools, pages)]
+
+
+@jax.jit
+def _scatter(pools, pages, buffers):
+    return [pool.at[:, p].set(b, mode="drop") for pool, p, b in zip(pools, pages, buffers)]
+
+
+def spec_state(kv):
+    """The step state around a bare cache (export and import take a SpecState)."""
+    n = kv.target_lens.shape[0]
+    return SpecState(kv=kv, anchors=jnp.zeros((n,), jnp.int32),
+                     drafts=jnp.zeros((n, 1), jnp.int32), running=jnp.zeros((n,), bool))
 
 
 def link_rates(nbytes: int, src_sharding, dst_sharding, two_devices: bool) -> dict:
@@ -186,17 +198,25 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     row = {"size_bytes": size, "tokens": tokens, "live_bytes": live,
            "pages": -(-tokens // PAGE), "same_device": not two}
 
-    # Gather alone: one take per pool, then export_kv as a whole (+ checksum, table read).
-    src_pages = [_padded(live_pages(src, p.pool_id, 0)[1], NULL_PAGE) for p in spec.pools]
-    payloads = export_kv(spec, src, 0, mode="shared")
-    row["moved_bytes"] = moved_bytes = sum(b.nbytes for b in buffers(payloads))
-    row["gather_ms"] = 1e3 * median_seconds(
-        lambda: [_gather(src.pools[i], pages) for i, pages in enumerate(src_pages)],
-        out_bytes=moved_bytes)
-    row["fragments"] = sum(b.shape[1] for b in buffers(payloads))
-    row["checksum_ms"] = 1e3 * median_seconds(lambda: [checksum(b) for b in buffers(payloads)])
-    row["export_ms"] = 1e3 * median_seconds(
-        lambda: buffers(export_kv(spec, src, 0, mode="shared")), out_bytes=moved_bytes)
+    # Gather alone: one take per pool, then export_step as a whole (+ checksums).
+    pool_ids = sent_pool_ids(spec, "shared")
+    logical = tuple(padded_pages(live_logical_pages(spec, spec.pools[i], tokens, tokens))
+                    for i in pool_ids)
+    src_pages = [np.where(l >= 0, np.asarray(src.page_tables[i][0])[np.maximum(l, 0)],
+                          NULL_PAGE).astype(np.int32) for i, l in zip(pool_ids, logical)]
+    src_state = spec_state(src)
+
+    def export():
+        return export_step(src_state, np.int32(0), logical, pool_ids=pool_ids)
+
+    buffers, sums = export()
+    row["moved_bytes"] = moved_bytes = sum(b.nbytes for b in buffers)
+    row["gather_ms"] = 1e3 * median_seconds(lambda: _gather(src.pools, src_pages),
+                                            out_bytes=moved_bytes)
+    row["fragments"] = sum(b.shape[1] for b in buffers)
+    row["checksum_ms"] = 1e3 * median_seconds(lambda: [checksum(b) for b in buffers])
+    row["export_ms"] = 1e3 * median_seconds(lambda: export()[0], out_bytes=moved_bytes)
+    payload = KVPayload(tokens, tokens, np.int32(0), pool_ids, logical, buffers, sums, "shared")
 
     row["move_ms"], row["errors"] = {}, {}
     for path in PATHS:
@@ -204,33 +224,38 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
             continue
         try:  # one path failing on this platform must not lose the others
             row["move_ms"][path] = 1e3 * median_seconds(
-                lambda: buffers(move(payloads, dst_mesh, path=path)), out_bytes=moved_bytes)
+                lambda: move_payload(payload, dst_mesh, path=path).buffers,
+                out_bytes=moved_bytes)
         except Exception as e:
             row["errors"][path] = f"{type(e).__name__}: {e}"
             print(f"  move path {path!r} failed: {row['errors'][path]}", flush=True)
-    moved = move(payloads, dst_mesh, path="coalesced")
-    handoff = Handoff(request_id="bench", prompt=[], max_new_tokens=1, first_token=0,
-                      target_len=tokens, draft_ctx_len=tokens, pools=moved, layout=None)
+    moved = move_payload(payload, dst_mesh, path="coalesced")
 
-    # import_kv donates the cache: thread it through the calls.
-    state = {"kv": dst}
+    # import_step donates the cache: thread it through the calls. No drafter: no redraft.
+    cfg = StepConfig(target=None, spec=spec)
+    state = {"s": spec_state(dst)}
 
     def import_once():
-        state["kv"] = import_kv(spec, state["kv"], 0, handoff, mode="shared")
-        return state["kv"].pools
+        state["s"], ok = import_step(
+            {}, state["s"], np.int32(0), np.int32(tokens), np.int32(tokens), moved.first_token,
+            moved.logical_pages, moved.buffers, moved.checksums, cfg=cfg, pool_ids=pool_ids,
+            mode="shared", table_width=1)
+        return state["s"].kv.pools
 
     row["import_ms"] = 1e3 * median_seconds(import_once, chained=True)
-    dst_pages = [_padded(live_pages(state["kv"], p.pool_id, 0)[1], p.num_pages)
-                 for p in spec.pools]
-    pools = list(state.pop("kv").pools)
+    kv = state.pop("s").kv
+    assert bool(kv.target_lens[0] == tokens), "the import failed (a bug here)"
+    dst_pages = [np.where(l >= 0, np.asarray(kv.page_tables[i][0])[np.maximum(l, 0)],
+                          spec.pools[i].num_pages).astype(np.int32)
+                 for i, l in zip(pool_ids, logical)]
+    pools = {"p": list(kv.pools)}
 
     def scatter_once():
-        for i, pages in enumerate(dst_pages):
-            pools[i] = _scatter(pools[i], pages, moved[i].buffer)
-        return pools
+        pools["p"] = _scatter(pools["p"], dst_pages, moved.buffers)
+        return pools["p"]
 
     row["scatter_ms"] = 1e3 * median_seconds(scatter_once, chained=True)
-    del src, dst, payloads, moved, handoff, pools
+    del src, dst, payload, moved, pools, kv, src_state
     gc.collect()
 
     src_sharding = NamedSharding(src_mesh, P())
@@ -278,92 +303,6 @@ def print_rows(rows, two: bool) -> None:
 
 # ------------------------------------------------------------------ end to end
 
-def run_e2e(quick: bool) -> dict:
-    from disagg.fanin import FanIn
-    from disagg.workers import ContextWorker, DisaggregatedPair, GenerationWorker
-    from drafter.default import default_step_config, load_default, load_prompts
-    from drafter.engine import Engine
-
-    params, tcfg, dcfg = load_default()
-    cfg = default_step_config(tcfg, dcfg, num_slots=4)
-    devices = jax.devices()
-    ctx_mesh, gen_mesh = ((Mesh(np.array(devices[:1]), ("tp",)),
-                           Mesh(np.array(devices[1:2]), ("tp",))) if len(devices) > 1
-                          else (None, None))
-    prompts = load_prompts()
-    lengths = (32, 64) if quick else (512, 2048, 8192)
-    ctx = ContextWorker(params, cfg, mesh=ctx_mesh)
-    gen = GenerationWorker(params, cfg, mesh=gen_mesh)
-    agg = Engine(params, cfg, mesh=gen_mesh)
-    spec = cfg.spec
-    rows = []
-    for length in lengths:
-        prompt = next(p["tokens"] for p in prompts if p["length"] >= length)[:length]
-        samples = {k: [] for k in ("prefill_export_ms", "export_ms", "move_ms", "receive_ms",
-                                   "aggregated_prefill_ms")}
-        for rep in range(4):  # the first round compiles; the median of the rest is kept
-            rid = f"e2e{length}-{rep}"
-            start = time.perf_counter()
-            handoff = ctx.prefill(rid, prompt, 8)
-            samples["prefill_export_ms"].append(1e3 * (time.perf_counter() - start))
-            slot = ctx.engine.admission.reservation(rid).slot
-            start = time.perf_counter()
-            jax.block_until_ready(buffers(export_kv(spec, ctx.engine.state.kv, slot,
-                                                    mode="shared")))
-            samples["export_ms"].append(1e3 * (time.perf_counter() - start))
-            start = time.perf_counter()
-            jax.block_until_ready(buffers(move(handoff.pools, gen_mesh)))
-            samples["move_ms"].append(1e3 * (time.perf_counter() - start))
-            start = time.perf_counter()
-            gen.receive(handoff)  # move + import + redraft
-            jax.block_until_ready(gen.engine.state)
-            samples["receive_ms"].append(1e3 * (time.perf_counter() - start))
-            ctx.complete(rid)
-            gen.engine.release(rid)
-            start = time.perf_counter()
-            agg.add_request(rid, prompt, 8)  # prefill, first token and first draft
-            jax.block_until_ready(agg.state)
-            samples["aggregated_prefill_ms"].append(1e3 * (time.perf_counter() - start))
-            agg.release(rid)
-        row = {"prompt_tokens": length, "kv_bytes": handoff.nbytes,
-               **{k: statistics.median(v[1:]) for k, v in samples.items()}}
-        row["handoff_ms"] = row["export_ms"] + row["receive_ms"]
-        row["aggregated_handoff_ms"] = 0.0  # prefill runs straight into the first step
-        rows.append(row)
-        print(f"prompt {length:>5}: handoff {row['handoff_ms']:7.2f} ms (export "
-              f"{row['export_ms']:.2f}, move {row['move_ms']:.2f}, receive = move + import + "
-              f"redraft {row['receive_ms']:.2f}); prefill {row['aggregated_prefill_ms']:.1f} ms "
-              f"aggregated, KV {row['kv_bytes'] / MiB:.2f} MiB", flush=True)
-
-    n, new = (2, 8) if quick else (4, 128)
-    served = [p["tokens"][:64 if quick else 512] for p in prompts if p["length"] >= 128][:n]
-    out = {"handoff": rows, "serving": {"prompts": n, "max_new_tokens": new}}
-    pair = DisaggregatedPair(ctx, gen)
-    # The pair runs prefill and handoff on the one host thread between decode
-    # steps; FanIn prefills on a context thread while the generation worker
-    # keeps stepping, as separate servers would.
-    overlapped = FanIn([ctx], gen)
-    for name, run in (("aggregated", agg.generate), ("disagg_shared", pair.generate),
-                      ("disagg_shared_overlapped", overlapped.generate)):
-        run(served, new)  # compiles every table width the timed run meets
-        start = time.perf_counter()
-        results = run(served, new)
-        seconds = time.perf_counter() - start
-        out["serving"][name] = {
-            "tokens_per_s": sum(len(r.tokens) for r in results) / seconds,
-            "acceptance_length": float(np.mean([a for r in results for a in r.acceptance])),
-            "tokens": [r.tokens for r in results]}
-    s = out["serving"]
-    reference = s["aggregated"].pop("tokens")
-    disagg = ("disagg_shared", "disagg_shared_overlapped")
-    s["identical_tokens"] = all(s[name].pop("tokens") == reference for name in disagg)
-    print(f"serving {n} prompts x {new} tokens: " + ", ".join(
-        f"{name} {s[name]['tokens_per_s']:.1f} tok/s (AL {s[name]['acceptance_length']:.2f})"
-        for name in ("aggregated",) + disagg) + f"; identical tokens: {s['identical_tokens']}",
-        flush=True)
-    return out
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="directory for transfer.json")
@@ -371,9 +310,6 @@ def main(argv=None) -> dict:
                         help="request sizes, comma separated (default 64M,256M,1G,4G)")
     parser.add_argument("--fragments-max", default="1G",
                         help="largest request the slow per-page path is timed for")
-    parser.add_argument("--e2e", action="store_true",
-                        help="also time the handoff and serving on the embedded default pair")
-    parser.add_argument("--no-transfer", action="store_true", help="only the --e2e part")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
@@ -387,25 +323,22 @@ def main(argv=None) -> dict:
     print(f"{len(devices)} x {devices[0].device_kind}; {src_mesh.devices.flat[0]} -> "
           f"{dst_mesh.devices.flat[0]}; {BYTES_PER_TOKEN // 1024} KiB per token", flush=True)
     rows = []
-    if not args.no_transfer:
-        if not args.quick:
-            start = time.perf_counter()
-            warm_host_memory(max(sizes), NamedSharding(src_mesh, P()))
-            print(f"  host memory warmed in {time.perf_counter() - start:.1f}s", flush=True)
-        for size in sizes:
-            start = time.perf_counter()
-            rows.append(bench_size(size, src_mesh, dst_mesh,
-                                   fragments_max=parse_size(args.fragments_max)))
-            print(f"  {size / MiB:.0f} MiB done in {time.perf_counter() - start:.1f}s",
-                  flush=True)
-        print_rows(rows, two)
+    if not args.quick:
+        start = time.perf_counter()
+        warm_host_memory(max(sizes), NamedSharding(src_mesh, P()))
+        print(f"  host memory warmed in {time.perf_counter() - start:.1f}s", flush=True)
+    for size in sizes:
+        start = time.perf_counter()
+        rows.append(bench_size(size, src_mesh, dst_mesh,
+                               fragments_max=parse_size(args.fragments_max)))
+        print(f"  {size / MiB:.0f} MiB done in {time.perf_counter() - start:.1f}s",
+              flush=True)
+    print_rows(rows, two)
     report = {"layout": {"target_layers": TARGET_LAYERS, "draft_layers": DRAFT_LAYERS,
                          "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
                          "target_kv": "fp8_e4m3", "draft_kv": "bf16",
                          "bytes_per_token": BYTES_PER_TOKEN},
               "devices": len(devices), "rows": rows}
-    if args.e2e:
-        report["e2e"] = run_e2e(args.quick)
     if args.out:
         print("wrote", write_results("transfer", report, args.out))
     return report

@@ -153,9 +153,9 @@ class ContextProcess:
 
     def __init__(self, source: PairSource, log_path, *, draft_kv: str = "shared", tp: int = 1,
                  timeout: float = 30.0, extra_args=(), extra_env=None,
-                 start_timeout: float = 120.0):
+                 start_timeout: float = 120.0, address: str = "127.0.0.1:0"):
         cmd = [sys.executable, "-m", "disagg", "serve-remote", "--role", "context",
-               "--address", "127.0.0.1:0", "--draft-kv", draft_kv, "--tp", str(tp),
+               "--address", address, "--draft-kv", draft_kv, "--tp", str(tp),
                "--timeout", str(timeout), *source.cli_args(), *extra_args]
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")

@@ -122,7 +122,11 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
                     write({"id": result.request_id, "tokens": result.tokens,
                            "text": tokenizer.decode(result.tokens),
                            "finish_reason": result.finish_reason,
-                           "acceptance_length": result.acceptance_length})
+                           "acceptance_length": result.acceptance_length,
+                           "usage": {"prompt_tokens": len(result.prompt),
+                                     "completion_tokens": len(result.tokens)},
+                           "time_to_first_token_s": result.time_to_first_token_s,
+                           "decode_time_s": result.decode_time_s})
                 else:
                     errors += 1
                     write({"id": result.request_id, "error": result.error})

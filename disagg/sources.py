@@ -115,22 +115,28 @@ class InProcessSource:
         self.contexts[k].submit(request)
 
     def poll(self, timeout: float) -> list:
-        if not self.threaded:
-            for ctx in self.contexts:
-                if ctx.busy:
-                    self._send(*ctx.pump())
-        out = []
-        try:
-            item = self._arrivals.get(timeout=timeout) if timeout > 0 else \
-                self._arrivals.get_nowait()
-        except queue.Empty:
-            return out
+        """Arrivals, waiting up to `timeout` for the first. Cooperative workers
+        are stepped meanwhile (at least once per call)."""
+        deadline = time.monotonic() + timeout
+        out: list = []
         while True:
-            out.extend(self._arrived(item))
-            try:
-                item = self._arrivals.get_nowait()
-            except queue.Empty:
+            if not self.threaded:
+                for ctx in self.contexts:
+                    if ctx.busy:
+                        self._send(*ctx.pump())
+            while True:
+                try:
+                    out.extend(self._arrived(self._arrivals.get_nowait()))
+                except queue.Empty:
+                    break
+            left = deadline - time.monotonic()
+            if out or left <= 0:
                 return out
+            if self.threaded or not any(ctx.busy for ctx in self.contexts):
+                try:  # nothing to step here: wait for a thread's arrival
+                    out.extend(self._arrived(self._arrivals.get(timeout=left)))
+                except queue.Empty:
+                    return out
 
     def close(self, timeout: float = 10.0) -> None:
         if self.threaded:

@@ -226,6 +226,14 @@ class Engine:
             self.step_times.append((issued - start, time.perf_counter() - issued))
         return results
 
+    def flush(self) -> list[Result]:
+        """Read the step in flight, dispatching nothing new (the state is then
+        current on the host's side: every dispatched step is booked)."""
+        if self._inflight is None:
+            return []
+        inflight, self._inflight = self._inflight, None
+        return self._collect(*inflight)
+
     def run(self, max_steps: int | None = None) -> list[Result]:
         """Step until every submitted request has ended."""
         results, steps = [], 0

@@ -1,0 +1,261 @@
+"""Serving end to end through the one engine: disaggregated vs aggregated, the handoff,
+the host loop, and a load run through `serve`.
+
+    PYTHONPATH=. python benchmarks/bench_serving.py --out DIR [--quick] [--parts ...]
+
+Every mode is the same `Engine` configured differently; both workers share
+this machine's first device (as the demo does on one GPU). Parts:
+
+  demo      the demo's workload (held-out prompts <= 512 tokens, 48 new tokens),
+            aggregated / disaggregated-shared / -private, `--repeats` runs each:
+            tokens/s and TTFT; `disagg_shared_over_aggregated` is the ratio of
+            the median tokens/s, `ttft_disagg_over_aggregated_p50` of the TTFT p50s.
+  handoff   one request at a time (nothing queued) per prompt length: TTFT
+            disaggregated minus TTFT aggregated is what the handoff adds (export,
+            move, import + redraft, the loop); minus the move itself (the same
+            bytes put in isolation) it is `handoff_overhead_ms_p50`.
+  engine    engine tokens/s over device tokens/s of the same speculative steps
+            (benchmarks/bench_decode_speed.py's two measurements), batch 1 and 16.
+  load      `--load-requests` requests, prompts 128..8K tokens, arriving as a
+            Poisson stream into `serve`'s JSON-line loop: tokens/s, TTFT and
+            inter-token latency p50 / p99, aggregated vs disaggregated-shared;
+            every request completes and both modes give the same tokens.
+
+Writes serving.json (keys in `GOAL_KEYS` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.bench_decode_speed import engine_rate
+from benchmarks.timing import write_results
+from disagg.serving import serve_json_lines
+from disagg.sources import disaggregated_engine
+from disagg.transfer import move_payload
+from drafter.corpus import ByteTokenizer
+from drafter.default import default_step_config, load_default, load_prompts
+from drafter.engine import Engine
+from drafter.evaluate import device_rate, prefilled_engine
+
+GOAL_KEYS = ("disagg_shared_over_aggregated", "handoff_overhead_ms_p50",
+             "engine_over_device_b1", "engine_over_device_b16",
+             "ttft_disagg_over_aggregated_p50")
+MODES = ("aggregated", "disagg-shared", "disagg-private")
+
+
+def make_engine(mode: str, params, cfg) -> Engine:
+    if mode == "aggregated":
+        return Engine(params, cfg)
+    return disaggregated_engine(params, cfg, mode=mode.split("-")[1])
+
+
+def p(values, q) -> float:
+    return float(np.percentile(np.asarray(values, float), q))
+
+
+def demo_part(params, cfg, prompts, max_new: int, repeats: int) -> dict:
+    out = {}
+    for mode in MODES:
+        engine = make_engine(mode, params, cfg)
+        engine.generate(prompts[:2], 2)   # compile outside the timing
+        engine.generate(prompts, 4)
+        rates, ttfts, als, tokens = [], [], [], None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            results = engine.generate(prompts, max_new)
+            rates.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - start))
+            ttfts += [r.time_to_first_token_s for r in results]
+            als.append(float(np.mean([a for r in results for a in r.acceptance])))
+            tokens = [r.tokens for r in results]
+        out[mode] = {"tokens_per_s_median": float(np.median(rates)),
+                     "tokens_per_s_runs": rates, "ttft_ms_p50": 1e3 * p(ttfts, 50),
+                     "acceptance_length": als[-1], "tokens": tokens}
+        print(f"  {mode:>15}: {out[mode]['tokens_per_s_median']:.0f} tok/s "
+              f"(runs {', '.join(f'{r:.0f}' for r in rates)}), TTFT p50 "
+              f"{out[mode]['ttft_ms_p50']:.1f} ms, AL {als[-1]:.2f}", flush=True)
+    agg = out["aggregated"]
+    out["shared_equals_aggregated"] = out["disagg-shared"]["tokens"] == agg["tokens"]
+    for mode in MODES:
+        out[mode].pop("tokens")
+    return out
+
+
+def move_ms(payload) -> float:
+    """The KV move alone: the payload's buffers put again, in isolation."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(move_payload(payload, None).buffers)
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def handoff_part(params, cfg, prompts_by_len, repeats: int) -> dict:
+    agg, dis = make_engine("aggregated", params, cfg), make_engine("disagg-shared", params, cfg)
+    captured = []
+    source = dis.kv_source
+    real_arrived = source._arrived
+
+    def capture(item):
+        got = real_arrived(item)
+        captured.extend(x[1] for x in got if not isinstance(x[1], BaseException))
+        return got
+
+    source._arrived = capture
+    rows = []
+    for length, prompt in sorted(prompts_by_len.items()):
+        for engine in (agg, dis):
+            engine.generate([prompt], 2)  # compile this length's shapes
+        ttft = {"aggregated": [], "disagg": []}
+        moves = []
+        for _ in range(repeats):
+            for name, engine in (("aggregated", agg), ("disagg", dis)):
+                captured.clear()
+                r = engine.generate([prompt], 2)[0]
+                ttft[name].append(1e3 * r.time_to_first_token_s)
+            moves.append(move_ms(captured[-1]))
+        a, d, m = (float(np.median(x)) for x in (ttft["aggregated"], ttft["disagg"], moves))
+        rows.append({"prompt_tokens": length, "ttft_aggregated_ms": a, "ttft_disagg_ms": d,
+                     "move_ms": m, "handoff_overhead_ms": d - a - m,
+                     "kv_bytes": captured[-1].nbytes})
+        print(f"  {length:>5} tokens: TTFT aggregated {a:.2f} ms, disaggregated {d:.2f} ms, "
+              f"move {m:.3f} ms -> handoff overhead {d - a - m:.2f} ms", flush=True)
+    return {"rows": rows,
+            "handoff_overhead_ms_p50": float(np.median([r["handoff_overhead_ms"]
+                                                        for r in rows]))}
+
+
+def engine_part(params, tcfg, dcfg, prompts, batches, steps: int) -> dict:
+    out = {}
+    for batch in batches:
+        engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, True)
+        device = device_rate(engine, steps, 3)
+        host = engine_rate(engine, steps)
+        out[f"b{batch}"] = {**device, **host,
+                            "ratio": host["engine_tokens_per_s"] / device["device_tokens_per_s"]}
+        print(f"  batch {batch:>2}: engine {host['engine_tokens_per_s']:.0f} tok/s / device "
+              f"{device['device_tokens_per_s']:.0f} tok/s = {out[f'b{batch}']['ratio']:.2f} "
+              f"(dispatch {host['dispatch_ms']:.3f} ms, wait {host['wait_ms']:.3f} ms, "
+              f"device step {device['device_step_ms']:.3f} ms)", flush=True)
+    return out
+
+
+def stream_lines(write_fd: int, lines, gaps) -> None:
+    with os.fdopen(write_fd, "w") as pipe:
+        for line, gap in zip(lines, gaps):
+            time.sleep(gap)
+            pipe.write(line + "\n")
+            pipe.flush()
+
+
+def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int) -> dict:
+    rng = np.random.default_rng(0)
+    chosen = [prompts[i % len(prompts)] for i in rng.permutation(num_requests)]
+    lines = [json.dumps({"id": f"q{i}", "tokens": prompt, "max_new_tokens": max_new})
+             for i, prompt in enumerate(chosen)]
+    gaps = rng.exponential(1.0 / rate, num_requests)
+    out, tokens = {}, {}
+    for mode in ("aggregated", "disagg-shared"):
+        engine = make_engine(mode, params, cfg)
+        # Compile outside the timing: every prompt alone, then all at once.
+        for prompt in prompts:
+            engine.generate([prompt], 2)
+        engine.generate(prompts, max_new)
+        engine.warmup()
+        read_fd, write_fd = os.pipe()
+        writer = threading.Thread(target=stream_lines, args=(write_fd, lines, gaps))
+        buf = io.StringIO()
+        start = time.perf_counter()
+        writer.start()
+        errors = serve_json_lines(engine, f"/dev/fd/{read_fd}", ByteTokenizer(), out=buf)
+        seconds = time.perf_counter() - start
+        writer.join()
+        os.close(read_fd)
+        answers = [json.loads(l) for l in buf.getvalue().splitlines()]
+        done = [a for a in answers if "tokens" in a]
+        tokens[mode] = {a["id"]: a["tokens"] for a in done}
+        ttft = [1e3 * a["time_to_first_token_s"] for a in done]
+        itl = [1e3 * a["decode_time_s"] / (len(a["tokens"]) - 1) for a in done
+               if len(a["tokens"]) > 1]
+        out[mode] = {"requests": num_requests, "completed": len(done), "errors": errors,
+                     "seconds": seconds,
+                     "tokens_per_s": sum(len(a["tokens"]) for a in done) / seconds,
+                     "ttft_ms_p50": p(ttft, 50), "ttft_ms_p99": p(ttft, 99),
+                     "itl_ms_p50": p(itl, 50), "itl_ms_p99": p(itl, 99)}
+        print(f"  {mode:>14}: {len(done)}/{num_requests} done, "
+              f"{out[mode]['tokens_per_s']:.0f} tok/s, TTFT p50/p99 "
+              f"{out[mode]['ttft_ms_p50']:.0f}/{out[mode]['ttft_ms_p99']:.0f} ms, ITL p50/p99 "
+              f"{out[mode]['itl_ms_p50']:.2f}/{out[mode]['itl_ms_p99']:.2f} ms", flush=True)
+    out["identical_tokens"] = tokens["aggregated"] == tokens["disagg-shared"]
+    out["prompt_tokens"] = sorted({len(x) for x in prompts})
+    out["arrival_rate_per_s"] = rate
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test on CPU")
+    ap.add_argument("--parts", nargs="+", default=["demo", "handoff", "engine", "load"])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--load-requests", type=int, default=200)
+    ap.add_argument("--load-rate", type=float, default=20.0, help="arrivals per second")
+    args = ap.parse_args(argv)
+    params, tcfg, dcfg = load_default()
+    cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16)
+    held_out = load_prompts()
+    by_len = {}
+    for q in held_out:
+        by_len.setdefault(q["length"], q["tokens"])
+    report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices())}
+    if args.quick:
+        short = [q["tokens"][:40] for q in held_out[:4]]
+        demo_prompts, handoff_prompts, load_prompts_ = short, {24: short[0][:24]}, short
+        repeats, new, batches, steps = 1, 6, [1, 2], 4
+    else:
+        demo_prompts = [q["tokens"] for q in held_out if q["length"] <= 512][:6]
+        handoff_prompts, load_prompts_ = by_len, [q["tokens"] for q in held_out]
+        repeats, new, batches, steps = args.repeats, 48, [1, 16], 32
+    if "demo" in args.parts:
+        print("demo workload:", flush=True)
+        report["demo"] = demo_part(params, cfg, demo_prompts, new, repeats)
+        d = report["demo"]
+        report["disagg_shared_over_aggregated"] = (d["disagg-shared"]["tokens_per_s_median"]
+                                                   / d["aggregated"]["tokens_per_s_median"])
+        report["ttft_disagg_over_aggregated_p50"] = (d["disagg-shared"]["ttft_ms_p50"]
+                                                     / d["aggregated"]["ttft_ms_p50"])
+    if "handoff" in args.parts:
+        print("handoff (one request at a time):", flush=True)
+        report["handoff"] = handoff_part(params, cfg, handoff_prompts, repeats)
+        report["handoff_overhead_ms_p50"] = report["handoff"]["handoff_overhead_ms_p50"]
+    if "engine" in args.parts:
+        print("engine over device (speculative):", flush=True)
+        short = [q["tokens"] for q in held_out if q["length"] == 128]
+        report["engine"] = engine_part(params, tcfg, dcfg, [s[:40] for s in short] if args.quick
+                                       else short, batches, steps)
+        for b in batches:
+            report[f"engine_over_device_b{b}"] = report["engine"][f"b{b}"]["ratio"]
+    if "load" in args.parts:
+        print("load run through serve:", flush=True)
+        report["load"] = load_part(params, cfg, load_prompts_,
+                                   8 if args.quick else args.load_requests,
+                                   50.0 if args.quick else args.load_rate, new)
+    goals = {k: report[k] for k in GOAL_KEYS if k in report}
+    print("goals:", json.dumps(goals), flush=True)
+    report = {**goals, **report}
+    if args.out:
+        print("wrote", write_results("serving", report, args.out))
+    return report
+
+
+if __name__ == "__main__":
+    main()
