@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import draft_block, write_context
-from drafter.steps import StepConfig, accept, batch_tables, emitted_tokens
+from drafter.steps import Sampler, StepConfig, accept, batch_tables, emitted_tokens
 from models.qwen3 import forward
 from unified_kv import (CacheSpec, KVState, allocate_pages, bytes_per_request,
                         retire_window_pages)
@@ -111,7 +111,8 @@ def _two_cache_decode(params, state, slot_ids, key, cfgs, table_width, temperatu
     logits, t_pools, feats = forward(params["target"], tcfg.target, tcfg.spec, tkv.pools,
                                      t_tables, tokens, p, verify_len,
                                      feature_layers=tcfg.draft.target_layer_ids, impl=tcfg.impl)
-    accepted, bonus = accept(logits, tokens[:, 1:], temperature, key)
+    accepted, bonus = accept(logits, tokens[:, 1:],
+                             Sampler.uniform(tokens.shape[0], temperature, key))
     num_out = jnp.where(live, accepted + 1, 0).astype(jnp.int32)
     d_pools = write_context(params["draft"], dcfg.draft, dcfg.spec, dkv.pools, d_tables, feats,
                             p, num_out)
