@@ -209,7 +209,7 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     def export():
         return export_step(src_state, np.int32(0), logical, pool_ids=pool_ids)
 
-    buffers, sums = export()
+    buffers, sums, _ = export()
     row["moved_bytes"] = moved_bytes = sum(b.nbytes for b in buffers)
     row["gather_ms"] = 1e3 * median_seconds(lambda: _gather(src.pools, src_pages),
                                             out_bytes=moved_bytes)

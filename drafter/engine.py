@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from drafter.kv_io import KVPayload, export_payload, import_step, sent_pool_ids
-from drafter.mixed_step import StepBatch, mixed_step
+from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.request import Request, RequestError, Result, SamplingParams
 from drafter.scheduler import Phase, Scheduler, Sequence
 from drafter.steps import StepConfig, init_spec_state
@@ -62,6 +62,10 @@ class Export:
     submitted: float
 
 
+def _is_ready(dispatched) -> bool:
+    return all(x.is_ready() for x in jax.tree.leaves(dispatched[1:]) if hasattr(x, "is_ready"))
+
+
 def _traced_on_mesh(mesh, jitted):
     """Call `jitted` with `mesh` as the context mesh, so the Pallas kernels run
     per device over the kv heads (models/attention.py)."""
@@ -75,11 +79,19 @@ def _traced_on_mesh(mesh, jitted):
     return call
 
 
-# One jitted function per step kind, shared by every Engine (static config as arguments).
-_MIXED = jax.jit(mixed_step, static_argnames=("cfg", "table_width", "decode", "speculative",
-                                              "greedy"), donate_argnums=1)
-_IMPORT = jax.jit(import_step, static_argnames=("cfg", "pool_ids", "mode", "table_width"),
-                  donate_argnums=1)
+@functools.lru_cache(maxsize=64)
+def _packed_step_for(cfg: StepConfig):
+    """The jitted step with `cfg` bound, shared by every Engine of that config: a
+    static config argument would be hashed and compared on every call."""
+    return jax.jit(functools.partial(packed_step, cfg=cfg),
+                   static_argnames=("num_prefill", "table_width", "decode", "speculative",
+                                    "greedy", "decode_steps"), donate_argnums=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _import_step_for(cfg: StepConfig):
+    return jax.jit(functools.partial(import_step, cfg=cfg),
+                   static_argnames=("pool_ids", "mode", "table_width"), donate_argnums=1)
 
 
 class Engine:
@@ -98,12 +110,17 @@ class Engine:
       lookahead: dispatch the next step before reading the last one's outputs.
       eos_token_ids: ids that end a request (unless it sets ignore_eos).
       kv_timeout_s: a request waiting longer than this for its KV fails.
+      decode_steps_per_call: decode steps one call runs back to back on the
+        device while nothing waits to be admitted, prefilled or imported (one
+        host round trip per call). Default: 4 on an accelerator, 1 on CPU
+        (where compile time, not the host loop, is the cost).
     """
 
     def __init__(self, params, cfg: StepConfig, *, speculative: bool = True, mesh=None,
                  max_num_batched_tokens: int | None = None, kv_source: KVSource | None = None,
                  export: bool = False, mode: str = "shared", lookahead: bool = True,
-                 eos_token_ids=(), kv_timeout_s: float = 60.0):
+                 eos_token_ids=(), kv_timeout_s: float = 60.0,
+                 decode_steps_per_call: int | None = None):
         if speculative and cfg.draft is None:
             raise ValueError("speculative=True needs StepConfig.draft (a DFlash config)")
         if mode not in ("shared", "private"):
@@ -112,21 +129,31 @@ class Engine:
         self.speculative = speculative and not export
         self.kv_source, self.export, self.mode = kv_source, export, mode
         self.lookahead, self.kv_timeout_s = lookahead, kv_timeout_s
+        if decode_steps_per_call is None:
+            decode_steps_per_call = 1 if jax.default_backend() == "cpu" else 4
+        if decode_steps_per_call < 1:
+            raise ValueError(f"decode_steps_per_call must be >= 1, got {decode_steps_per_call}")
+        self.decode_steps = decode_steps_per_call
         budget = max_num_batched_tokens or (cfg.spec.num_slots * cfg.block_size
                                             + 2 * cfg.spec.max_step_tokens)
         self.scheduler = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=budget,
                                    kv_from_source=kv_source is not None, export=export,
-                                   lookahead=int(lookahead), eos_token_ids=eos_token_ids)
+                                   lookahead=int(lookahead), eos_token_ids=eos_token_ids,
+                                   decode_steps=self.decode_steps)
         self.params = self._place(params)
         self.state = self._place_state(init_spec_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(_traced_on_mesh, mesh)
-        self._mixed, self._import = on_mesh(_MIXED), on_mesh(_IMPORT)
+        self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))
+        self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                                if mesh is None else jax.sharding.NamedSharding(
+                                    mesh, jax.sharding.PartitionSpec()))
+        self._sent = (None, None)  # (host, device) copy of the last packed batch
         self._export = on_mesh(export_payload)
         slots = cfg.spec.num_slots + 1
         self._temperatures = np.zeros(slots, np.float32)
         self._seeds = np.zeros(slots, np.uint32)
         self._len_bound = np.zeros(slots, np.int64)  # host upper bound of each slot's length
-        self._inflight = None
+        self._inflight: deque = deque()  # dispatched steps not yet read, oldest first
         self._exports: list[Export] = []
         self._awaiting_since: dict[str, float] = {}
         # (dispatch, wait) seconds per step: the host's time to plan and dispatch
@@ -195,7 +222,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return (self.scheduler.num_unfinished > 0 or self._inflight is not None
+        return (self.scheduler.num_unfinished > 0 or bool(self._inflight)
                 or self.scheduler.has_pending_resets)
 
     def take_exports(self) -> list[Export]:
@@ -209,30 +236,40 @@ class Engine:
         """Plan and dispatch one step, then read the previous one; returns the
         requests that ended."""
         start = time.perf_counter()
-        results = self._take_arrivals()
+        results = self._take_arrivals(0.0)
         plan = self.scheduler.schedule()
         for seq in plan.fetch:
             self._awaiting_since[seq.request_id] = start
             self.kv_source.fetch(seq.request)
         dispatched = self._dispatch(plan) if plan.runs_device_work else None
         issued = time.perf_counter()
-        if self._inflight is not None:
-            results += self._collect(*self._inflight)
-        self._inflight = dispatched
-        if dispatched is not None and not self.lookahead:
-            results += self._collect(*dispatched)
-            self._inflight = None
+        if dispatched is not None:
+            self._inflight.append(dispatched)
+        results += self._read_outputs()
         if dispatched is not None:
             self.step_times.append((issued - start, time.perf_counter() - issued))
+        elif not self._inflight and self._awaiting_since:
+            results += self._take_arrivals(0.02)  # nothing to run: wait a little for KV
+        return results
+
+    def _read_outputs(self) -> list[Result]:
+        """Read dispatched steps, oldest first, keeping `lookahead` of them in
+        flight. A context engine (export) reads only steps already done: its
+        outputs are checks, and waiting on them would stall the host."""
+        results = []
+        keep = 8 if self.export else int(self.lookahead)
+        while self._inflight and (len(self._inflight) > keep or (
+                self.export and _is_ready(self._inflight[0]))):
+            results += self._collect(*self._inflight.popleft())
         return results
 
     def flush(self) -> list[Result]:
-        """Read the step in flight, dispatching nothing new (the state is then
+        """Read every step in flight, dispatching nothing new (the state is then
         current on the host's side: every dispatched step is booked)."""
-        if self._inflight is None:
-            return []
-        inflight, self._inflight = self._inflight, None
-        return self._collect(*inflight)
+        results = []
+        while self._inflight:
+            results += self._collect(*self._inflight.popleft())
+        return results
 
     def run(self, max_steps: int | None = None) -> list[Result]:
         """Step until every submitted request has ended."""
@@ -283,9 +320,9 @@ class Engine:
         widths = sorted({self._table_width(n + 2 * block) for n in
                          range(0, max_len + 1, self.spec.page_size)})
         for width in widths:
-            self.state, _ = self._mixed(self.params, self.state, self._empty_batch(0),
-                                        cfg=self.cfg, table_width=width, decode=True,
-                                        speculative=self.speculative, greedy=True)
+            for k in sorted({1, self.decode_steps}):
+                self.state, _ = self._call(self._empty_batch(0), table_width=width,
+                                           decode=True, greedy=True, decode_steps=k)
         jax.block_until_ready(self.state)
         return len(widths)
 
@@ -295,15 +332,12 @@ class Engine:
         pages = -(-max_len // self.spec.page_size)
         return bucket_width(pages, self.spec.max_pages_per_seq, block_pages=16)
 
-    def _take_arrivals(self) -> list[Result]:
+    def _take_arrivals(self, timeout: float) -> list[Result]:
         if self.kv_source is None:
             return []
         now = time.perf_counter()
-        idle = self._inflight is None and not any(
-            s.phase is not Phase.AWAITING_KV or s.kv is not None
-            for s in self.scheduler.active.values())
         results = []
-        for request_id, item in self.kv_source.poll(0.02 if idle else 0.0):
+        for request_id, item in self.kv_source.poll(timeout):
             seq = self.scheduler.active.get(request_id)
             if seq is None or seq.phase is not Phase.AWAITING_KV:
                 continue  # cancelled or failed meanwhile
@@ -375,37 +409,65 @@ class Engine:
         for seq in plan.decode:
             batch.decode_slots[seq.slot] = seq.slot
             sampled.append(seq.slot)
+        steady = not (plan.prefill or plan.imports or plan.reset_slots or plan.fetch
+                      or self.scheduler.waiting or len(plan.decode) < self.num_active)
+        k = self.decode_steps if steady else 1
         max_len = max([c.start + c.num_tokens + block for c in plan.prefill]
-                      + [int(self._len_bound[s.slot]) + 2 * block for s in plan.decode],
+                      + [int(self._len_bound[s.slot]) + (k + 1) * block for s in plan.decode],
                       default=block)
         for seq in plan.decode:
-            self._len_bound[seq.slot] += block
+            self._len_bound[seq.slot] += k * block
         greedy = not np.any(self._temperatures[sampled]) if sampled else True
-        batch = dataclasses.replace(batch, temperatures=self._temperatures.copy(),
-                                    seeds=self._seeds.copy())
+        batch = dataclasses.replace(batch, temperatures=self._temperatures,
+                                    seeds=self._seeds)
         width = self._table_width(max_len)
         # Prefill chunks and decode rows of one plan go out as two calls: one
         # program holding both compiles ~2x longer per variant and multiplies
         # the variants (prefill row buckets x decode or not).
-        outputs = prefill_out = None
+        outputs = []
         if plan.prefill or not plan.decode:
-            self.state, prefill_out = self._mixed(
-                self.params, self.state, batch, cfg=self.cfg, table_width=width, decode=False,
-                speculative=self.speculative, greedy=greedy)
+            self.state, out = self._call(batch, table_width=width, decode=False, greedy=greedy)
+            outputs.append((out, 1))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
-            self.state, outputs = self._mixed(
-                self.params, self.state, dataclasses.replace(
-                    batch, **self._no_prefill()), cfg=self.cfg, table_width=width,
-                decode=True, speculative=self.speculative, greedy=greedy)
-        if prefill_out is not None:
-            outputs = prefill_out if outputs is None else dataclasses.replace(
-                outputs, first_tokens=prefill_out.first_tokens,
-                prefill_ok=prefill_out.prefill_ok)
+            self.state, out = self._call(dataclasses.replace(batch, **self._no_prefill()),
+                                         table_width=width, decode=True, greedy=greedy,
+                                         decode_steps=k)
+            outputs.append((out, k))
         for i, chunk in enumerate(plan.prefill):
             if chunk.seq in plan.exports:
-                self._export_one(chunk.seq, outputs.first_tokens[i])
+                self._export_one(chunk.seq, outputs[0][0], self._first_token_index(i))
         return plan, outputs, imported
+
+    def _first_token_index(self, i: int) -> int:
+        """Where prefill row i's first token sits in a packed output vector."""
+        return self.spec.num_slots * (self.cfg.block_size + 2) + 2 * i
+
+    def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
+              decode_steps: int = 1):
+        """One jitted step on a packed batch; a batch equal to the last one is
+        not sent again (steady decoding sends nothing)."""
+        host = pack_batch(batch)
+        last_host, last_device = self._sent
+        if last_host is not None and np.array_equal(host, last_host):
+            device = last_device
+        else:
+            device = jax.device_put(host, self._batch_sharding)
+            self._sent = (host, device)
+        return self._step_fn(self.params, self.state, device,
+                             num_prefill=batch.prefill_slots.shape[0], table_width=table_width,
+                             decode=decode, speculative=self.speculative, greedy=greedy,
+                             decode_steps=decode_steps)
+
+    def _merge_outputs(self, packed: list[tuple[np.ndarray, int]]):
+        """One StepOutputs from the step's calls: prefill rows from the first,
+        decode rows from the last."""
+        unpack = functools.partial(unpack_outputs, num_slots=self.spec.num_slots,
+                                   block_size=self.cfg.block_size)
+        (p0, k0), (p1, k1) = packed[0], packed[-1]
+        first, last = unpack(p0, decode_steps=k0), unpack(p1, decode_steps=k1)
+        return dataclasses.replace(last, first_tokens=first.first_tokens,
+                                   prefill_ok=first.prefill_ok)
 
     def _import_one(self, seq: Sequence):
         """Dispatch `import_step` for one arrived payload; (ok, first token) on the device."""
@@ -430,21 +492,22 @@ class Engine:
         self.state, ok = self._import(
             self.params, self.state, np.int32(slot), np.int32(payload.target_len),
             np.int32(payload.draft_ctx_len), payload.first_token, payload.logical_pages,
-            payload.buffers, payload.checksums, cfg=self.cfg, pool_ids=tuple(payload.pool_ids),
+            payload.buffers, payload.checksums, pool_ids=tuple(payload.pool_ids),
             mode=self.mode, table_width=self._table_width(payload.target_len + self.cfg.block_size))
         self.bytes_imported += payload.nbytes
         return ok, payload.first_token
 
-    def _export_one(self, seq: Sequence, first_token) -> None:
+    def _export_one(self, seq: Sequence, tokens, token_index: int) -> None:
         n = len(seq.request.prompt)
         payload = self._export(self.spec, self.state, seq.slot, n,
-                               n if self.cfg.draft is not None else 0, first_token,
+                               n if self.cfg.draft is not None else 0, tokens, token_index,
                                mode=self.mode)
         self._exports.append(Export(seq.request, payload, seq.submitted))
         self.scheduler.release_exported(seq)
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
         outputs, imported = jax.device_get((outputs, imported))
+        outputs = self._merge_outputs(outputs)
         now = time.perf_counter()
         scheduler, results = self.scheduler, []
 
@@ -473,19 +536,22 @@ class Engine:
                     f"admission reserved them (a bug in page accounting)")))
             elif chunk.is_last and not self.export:
                 book(seq, [int(outputs.first_tokens[i])], False)
+        for j in range(outputs.num_out.shape[0]):  # the call's decode steps, in order
+            for seq in plan.decode:
+                if seq.phase is Phase.DONE:
+                    continue
+                if not outputs.decode_ok[j, seq.slot]:
+                    results.append(scheduler.finish(seq, now, "error", (
+                        f"request {seq.request_id!r}: a decode step could not allocate pages "
+                        f"(a bug in admission accounting)")))
+                    continue
+                n = int(outputs.num_out[j, seq.slot])
+                book(seq, outputs.out_tokens[j, seq.slot, :n], True)
         for seq in plan.decode:
-            if seq.phase is Phase.DONE:
-                continue
-            if not outputs.decode_ok[seq.slot]:
-                results.append(scheduler.finish(seq, now, "error", (
-                    f"request {seq.request_id!r}: a decode step could not allocate pages "
-                    f"(a bug in admission accounting)")))
-                continue
-            n = int(outputs.num_out[seq.slot])
-            book(seq, outputs.out_tokens[seq.slot, :n], True)
             if seq.phase is not Phase.DONE:
                 self._len_bound[seq.slot] = (len(seq.request.prompt) + len(seq.tokens) - 1
-                                             + self.cfg.block_size * self.lookahead)
+                                             + self.cfg.block_size * self.decode_steps
+                                             * self.lookahead)
         return results
 
 

@@ -96,19 +96,23 @@ def _physical(row, logical):
 
 
 @functools.partial(jax.jit, static_argnames=("pool_ids",))
-def export_step(state: SpecState, slot, logical_pages, *, pool_ids: tuple[int, ...]):
+def export_step(state: SpecState, slot, logical_pages, tokens=None, token_index=0, *,
+                pool_ids: tuple[int, ...]):
     """Gather one slot's live pages of each pool in `pool_ids` into contiguous buffers.
 
     Args:
       slot: i32[]; logical_pages: per sent pool, i32[n_bucket] (BAD pads).
+      tokens, token_index: the request's first token is tokens[token_index] (a
+        step's output vector, read here rather than by a separate device op).
     Returns:
       (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding gathers
-       the all-zero null page), checksums: u32[len(pool_ids)]).
+       the all-zero null page), checksums: u32[len(pool_ids)], first token i32[]).
     """
     kv = state.kv
     buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slot], logical), axis=1)
                     for i, logical in zip(pool_ids, logical_pages))
-    return buffers, jnp.stack([checksum_of(b) for b in buffers])
+    first = jnp.int32(0) if tokens is None else tokens[token_index]
+    return buffers, jnp.stack([checksum_of(b) for b in buffers]), first
 
 
 def _pages_match(row, logical, num_pages: int):
@@ -199,11 +203,12 @@ class KVPayload:
 
 
 def export_payload(spec: CacheSpec, state: SpecState, slot: int, target_len: int,
-                   draft_ctx_len: int, first_token, *, mode: str) -> KVPayload:
-    """Dispatch `export_step` for one prefilled slot (no host sync)."""
+                   draft_ctx_len: int, tokens, token_index: int, *, mode: str) -> KVPayload:
+    """Dispatch `export_step` for one prefilled slot whose first token is
+    tokens[token_index] (no host sync)."""
     pool_ids = sent_pool_ids(spec, mode)
     logical = tuple(padded_pages(live_logical_pages(spec, spec.pools[i], target_len,
                                                     draft_ctx_len)) for i in pool_ids)
-    buffers, sums = export_step(state, np.int32(slot), logical, pool_ids=pool_ids)
-    return KVPayload(target_len, draft_ctx_len, first_token, pool_ids, logical, buffers, sums,
-                     mode)
+    buffers, sums, first = export_step(state, np.int32(slot), logical, tokens,
+                                       np.int32(token_index), pool_ids=pool_ids)
+    return KVPayload(target_len, draft_ctx_len, first, pool_ids, logical, buffers, sums, mode)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from drafter.steps import (Sampler, SpecState, StepConfig, _at_precision, decode_rows,
                            plain_decode_rows, prefill_rows)
@@ -51,8 +52,9 @@ class StepBatch:
 class StepOutputs:
     """Attributes:
       first_tokens: i32[P]; prefill_ok: bool[P].
-      out_tokens: i32[num_slots, block_size]; num_out: i32[num_slots];
-      decode_ok: bool[num_slots] (False: the row could not get pages, a bug in admission).
+      out_tokens: i32[decode_steps, num_slots, block_size]; num_out: i32[decode_steps,
+        num_slots]; decode_ok: bool[decode_steps, num_slots] (False: the row could not
+        get pages, a bug in admission).
     """
 
     first_tokens: jax.Array
@@ -70,12 +72,13 @@ def reset_slots(cfg: StepConfig, state: SpecState, slot_ids) -> SpecState:
 
 @_at_precision
 def mixed_step(params, state: SpecState, batch: StepBatch, *, cfg: StepConfig,
-               table_width: int, decode: bool, speculative: bool,
-               greedy: bool) -> tuple[SpecState, StepOutputs]:
+               table_width: int, decode: bool, speculative: bool, greedy: bool,
+               decode_steps: int = 1) -> tuple[SpecState, StepOutputs]:
     """Run one `StepBatch`. `decode` False skips decoding (no running rows);
-    P = 0 prefill rows skips prefill. Static: `table_width` (pages every row's
-    table holds, prefill and decode alike: one width keeps compiles few),
-    `decode`, `speculative`, `greedy`."""
+    P = 0 prefill rows skips prefill; `decode_steps` decode steps run back to
+    back on the device (one host round trip for several steps). Static:
+    `table_width` (pages every row's table holds, prefill and decode alike: one
+    width keeps compiles few), `decode`, `speculative`, `greedy`, `decode_steps`."""
     state = reset_slots(cfg, state, batch.reset_slots)
     kv = state.kv
     num_slots, block = batch.decode_slots.shape[0], cfg.block_size
@@ -89,20 +92,96 @@ def mixed_step(params, state: SpecState, batch: StepBatch, *, cfg: StepConfig,
         state, first, prefill_ok = prefill_rows(
             params, state, ids, batch.prefill_tokens, batch.prefill_lens, batch.prefill_last,
             sampler, cfg=cfg, table_width=table_width)
-    out_tokens = jnp.zeros((num_slots, block), jnp.int32)
-    num_out = jnp.zeros((num_slots,), jnp.int32)
-    decode_ok = jnp.ones((num_slots,), bool)
+    out_tokens = jnp.zeros((decode_steps, num_slots, block), jnp.int32)
+    num_out = jnp.zeros((decode_steps, num_slots), jnp.int32)
+    decode_ok = jnp.ones((decode_steps, num_slots), bool)
     if decode:
-        ids = batch.decode_slots
-        sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
-                                  state.kv.target_lens[ids], greedy=greedy,
-                                  stream=_DECODE_STREAM)
-        if speculative:
-            state, out_tokens, num_out, decode_ok = decode_rows(
-                params, state, ids, sampler, cfg=cfg, table_width=table_width)
+        def one_step(state, _):
+            return _decode_once(params, state, batch, cfg=cfg, table_width=table_width,
+                                speculative=speculative, greedy=greedy)
+
+        if decode_steps == 1:  # no loop around the common case
+            state, outs = one_step(state, None)
+            out_tokens, num_out, decode_ok = (x[None] for x in outs)
         else:
-            state, token, decode_ok = plain_decode_rows(params, state, ids, sampler, cfg=cfg,
-                                                        table_width=table_width)
-            live = (ids != cfg.spec.dummy_slot) & state.running[ids] & decode_ok
-            out_tokens, num_out = token[:, None], jnp.where(live, 1, 0).astype(jnp.int32)
+            state, (out_tokens, num_out, decode_ok) = jax.lax.scan(one_step, state, None,
+                                                                   length=decode_steps)
     return state, StepOutputs(first, prefill_ok, out_tokens, num_out, decode_ok)
+
+
+def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculative, greedy):
+    """One decode step of the batch's rows: (state, (tokens [S, block], num_out [S], ok [S]))."""
+    ids = batch.decode_slots
+    sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
+                              state.kv.target_lens[ids], greedy=greedy, stream=_DECODE_STREAM)
+    if speculative:
+        state, out_tokens, num_out, ok = decode_rows(params, state, ids, sampler, cfg=cfg,
+                                                     table_width=table_width)
+        return state, (out_tokens, num_out, ok)
+    state, token, ok = plain_decode_rows(params, state, ids, sampler, cfg=cfg,
+                                         table_width=table_width)
+    live = (ids != cfg.spec.dummy_slot) & state.running[ids] & ok
+    return state, (token[:, None], jnp.where(live, 1, 0).astype(jnp.int32), ok)
+
+
+# ---------------------------------------------------------------- one transfer each way
+#
+# The host sends a step's batch as one i32 vector and reads its outputs as one:
+# every separate array is a host <-> device copy of its own, and at small batch
+# those copies, not the device, bound the step rate.
+#
+#   batch   [reset S | decode S | prefill slots P | lens P | last P | tokens P*T |
+#            temperature bits S+1 | seeds S+1]
+#   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
+#            prefill P x 2: first, ok]
+
+def pack_batch(batch: StepBatch) -> np.ndarray:
+    """A host StepBatch (numpy fields) as one i32 vector."""
+    parts = [batch.reset_slots, batch.decode_slots, batch.prefill_slots, batch.prefill_lens,
+             np.asarray(batch.prefill_last, np.int32), np.asarray(batch.prefill_tokens).ravel(),
+             np.asarray(batch.temperatures, np.float32).view(np.int32),
+             np.asarray(batch.seeds, np.uint32).view(np.int32)]
+    return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
+
+
+def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int) -> StepBatch:
+    """Inverse of `pack_batch`, inside jit."""
+    sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill * chunk,
+             num_slots + 1, num_slots + 1]
+    cuts = np.cumsum(sizes)[:-1].tolist()
+    reset, decode, slots, lens, last, tokens, temps, seeds = jnp.split(packed, cuts)
+    return StepBatch(reset_slots=reset, prefill_slots=slots,
+                     prefill_tokens=tokens.reshape(num_prefill, chunk), prefill_lens=lens,
+                     prefill_last=last.astype(bool), decode_slots=decode,
+                     temperatures=jax.lax.bitcast_convert_type(temps, jnp.float32),
+                     seeds=jax.lax.bitcast_convert_type(seeds, jnp.uint32))
+
+
+def pack_outputs(out: StepOutputs):
+    decode = jnp.concatenate([out.out_tokens, out.num_out[..., None],
+                              out.decode_ok[..., None].astype(jnp.int32)], axis=-1)
+    prefill = jnp.stack([out.first_tokens, out.prefill_ok.astype(jnp.int32)], axis=1)
+    return jnp.concatenate([decode.ravel(), prefill.ravel()])
+
+
+def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
+                   decode_steps: int) -> StepOutputs:
+    """Inverse of `pack_outputs`, on the host."""
+    n = decode_steps * num_slots * (block_size + 2)
+    decode = packed[:n].reshape(decode_steps, num_slots, block_size + 2)
+    prefill = packed[n:].reshape(-1, 2)
+    return StepOutputs(first_tokens=prefill[:, 0], prefill_ok=prefill[:, 1].astype(bool),
+                       out_tokens=decode[..., :block_size], num_out=decode[..., block_size],
+                       decode_ok=decode[..., block_size + 1].astype(bool))
+
+
+def packed_step(params, state: SpecState, packed, *, cfg: StepConfig, num_prefill: int,
+                table_width: int, decode: bool, speculative: bool, greedy: bool,
+                decode_steps: int = 1):
+    """`mixed_step` on a packed batch, returning packed outputs."""
+    batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_prefill=num_prefill,
+                         chunk=cfg.spec.max_step_tokens)
+    state, out = mixed_step(params, state, batch, cfg=cfg, table_width=table_width,
+                            decode=decode, speculative=speculative, greedy=greedy,
+                            decode_steps=decode_steps)
+    return state, pack_outputs(out)

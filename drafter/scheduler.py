@@ -94,18 +94,20 @@ class Scheduler:
       kv_from_source: admitted requests get their KV from a source, not a local prefill.
       export: prefilled requests leave (a context worker) instead of decoding.
       lookahead: steps the engine dispatches before reading outputs.
+      decode_steps: decode steps one call may run back to back.
       eos_token_ids: ids that end a request unless it sets ignore_eos.
     """
 
     def __init__(self, spec: CacheSpec, block_size: int, *, max_num_batched_tokens: int,
                  kv_from_source: bool = False, export: bool = False, lookahead: int = 1,
-                 eos_token_ids=()):
+                 eos_token_ids=(), decode_steps: int = 1):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.spec, self.block_size = spec, block_size
         self.budget = max_num_batched_tokens
         self.kv_from_source, self.export = kv_from_source, export
         self.lookahead, self.eos_token_ids = lookahead, frozenset(eos_token_ids)
+        self.decode_steps = decode_steps
         self.admission = AdmissionController(spec)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: dict[str, Sequence] = {}      # admitted, not done
@@ -114,12 +116,14 @@ class Scheduler:
     # ----------------------------------------------------------- requests
 
     def reserved_len(self, request: Request) -> int:
-        """Tokens a request may occupy: prompt, outputs, one verify block, and a
-        block per step of lookahead. The context role holds the prompt only."""
+        """Tokens a request may occupy: prompt, outputs, and a verify block for
+        every step that may run past its end (the rest of its call's decode
+        steps, then a whole call in flight ahead). The context role holds the
+        prompt only."""
         if self.export:
             return len(request.prompt) + self.block_size
         return (len(request.prompt) + request.params.max_new_tokens
-                + self.block_size * (1 + self.lookahead))
+                + self.block_size * self.decode_steps * (1 + self.lookahead))
 
     def check_fits(self, request: Request) -> None:
         """AdmissionError if the request could not run even in an empty cache."""

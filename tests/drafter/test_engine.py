@@ -212,3 +212,20 @@ def test_a_warm_engine_compiles_nothing_more(caplog):
         jax.config.update("jax_log_compiles", False)
     compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
     assert not compiled, compiled
+
+
+def test_several_decode_steps_per_call_give_the_same_tokens(pair):
+    """Steady decoding runs k steps per call; stops and max_new_tokens that fall
+    inside a call cut there, and acceptance counts only kept tokens."""
+    params, spec_cfg, _ = pair
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    one = Engine(params, spec_cfg).generate(prompts, 13)
+    engine = Engine(params, spec_cfg, decode_steps_per_call=3)
+    three = engine.generate(prompts, 13)
+    assert [r.tokens for r in three] == [r.tokens for r in one]
+    assert [r.acceptance for r in three] == [r.acceptance for r in one]
+    stop = one[1].tokens[6]
+    cut = engine.generate([prompts[1]], params=SamplingParams(13, stop_token_ids=(stop,)))[0]
+    assert cut.tokens == one[1].tokens[:one[1].tokens.index(stop) + 1]
+    assert sum(cut.acceptance) + 1 == len(cut.tokens)
+    assert_all_free(engine)
