@@ -245,19 +245,20 @@ class Engine:
         issued = time.perf_counter()
         if dispatched is not None:
             self._inflight.append(dispatched)
-        results += self._read_outputs()
+        results += self._read_outputs(idle=dispatched is None)
         if dispatched is not None:
             self.step_times.append((issued - start, time.perf_counter() - issued))
         elif not self._inflight and self._awaiting_since:
             results += self._take_arrivals(0.02)  # nothing to run: wait a little for KV
         return results
 
-    def _read_outputs(self) -> list[Result]:
+    def _read_outputs(self, *, idle: bool) -> list[Result]:
         """Read dispatched steps, oldest first, keeping `lookahead` of them in
-        flight. A context engine (export) reads only steps already done: its
+        flight (none when this step dispatched nothing: then every step is
+        read). A context engine (export) reads only steps already done: its
         outputs are checks, and waiting on them would stall the host."""
         results = []
-        keep = 8 if self.export else int(self.lookahead)
+        keep = 0 if idle else 8 if self.export else int(self.lookahead)
         while self._inflight and (len(self._inflight) > keep or (
                 self.export and _is_ready(self._inflight[0]))):
             results += self._collect(*self._inflight.popleft())
