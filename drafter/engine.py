@@ -23,21 +23,18 @@ Result with finish_reason "error" for the one request it concerns.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import deque
 from typing import Protocol
 
 import jax
-import numpy as np
 
-from drafter.kv_io import KVPayload, export_payload, import_step, sent_pool_ids
-from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
+from drafter.executor import Executor
+from drafter.kv_io import KVPayload, sent_pool_ids
 from drafter.request import Request, RequestError, Result, SamplingParams
 from drafter.scheduler import Phase, Scheduler, Sequence
-from drafter.steps import StepConfig, init_spec_state
-from pallas_kernels.batch_tables import bucket_width
-from unified_kv import AdmissionError, init_state
+from drafter.steps import StepConfig
+from unified_kv import AdmissionError
 
 __all__ = ["Engine", "Export", "KVSource", "Result", "Request", "SamplingParams"]
 
@@ -64,34 +61,6 @@ class Export:
 
 def _is_ready(dispatched) -> bool:
     return all(x.is_ready() for x in jax.tree.leaves(dispatched[1:]) if hasattr(x, "is_ready"))
-
-
-def _traced_on_mesh(mesh, jitted):
-    """Call `jitted` with `mesh` as the context mesh, so the Pallas kernels run
-    per device over the kv heads (models/attention.py)."""
-    if mesh is None:
-        return jitted
-
-    @functools.wraps(jitted)
-    def call(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return jitted(*args, **kwargs)
-    return call
-
-
-@functools.lru_cache(maxsize=64)
-def _packed_step_for(cfg: StepConfig):
-    """The jitted step with `cfg` bound, shared by every Engine of that config: a
-    static config argument would be hashed and compared on every call."""
-    return jax.jit(functools.partial(packed_step, cfg=cfg),
-                   static_argnames=("num_prefill", "table_width", "decode", "speculative",
-                                    "greedy", "decode_steps"), donate_argnums=1)
-
-
-@functools.lru_cache(maxsize=64)
-def _import_step_for(cfg: StepConfig):
-    return jax.jit(functools.partial(import_step, cfg=cfg),
-                   static_argnames=("pool_ids", "mode", "table_width"), donate_argnums=1)
 
 
 class Engine:
@@ -140,43 +109,35 @@ class Engine:
                                    kv_from_source=kv_source is not None, export=export,
                                    lookahead=int(lookahead), eos_token_ids=eos_token_ids,
                                    decode_steps=self.decode_steps)
-        self.params = self._place(params)
-        self.state = self._place_state(init_spec_state(cfg, init_state(cfg.spec, mesh=mesh)))
-        on_mesh = functools.partial(_traced_on_mesh, mesh)
-        self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))
-        self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
-                                if mesh is None else jax.sharding.NamedSharding(
-                                    mesh, jax.sharding.PartitionSpec()))
-        self._sent = (None, None)  # (host, device) copy of the last packed batch
-        self._export = on_mesh(export_payload)
-        slots = cfg.spec.num_slots + 1
-        self._temperatures = np.zeros(slots, np.float32)
-        self._seeds = np.zeros(slots, np.uint32)
-        self._len_bound = np.zeros(slots, np.int64)  # host upper bound of each slot's length
+        self.executor = Executor(params, cfg, mesh=mesh, speculative=self.speculative,
+                                 mode=mode)
         self._inflight: deque = deque()  # dispatched steps not yet read, oldest first
         self._exports: list[Export] = []
         self._awaiting_since: dict[str, float] = {}
         # (dispatch, wait) seconds per step: the host's time to plan and dispatch
         # a step, then its wait for the previous step's outputs.
         self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)
-        self.bytes_imported = 0
 
-    def _place(self, params):
-        if self.mesh is None:
-            return params
-        return jax.device_put(params, jax.sharding.NamedSharding(
-            self.mesh, jax.sharding.PartitionSpec()))
+    @property
+    def state(self):
+        """The device state (SpecState), as the last dispatched call leaves it."""
+        return self.executor.state
 
-    def _place_state(self, state):
-        # Commit the fresh state where the steps' outputs will live: jit keys its
-        # cache on committed-ness, and an uncommitted first state would make
-        # every step compile twice on its first use.
-        if self.mesh is None:
-            return jax.device_put(state, jax.devices()[0])
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        return state.replace(anchors=jax.device_put(state.anchors, replicated),
-                             drafts=jax.device_put(state.drafts, replicated),
-                             running=jax.device_put(state.running, replicated))
+    @state.setter
+    def state(self, value):
+        self.executor.state = value
+
+    @property
+    def params(self):
+        return self.executor.params
+
+    @property
+    def bytes_imported(self) -> int:
+        return self.executor.bytes_imported
+
+    @bytes_imported.setter
+    def bytes_imported(self, value: int) -> None:
+        self.executor.bytes_imported = value
 
     # ------------------------------------------------------------ requests
 
@@ -322,16 +283,14 @@ class Engine:
                          range(0, max_len + 1, self.spec.page_size)})
         for width in widths:
             for k in sorted({1, self.decode_steps}):
-                self.state, _ = self._call(self._empty_batch(0), table_width=width,
-                                           decode=True, greedy=True, decode_steps=k)
+                self.executor.run_empty(table_width=width, decode_steps=k)
         jax.block_until_ready(self.state)
         return len(widths)
 
     # ------------------------------------------------------------ internals
 
     def _table_width(self, max_len: int) -> int:
-        pages = -(-max_len // self.spec.page_size)
-        return bucket_width(pages, self.spec.max_pages_per_seq, block_pages=16)
+        return self.executor.table_width(max_len)
 
     def _take_arrivals(self, timeout: float) -> list[Result]:
         if self.kv_source is None:
@@ -359,18 +318,6 @@ class Engine:
                                f"{self.kv_timeout_s:.1f}s"))
         return results
 
-    def _empty_batch(self, num_prefill: int) -> StepBatch:
-        spec, dummy = self.spec, self.spec.dummy_slot
-        t = spec.max_step_tokens
-        return StepBatch(
-            reset_slots=np.full(spec.num_slots, dummy, np.int32),
-            prefill_slots=np.full(num_prefill, dummy, np.int32),
-            prefill_tokens=np.zeros((num_prefill, t), np.int32),
-            prefill_lens=np.zeros(num_prefill, np.int32),
-            prefill_last=np.zeros(num_prefill, bool),
-            decode_slots=np.full(spec.num_slots, dummy, np.int32),
-            temperatures=self._temperatures, seeds=self._seeds)
-
     def _prefill_rows(self, n: int) -> int:
         """Rows of a prefill call: 1, else the most a step can hold (two shapes
         to compile; a lone prompt pays no padding)."""
@@ -379,103 +326,26 @@ class Engine:
         most = min(self.spec.num_slots, max(1, self.scheduler.budget // self.spec.max_step_tokens))
         return max(n, most)
 
-    def _no_slots(self):
-        return np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)
-
-    def _no_prefill(self) -> dict:
-        t = self.spec.max_step_tokens
-        return dict(prefill_slots=np.zeros(0, np.int32), prefill_tokens=np.zeros((0, t), np.int32),
-                    prefill_lens=np.zeros(0, np.int32), prefill_last=np.zeros(0, bool))
-
     def _dispatch(self, plan):
-        block = self.cfg.block_size
-        for slot in plan.reset_slots:
-            self._len_bound[slot] = 0
         imported = [self._import_one(seq) for seq in plan.imports]
-        batch = self._empty_batch(self._prefill_rows(len(plan.prefill)))
-        batch.reset_slots[:len(plan.reset_slots)] = plan.reset_slots
-        sampled = []
-        for i, chunk in enumerate(plan.prefill):
-            seq, slot = chunk.seq, chunk.seq.slot
-            if chunk.start == 0:
-                self._temperatures[slot] = seq.request.params.temperature
-                self._seeds[slot] = seq.request.params.seed
-            piece = seq.request.prompt[chunk.start:chunk.start + chunk.num_tokens]
-            batch.prefill_slots[i] = slot
-            batch.prefill_tokens[i, :len(piece)] = piece
-            batch.prefill_lens[i] = len(piece)
-            batch.prefill_last[i] = chunk.is_last
-            self._len_bound[slot] = chunk.start + chunk.num_tokens
-            sampled.append(slot)
-        for seq in plan.decode:
-            batch.decode_slots[seq.slot] = seq.slot
-            sampled.append(seq.slot)
         steady = not (plan.prefill or plan.imports or plan.reset_slots or plan.fetch
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
-        k = self.decode_steps if steady else 1
-        max_len = max([c.start + c.num_tokens + block for c in plan.prefill]
-                      + [int(self._len_bound[s.slot]) + (k + 1) * block for s in plan.decode],
-                      default=block)
-        for seq in plan.decode:
-            self._len_bound[seq.slot] += k * block
-        greedy = not np.any(self._temperatures[sampled]) if sampled else True
-        batch = dataclasses.replace(batch, temperatures=self._temperatures,
-                                    seeds=self._seeds)
-        width = self._table_width(max_len)
-        # Prefill chunks and decode rows of one plan go out as two calls: one
-        # program holding both compiles ~2x longer per variant and multiplies
-        # the variants (prefill row buckets x decode or not).
-        outputs = []
-        if plan.prefill or not plan.decode:
-            self.state, out = self._call(batch, table_width=width, decode=False, greedy=greedy)
-            outputs.append((out, 1))
-            batch = dataclasses.replace(batch, reset_slots=self._no_slots())
-        if plan.decode:
-            self.state, out = self._call(dataclasses.replace(batch, **self._no_prefill()),
-                                         table_width=width, decode=True, greedy=greedy,
-                                         decode_steps=k)
-            outputs.append((out, k))
+        outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
+                                    decode_steps=self.decode_steps if steady else 1)
         for i, chunk in enumerate(plan.prefill):
             if chunk.seq in plan.exports:
-                self._export_one(chunk.seq, outputs[0][0], self._first_token_index(i))
+                seq = chunk.seq
+                payload = self.executor.export(seq.slot, len(seq.request.prompt),
+                                               outputs[0][0], i)
+                self._exports.append(Export(seq.request, payload, seq.submitted))
+                self.scheduler.release_exported(seq)
         return plan, outputs, imported
 
-    def _first_token_index(self, i: int) -> int:
-        """Where prefill row i's first token sits in a packed output vector."""
-        return self.spec.num_slots * (self.cfg.block_size + 2) + 2 * i
-
-    def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
-              decode_steps: int = 1):
-        """One jitted step on a packed batch; a batch equal to the last one is
-        not sent again (steady decoding sends nothing)."""
-        host = pack_batch(batch)
-        last_host, last_device = self._sent
-        if last_host is not None and np.array_equal(host, last_host):
-            device = last_device
-        else:
-            device = jax.device_put(host, self._batch_sharding)
-            self._sent = (host, device)
-        return self._step_fn(self.params, self.state, device,
-                             num_prefill=batch.prefill_slots.shape[0], table_width=table_width,
-                             decode=decode, speculative=self.speculative, greedy=greedy,
-                             decode_steps=decode_steps)
-
-    def _merge_outputs(self, packed: list[tuple[np.ndarray, int]]):
-        """One StepOutputs from the step's calls: prefill rows from the first,
-        decode rows from the last."""
-        unpack = functools.partial(unpack_outputs, num_slots=self.spec.num_slots,
-                                   block_size=self.cfg.block_size)
-        (p0, k0), (p1, k1) = packed[0], packed[-1]
-        first, last = unpack(p0, decode_steps=k0), unpack(p1, decode_steps=k1)
-        return dataclasses.replace(last, first_tokens=first.first_tokens,
-                                   prefill_ok=first.prefill_ok)
-
     def _import_one(self, seq: Sequence):
-        """Dispatch `import_step` for one arrived payload; (ok, first token) on the device."""
+        """Dispatch the import of one arrived payload; (ok, first token) on the device,
+        or None when the payload cannot be for this worker (the request fails)."""
         payload, seq.kv = seq.kv, None
-        request, slot = seq.request, seq.slot
-        self._temperatures[slot] = request.params.temperature
-        self._seeds[slot] = request.params.seed
+        request = seq.request
         want = sent_pool_ids(self.spec, self.mode)
         problem = None
         if payload.mode != self.mode or tuple(payload.pool_ids) != want:
@@ -489,26 +359,12 @@ class Engine:
             self.scheduler.finish(seq, time.perf_counter(), "error",
                                   f"request {request.request_id!r}: KV import refused: {problem}")
             return None
-        self._len_bound[slot] = payload.target_len
-        self.state, ok = self._import(
-            self.params, self.state, np.int32(slot), np.int32(payload.target_len),
-            np.int32(payload.draft_ctx_len), payload.first_token, payload.logical_pages,
-            payload.buffers, payload.checksums, pool_ids=tuple(payload.pool_ids),
-            mode=self.mode, table_width=self._table_width(payload.target_len + self.cfg.block_size))
-        self.bytes_imported += payload.nbytes
-        return ok, payload.first_token
-
-    def _export_one(self, seq: Sequence, tokens, token_index: int) -> None:
-        n = len(seq.request.prompt)
-        payload = self._export(self.spec, self.state, seq.slot, n,
-                               n if self.cfg.draft is not None else 0, tokens, token_index,
-                               mode=self.mode)
-        self._exports.append(Export(seq.request, payload, seq.submitted))
-        self.scheduler.release_exported(seq)
+        return self.executor.import_payload(seq.slot, payload, request.params), \
+            payload.first_token
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
         outputs, imported = jax.device_get((outputs, imported))
-        outputs = self._merge_outputs(outputs)
+        outputs = self.executor.unpack(outputs)
         now = time.perf_counter()
         scheduler, results = self.scheduler, []
 
@@ -550,7 +406,7 @@ class Engine:
                 book(seq, outputs.out_tokens[j, seq.slot, :n], True)
         for seq in plan.decode:
             if seq.phase is not Phase.DONE:
-                self._len_bound[seq.slot] = (len(seq.request.prompt) + len(seq.tokens) - 1
+                self.executor.len_bound[seq.slot] = (len(seq.request.prompt) + len(seq.tokens) - 1
                                              + self.cfg.block_size * self.decode_steps
                                              * self.lookahead)
         return results
