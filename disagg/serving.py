@@ -7,7 +7,9 @@
 
 One line in, exactly one line out, carrying the request's id (its line
 number when it has none). A bad line gets an error line naming the problem;
-it never stops the server or touches another request.
+it never stops the server or touches another request. SIGINT or SIGTERM
+stops the reading: every line already read is served to its end, then the
+server returns.
 
 Line schema (strict: no coercion):
     {"id": str | int, "prompt": str | "tokens": [int, ...],
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import sys
 import threading
 
@@ -77,6 +80,22 @@ def _read_lines(source, lines: queue.Queue) -> None:
         lines.put(None)
 
 
+def _drop_unread(lines: queue.Queue, keep) -> None:
+    """Put back only the lines already read (the reader's end marker is dropped):
+    they are served; nothing more is read."""
+    kept = []
+    while True:
+        try:
+            item = lines.get_nowait()
+        except queue.Empty:
+            break
+        if keep(item):
+            kept.append(item)
+    for item in kept:
+        lines.put(item)
+    lines.put(None)
+
+
 def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
     """Serve every line of `path` ("-": stdin); returns the number of error lines."""
     out = out or sys.stdout
@@ -84,22 +103,34 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=_read_lines, args=(source, lines), daemon=True)
     reader.start()
-    errors, eof = 0, False
+    errors, eof, done_reading = 0, False, False
+    stop = threading.Event()
 
     def write(obj) -> None:
         print(json.dumps(obj), file=out, flush=True)
 
+    def on_signal(signum, frame) -> None:
+        print(f"serve: {signal.Signals(signum).name}: serving the lines already read, then "
+              f"stopping", file=sys.stderr, flush=True)
+        stop.set()
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not eof or engine.has_work:
+            if stop.is_set() and not eof:
+                eof = True  # stop reading; drain what was read
+                _drop_unread(lines, keep=lambda item: item is not None)
             block = not engine.has_work  # idle: wait for the next line
-            while True:
+            while not done_reading:
                 try:
                     item = lines.get(timeout=0.05) if block else lines.get_nowait()
                 except queue.Empty:
                     break
                 block = False
                 if item is None:
-                    eof = True
+                    eof = done_reading = True
                     break
                 line_no, raw = item
                 if not raw.strip():
@@ -131,6 +162,8 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
                     errors += 1
                     write({"id": result.request_id, "error": result.error})
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         if source is not sys.stdin.buffer:
             source.close()
     return errors

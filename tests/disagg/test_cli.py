@@ -2,9 +2,16 @@
 
 import io
 import json
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from disagg.__main__ import main
+from disagg.processes import child_env
 
 
 def test_demo_writes_the_table(tmp_path, capsys):
@@ -60,3 +67,26 @@ def test_serve_batches_the_stream_and_answers_every_line_once(monkeypatch, capsy
     for line_no, (raw, match) in enumerate(BAD_LINES, 4):
         rid = json.loads(raw)["id"] if raw.startswith(b'{"id"') else f"line-{line_no}"
         assert match in by_id[rid]["error"], (rid, by_id[rid])
+
+
+@pytest.mark.timeout(300)
+def test_serve_drains_on_sigterm_and_exits_cleanly(tmp_path):
+    """SIGTERM: the lines already read are answered, then serve exits 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "disagg", "serve", "--draft-kv", "aggregated"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2], env=child_env(1))
+    def send(rid, n):
+        proc.stdin.write((json.dumps({"id": rid, "prompt": "def f(x):", "max_new_tokens": n})
+                          + "\n").encode())
+        proc.stdin.flush()
+
+    send("s0", 4)
+    first = json.loads(proc.stdout.readline())  # serving (compiled) by now
+    send("s1", 200)
+    time.sleep(2.0)  # read and running, not finished
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    answers = [first] + [json.loads(l) for l in out.decode().splitlines()]
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert [(a["id"], len(a["tokens"])) for a in answers] == [("s0", 4), ("s1", 200)]
+    assert "SIGTERM" in err.decode()
