@@ -233,6 +233,16 @@ class Engine:
             results += self._collect(*self._inflight.popleft())
         return results
 
+    def prefill_submitted(self) -> list[Result]:
+        """Step until every submitted request is prefilled (rows prefilled earlier
+        decode meanwhile), then read every step in flight. For callers that
+        work on the prefilled state (benchmarks, tests)."""
+        results = []
+        while self.scheduler.waiting or any(s.phase is Phase.PREFILLING
+                                            for s in self.scheduler.active.values()):
+            results += self.step()
+        return results + self.flush()
+
     def run(self, max_steps: int | None = None) -> list[Result]:
         """Step until every submitted request has ended."""
         results, steps = [], 0

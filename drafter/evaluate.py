@@ -21,7 +21,6 @@ import numpy as np
 
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
-from drafter.scheduler import Phase
 from drafter.steps import decode_step, plain_decode_step
 from drafter.timing import machine, time_step_loop
 from models.attention import IMPLS
@@ -62,10 +61,7 @@ def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool,
     engine = Engine(params, cfg, speculative=speculative)
     for i in range(batch):
         engine.add_request(f"r{i}", prompts[i % len(prompts)], 2048)
-    while engine.scheduler.waiting or any(s.phase is Phase.PREFILLING
-                                          for s in engine.scheduler.active.values()):
-        engine.step()
-    engine.flush()
+    engine.prefill_submitted()
     return engine
 
 

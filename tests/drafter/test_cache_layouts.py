@@ -39,6 +39,7 @@ def test_two_caches_decode_like_the_unified_cache():
     engine = Engine(params, cfg)
     for i, prompt in enumerate(PROMPTS):  # prefill through the unified engine
         engine.add_request(f"r{i}", prompt, 40)
+    engine.prefill_submitted()
     cfgs = split_config(cfg)
     target_kv, draft_kv = split_state(cfg, engine.state.kv, cfgs)
     assert {l.role for l in cfgs[0].spec.layers} == {"target"}

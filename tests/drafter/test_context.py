@@ -46,8 +46,7 @@ def run_with_context(params, cfg, prompts, tamper):
     for i, prompt in enumerate(prompts):
         engine = Engine(params, cfg)
         engine.add_request(f"r{i}", prompt, MAX_NEW)
-        engine.step()   # the prompt's prefill (one chunk) ...
-        engine.flush()  # ... done before the draft context is rewritten
+        engine.prefill_submitted()  # the prompt's KV is in before the context is rewritten
         if tamper is not None:
             pools = list(engine.state.kv.pools)
             for pid, offset in draft_layers:
