@@ -1,8 +1,13 @@
 import os
+import tempfile
 
 # The CPU suite runs Pallas kernels in interpret mode; several host devices let
 # mesh/sharding code run without GPUs. Set before jax initialises a backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# One persistent compilation cache for the run: each test module drops its compiled
+# programs when it ends (below), and many modules compile the same steps again.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jax-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -52,15 +52,19 @@ def test_a_payload_for_other_lengths_is_refused_in_the_step(pair):
     payload = exports[0].payload
 
     class OneShot:
+        """Delivers one payload for the request it was asked for (after admission)."""
+
         def __init__(self, item):
-            self.item = item
+            self.item, self.asked = item, []
 
         def fetch(self, request):
-            pass
+            self.asked.append(request.request_id)
 
         def poll(self, timeout):
+            if not self.asked or self.item is None:
+                return []
             item, self.item = self.item, None
-            return [] if item is None else [("b", item)]
+            return [(self.asked[0], item)]
 
     # The receiver believes the prompt is 29 tokens but is told its pages start later.
     shifted = tuple(np.where(l >= 0, l + 1, l) for l in payload.logical_pages)
