@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.steps import SpecState, StepConfig, _at_precision, redraft_rows
-from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, PoolSpec, allocate_pages,
-                        pow2_at_least, release_slots)
+from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
+                        live_logical_pages, pow2_at_least, release_slots)
 
 
 def page_bucket(n: int) -> int:
@@ -36,24 +36,6 @@ def page_bucket(n: int) -> int:
         return pow2_at_least(n)
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
-
-
-def pool_length(pool: PoolSpec, target_len: int, draft_ctx_len: int) -> int:
-    """The length that governs a pool's pages: the smaller of its roles' lengths."""
-    return min(l for role, l in (("target", target_len), ("draft", draft_ctx_len))
-               if role in pool.roles)
-
-
-def live_logical_pages(spec: CacheSpec, pool: PoolSpec, target_len: int,
-                       draft_ctx_len: int) -> np.ndarray:
-    """i32[n]: the logical pages a row of these lengths holds in `pool` after a
-    step (unified_kv.state's allocation and window retirement): from the first
-    page a query at the row's length can see, to the last written position."""
-    length = pool_length(pool, target_len, draft_ctx_len)
-    first = 0
-    if pool.sliding_window is not None:
-        first = max(length - pool.sliding_window + 1, 0) // spec.page_size
-    return np.arange(first, -(-length // spec.page_size), dtype=np.int32)
 
 
 def padded_pages(logical: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ from unified_kv.spec import (BAD_PAGE_INDEX, KV_DTYPES, NULL_PAGE, SUPPORTED_PAG
                              CacheSpecError, LayerSpec, PoolSpec, max_live_pages,
                              pow2_at_least)
 from unified_kv.state import (KVState, admit_slots, allocate_pages, grow, init_state,
+                              live_logical_pages,
                               release_slots, retire_window_pages, row_extent,
                               state_shardings, validate_slot_ids)
 
@@ -13,6 +14,6 @@ __all__ = [
     "AdmissionController", "AdmissionError", "Reservation", "bytes_per_pool", "bytes_per_request",
     "pages_per_request", "BAD_PAGE_INDEX", "KV_DTYPES", "NULL_PAGE", "SUPPORTED_PAGE_SIZES",
     "CacheSpec", "CacheSpecError", "LayerSpec", "PoolSpec", "max_live_pages", "pow2_at_least",
-    "KVState", "admit_slots", "allocate_pages", "grow", "init_state", "release_slots",
+    "KVState", "admit_slots", "allocate_pages", "grow", "init_state", "live_logical_pages", "release_slots",
     "retire_window_pages", "row_extent", "state_shardings", "validate_slot_ids",
 ]

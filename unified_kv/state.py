@@ -308,6 +308,18 @@ def validate_slot_ids(spec: CacheSpec, slot_ids) -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def live_logical_pages(spec: CacheSpec, pool: PoolSpec, target_len: int,
+                       draft_ctx_len: int) -> np.ndarray:
+    """i32[n]: the logical pages a row of these lengths holds in `pool` after
+    `allocate_pages` and `retire_window_pages` (host ints, no table read): from
+    the first page a query at the row's length can see to the last written one."""
+    length = _pool_len(pool, target_len, draft_ctx_len, min)
+    first = 0
+    if pool.sliding_window is not None:
+        first = max(length - pool.sliding_window + 1, 0) // spec.page_size
+    return np.arange(first, -(-length // spec.page_size), dtype=np.int32)
+
+
 def owned_pages(spec: CacheSpec, state: KVState) -> list[np.ndarray]:
     """Per pool, i32[num_slots + 1]: pages each slot holds (host, for accounting)."""
     return [np.asarray((t != BAD_PAGE_INDEX).sum(axis=1)) for t in state.page_tables]
