@@ -1,138 +1,87 @@
 """Serving a stream of JSON-line requests through one engine, batched across the stream.
 
-    reader thread: lines -> queue          engine loop (this thread):
-                                             take every waiting line -> parse -> submit
-                                             engine.step()  (requests join the running batch)
-                                             print each finished request as one JSON line
+    reader thread: line -> parse (disagg/schema.py) -> ServingLoop.submit
+    this thread:   ServingLoop.run (disagg/loop.py): requests join the running
+                   batch; each finished request is written as one JSON line
 
 One line in, exactly one line out, carrying the request's id (its line
 number when it has none). A bad line gets an error line naming the problem;
 it never stops the server or touches another request. SIGINT or SIGTERM
 stops the reading: every line already read is served to its end, then the
-server returns.
-
-Line schema (strict: no coercion):
-    {"id": str | int, "prompt": str | "tokens": [int, ...],
-     "max_new_tokens": int >= 1, "temperature": number >= 0, "seed": int,
-     "stop_token_ids": [int, ...], "ignore_eos": bool}
+server returns. The line schema is `disagg.schema.parse_line`'s.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import signal
 import sys
 import threading
 
+from disagg.loop import Event, ServingClosed, ServingLoop, Submission
+from disagg.schema import parse_line, request_id_of
 from drafter.engine import Engine
-from drafter.request import Request, RequestError, SamplingParams
+from drafter.request import RequestError
 from unified_kv import AdmissionError
 
-FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop_token_ids",
-          "ignore_eos"}
+__all__ = ["serve_json_lines", "answer_of", "install_drain_handlers"]
 
 
-def request_id_of(obj, line_no: int) -> str:
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
-        return f"line-{line_no}"
-    return str(rid)
+def answer_of(event: Event, text: str) -> dict:
+    """The JSON line for a request's last Event; `text` is its whole output text."""
+    if event.result is None:
+        return {"id": event.request_id, "error": event.error}
+    r = event.result
+    answer = {"id": r.request_id, "tokens": r.tokens, "text": text,
+              "finish_reason": r.finish_reason, "acceptance_length": r.acceptance_length,
+              "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens)},
+              "time_to_first_token_s": r.time_to_first_token_s,
+              "decode_time_s": r.decode_time_s}
+    if r.error is not None:
+        answer["error"] = r.error
+    return answer
 
 
-def parse_request(obj, line_no: int, engine: Engine, tokenizer) -> Request:
-    """A checked Request from one decoded JSON value (RequestError names the problem)."""
-    rid = request_id_of(obj, line_no)
-    if not isinstance(obj, dict):
-        raise RequestError(f"request {rid!r}: a line must be a JSON object, got "
-                           f"{type(obj).__name__}")
-    unknown = sorted(set(obj) - FIELDS)
-    if unknown:
-        raise RequestError(f"request {rid!r}: unknown fields {unknown}; use {sorted(FIELDS)}")
-    if ("prompt" in obj) == ("tokens" in obj):
-        raise RequestError(f"request {rid!r}: give exactly one of \"prompt\" (text) and "
-                           f"\"tokens\" (token ids)")
-    if "prompt" in obj:
-        if not isinstance(obj["prompt"], str):
-            raise RequestError(f"request {rid!r}: \"prompt\" must be a string, got "
-                               f"{type(obj['prompt']).__name__}; send ids as \"tokens\"")
-        if not obj["prompt"]:
-            raise RequestError(f"request {rid!r}: empty prompt; give at least one character")
-        prompt = tokenizer.encode(obj["prompt"])
-    else:
-        prompt = obj["tokens"]
-        if not isinstance(prompt, list):
-            raise RequestError(f"request {rid!r}: \"tokens\" must be a list of token ids")
-    stops = obj.get("stop_token_ids", [])
-    if not isinstance(stops, list):
-        raise RequestError(f"request {rid!r}: \"stop_token_ids\" must be a list of token ids")
-    params = SamplingParams(max_new_tokens=obj.get("max_new_tokens", 64),
-                            temperature=obj.get("temperature", 0.0), seed=obj.get("seed", 0),
-                            stop_token_ids=tuple(stops), ignore_eos=obj.get("ignore_eos", False))
-    return engine.make_request(rid, prompt, params)
+def install_drain_handlers(name: str, on_stop) -> dict:
+    """SIGINT / SIGTERM call `on_stop` once (on the main thread only; elsewhere nothing
+    is installed). Returns the previous handlers, for `signal.signal` to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
 
+    def on_signal(signum, frame) -> None:
+        print(f"{name}: {signal.Signals(signum).name}: finishing the requests already "
+              f"accepted, then stopping", file=sys.stderr, flush=True)
+        on_stop()
 
-def _read_lines(source, lines: queue.Queue) -> None:
-    try:
-        for line_no, raw in enumerate(source, 1):
-            lines.put((line_no, raw))
-    finally:
-        lines.put(None)
-
-
-def _drop_unread(lines: queue.Queue, keep) -> None:
-    """Put back only the lines already read (the reader's end marker is dropped):
-    they are served; nothing more is read."""
-    kept = []
-    while True:
-        try:
-            item = lines.get_nowait()
-        except queue.Empty:
-            break
-        if keep(item):
-            kept.append(item)
-    for item in kept:
-        lines.put(item)
-    lines.put(None)
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
     """Serve every line of `path` ("-": stdin); returns the number of error lines."""
     out = out or sys.stdout
     source = sys.stdin.buffer if path == "-" else open(path, "rb")
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_read_lines, args=(source, lines), daemon=True)
-    reader.start()
-    errors, eof, done_reading = 0, False, False
+    loop = ServingLoop(engine, tokenizer)
+    lock = threading.Lock()
+    errors = 0
     stop = threading.Event()
+    texts: dict[str, list[str]] = {}
 
     def write(obj) -> None:
-        print(json.dumps(obj), file=out, flush=True)
+        nonlocal errors
+        with lock:
+            errors += "error" in obj
+            print(json.dumps(obj), file=out, flush=True)
 
-    def on_signal(signum, frame) -> None:
-        print(f"serve: {signal.Signals(signum).name}: serving the lines already read, then "
-              f"stopping", file=sys.stderr, flush=True)
-        stop.set()
+    def sink(event: Event) -> None:  # on the loop's thread
+        texts.setdefault(event.request_id, []).append(event.text)
+        if event.finish_reason is not None:
+            write(answer_of(event, "".join(texts.pop(event.request_id))))
 
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not eof or engine.has_work:
-            if stop.is_set() and not eof:
-                eof = True  # stop reading; drain what was read
-                _drop_unread(lines, keep=lambda item: item is not None)
-            block = not engine.has_work  # idle: wait for the next line
-            while not done_reading:
-                try:
-                    item = lines.get(timeout=0.05) if block else lines.get_nowait()
-                except queue.Empty:
-                    break
-                block = False
-                if item is None:
-                    eof = done_reading = True
-                    break
-                line_no, raw = item
+    def read() -> None:
+        try:
+            for line_no, raw in enumerate(source, 1):
+                if stop.is_set():
+                    return
                 if not raw.strip():
                     continue
                 rid = f"line-{line_no}"
@@ -144,23 +93,27 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
                     except json.JSONDecodeError as e:
                         raise RequestError(f"request {rid!r}: not JSON ({e})")
                     rid = request_id_of(obj, line_no)
-                    engine.submit(parse_request(obj, line_no, engine, tokenizer))
+                    request, stops = parse_line(obj, line_no, engine, tokenizer)
+                    loop.submit(Submission(request, sink, stops))
                 except (RequestError, AdmissionError) as e:
-                    errors += 1
                     write({"id": rid, "error": f"{type(e).__name__}: {e}"})
-            for result in engine.step():
-                if result.ok:
-                    write({"id": result.request_id, "tokens": result.tokens,
-                           "text": tokenizer.decode(result.tokens),
-                           "finish_reason": result.finish_reason,
-                           "acceptance_length": result.acceptance_length,
-                           "usage": {"prompt_tokens": len(result.prompt),
-                                     "completion_tokens": len(result.tokens)},
-                           "time_to_first_token_s": result.time_to_first_token_s,
-                           "decode_time_s": result.decode_time_s})
-                else:
-                    errors += 1
-                    write({"id": result.request_id, "error": result.error})
+                except ServingClosed:
+                    return
+        except (OSError, ValueError):
+            if not stop.is_set():  # the source closed under a stopping server: done
+                raise
+        finally:
+            loop.close()
+
+    def on_stop() -> None:
+        stop.set()
+        loop.close()
+
+    reader = threading.Thread(target=read, name="jsonl-reader", daemon=True)
+    handlers = install_drain_handlers("serve", on_stop)
+    try:
+        reader.start()
+        loop.run()
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

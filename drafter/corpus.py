@@ -24,6 +24,7 @@ class ByteTokenizer:
 
     vocab_size = VOCAB_SIZE
     bos, eos, mask = BOS, EOS, MASK
+    eos_token_ids = (EOS,)
 
     def encode(self, text: str, *, bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))

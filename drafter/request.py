@@ -14,7 +14,15 @@ import numpy as np
 
 
 class RequestError(ValueError):
-    """A request that can never be served as given; names the field and the fix."""
+    """A request that can never be served as given; names the field and the fix.
+
+    `field`: the request field at fault (a SamplingParams field, "prompt" or
+    "request_id"), or None when the problem is not one field's.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def _is_int(x) -> bool:
@@ -41,21 +49,21 @@ class SamplingParams:
         where = f"request {request_id!r}"
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise RequestError(f"{where}: max_new_tokens must be an integer >= 1, got "
-                               f"{self.max_new_tokens!r}")
+                               f"{self.max_new_tokens!r}", "max_new_tokens")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise RequestError(f"{where}: temperature must be a finite number >= 0 "
-                               f"(0 = greedy), got {t!r}")
+                               f"(0 = greedy), got {t!r}", "temperature")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise RequestError(f"{where}: seed must be an integer in [0, 2**32), got "
-                               f"{self.seed!r}")
+                               f"{self.seed!r}", "seed")
         bad = [s for s in self.stop_token_ids if not _is_int(s) or not 0 <= s < vocab_size]
         if bad:
             raise RequestError(f"{where}: stop_token_ids {bad[:5]} are not token ids in "
-                               f"[0, {vocab_size})")
+                               f"[0, {vocab_size})", "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"{where}: ignore_eos must be true or false, got "
-                               f"{self.ignore_eos!r}")
+                               f"{self.ignore_eos!r}", "ignore_eos")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,26 +80,27 @@ class Request:
         """A checked request. `reserved_ids` are ids no prompt may hold (the
         drafter's mask token). Raises RequestError."""
         if not isinstance(request_id, str) or not request_id:
-            raise RequestError(f"request id must be a non-empty string, got {request_id!r}")
+            raise RequestError(f"request id must be a non-empty string, got {request_id!r}",
+                               "request_id")
         where = f"request {request_id!r}"
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
             raise RequestError(f"{where}: prompt must be a list of token ids, got "
-                               f"{type(prompt).__name__}")
+                               f"{type(prompt).__name__}", "prompt")
         prompt = list(prompt)
         if not prompt:
-            raise RequestError(f"{where}: empty prompt; give at least one token")
+            raise RequestError(f"{where}: empty prompt; give at least one token", "prompt")
         not_ints = [t for t in prompt if not _is_int(t)]
         if not_ints:
             raise RequestError(f"{where}: prompt holds non-integer entries {not_ints[:5]!r}; "
-                               f"give token ids")
+                               f"give token ids", "prompt")
         bad = [int(t) for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"{where}: token ids {bad[:5]} are outside the vocabulary "
-                               f"[0, {vocab_size})")
+                               f"[0, {vocab_size})", "prompt")
         reserved = sorted({int(t) for t in prompt} & set(reserved_ids))
         if reserved:
             raise RequestError(f"{where}: token ids {reserved} are reserved (the drafter's "
-                               f"mask token) and may not appear in a prompt")
+                               f"mask token) and may not appear in a prompt", "prompt")
         params = params or SamplingParams()
         params.validate(request_id, vocab_size)
         return cls(request_id, tuple(int(t) for t in prompt), params)
