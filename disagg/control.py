@@ -43,6 +43,7 @@ class ControlChannel:
     def __init__(self, sock: socket.socket, peer: str):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock, self.peer = sock, peer
+        self._fd = sock.fileno()
         self._broken = False
 
     @classmethod
@@ -120,6 +121,10 @@ class ControlChannel:
         self._broken = True
         self._sock.close()
 
+    def fileno(self) -> int:
+        """The socket's descriptor (for select over several channels)."""
+        return self._fd
+
     @property
     def broken(self) -> bool:
         return self._broken
@@ -148,6 +153,9 @@ class Listener:
             raise TransferTimeout(f"no peer connected to {self.address} "
                                   f"within {timeout:.1f}s") from None
         return ControlChannel(sock, f"{host}:{port}")
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
 
     def close(self) -> None:
         self._sock.close()

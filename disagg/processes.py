@@ -102,7 +102,9 @@ def local_mesh(tp: int):
 
 
 def run(args) -> None:
-    from disagg.remote import ContextServer, RemoteSource
+    from disagg.context_server import ContextServer
+    from disagg.handshake import Weights
+    from disagg.remote import RemoteSource
     from disagg.serving import serve_json_lines
     from disagg.sources import ContextWorker
     from drafter.corpus import ByteTokenizer
@@ -129,7 +131,8 @@ def run(args) -> None:
         return server.serve(args.max_connections)
     from disagg.layout import Layout
     remote = RemoteSource(args.address, Layout.of(cfg.spec, args.draft_kv), mesh=mesh,
-                          transfer_host=args.transfer_host, timeout=args.timeout)
+                          weights=Weights.of(params), transfer_host=args.transfer_host,
+                          timeout=args.timeout)
     engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=args.draft_kv,
                     speculative=cfg.draft is not None, kv_timeout_s=args.timeout)
     serve_json_lines(engine, args.input, ByteTokenizer())

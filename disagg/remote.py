@@ -1,12 +1,14 @@
-"""Context and generation workers in separate OS processes.
+"""Context and generation workers in separate OS processes: the generation side.
 
     context process                                    generation process
-    ContextServer (ContextWorker: export Engine)       Engine + RemoteSource (KV source)
-      listener  <---- hello {layout, transfer address} ----  connect (reconnects after a drop)
-      check     ----- hello {layout, transfer address} --->  check
+    ContextServer (disagg.context_server)              Engine + RemoteSource (KV source)
+      listener  <-- hello {layout, weights, transfer --  connect (reconnects after a drop)
+                         address, keepalive_s}
+      check     --- hello {layout, weights, ...} ----->  check (disagg.handshake)
                 <---- prefill {request} (as admitted) -----  fetch: room already reserved here
       batched, chunked prefill; export_step;
       await_pull(uuid, shards)
+                ----- progress {request ids} --------->  each id's wait starts again
                 ----- handoff {lengths, first token, ----->  reader thread: pull(uuid) ->
                        logical pages, checksums, uuid}        KVPayload -> poll() -> import_step
                 ===== KV shards: jax.experimental.transfer =>
@@ -18,17 +20,20 @@ once, the context batches whatever is waiting into its prefill steps, and the
 reader thread pulls each handoff while the generation engine keeps decoding.
 The context frees a request's pages as soon as its export is dispatched (the
 offered buffers are copies), so no page is held across the wire; an offer
-nobody pulls expires after `timeout`. Every wait has a timeout. A dropped
-channel fails the requests in flight on it, by name; the next request
-reconnects.
+nobody pulls expires after `timeout`.
+
+Deadlines: the engine fails a request whose KV shows no progress for
+`timeout` seconds (`Engine.kv_timeout_s`). The context sends progress for
+each request it holds every `timeout / 4` seconds, so a long prefill never
+times out while a stopped context does; a pull has its own `timeout` from
+its handoff. A dropped channel fails the requests in flight on it, by name;
+the next request reconnects.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import queue
-import secrets
 import threading
 import time
 
@@ -36,12 +41,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from disagg.control import ControlChannel, Listener, PeerClosed
+from disagg.control import ControlChannel, PeerClosed
+from disagg.handshake import Weights, check_pair, hello, read_hello
 from disagg.layout import Layout, LayoutMismatch, check_layouts
-from disagg.sources import ContextWorker
+from disagg.sources import received
 from disagg.transfer import TransferError, TransferTimeout, move_payload
-from disagg.wire import (assemble, corrupt, hello, layout_from_wire, layout_to_wire, peer_layout,
-                         request_from_wire, request_to_wire, split_shards, start_transfer_server)
+from disagg.wire import (assemble, layout_from_wire, request_to_wire, start_transfer_server)
 from drafter.kv_io import KVPayload
 from drafter.request import Request, RequestError
 from unified_kv import AdmissionError
@@ -49,164 +54,24 @@ from unified_kv import AdmissionError
 log = logging.getLogger("disagg.remote")
 
 
-# --------------------------------------------------------------- context side
-
-class ContextServer:
-    """Serves one generation peer at a time: handshake, then a stream of
-    prefill requests answered by handoffs (or refusals) as their prefills end."""
-
-    def __init__(self, worker: ContextWorker, *, address: str = "127.0.0.1:0",
-                 transfer_host: str = "127.0.0.1", timeout: float = 30.0,
-                 idle_timeout: float = 3600.0, corrupt_request_ids=()):
-        self.worker, self.timeout, self.idle_timeout = worker, timeout, idle_timeout
-        self.corrupt_request_ids = frozenset(corrupt_request_ids)  # tests: a bad wire
-        self.transfer = start_transfer_server(transfer_host)
-        self.listener = Listener(address)
-        self.num_completed, self.errors = 0, []
-
-    @property
-    def address(self) -> str:
-        return self.listener.address
-
-    def warm_up(self, num_tokens: int = 64) -> None:
-        """Compile prefill and export with a request handed to nobody."""
-        engine = self.worker.engine
-        self.worker.submit(engine.make_request("warm-up", [0] * num_tokens, max_new_tokens=1))
-        handoffs = []
-        while not handoffs:
-            handoffs += self.worker.pump()[0]
-        jax.block_until_ready(handoffs[0].payload.buffers)
-        engine.run()
-
-    def serve(self, max_connections: int | None = None) -> None:
-        """Accept peers until `max_connections` have been served (None: forever)."""
-        served = 0
-        while max_connections is None or served < max_connections:
-            channel = self.listener.accept(None)  # a server idles until a peer comes
-            served += 1
-            try:
-                self.serve_peer(channel)
-            # A failed, silent or misbehaving peer is dropped; the server keeps serving.
-            except (TransferError, LayoutMismatch, KeyError, TypeError, ValueError) as e:
-                self._note(f"peer {channel.peer}: {type(e).__name__}: {e}")
-            finally:
-                channel.close()
-
-    def serve_peer(self, channel: ControlChannel) -> None:
-        theirs = peer_layout(channel.recv(self.timeout), "generation")
-        channel.send(hello("context", self.worker.layout, self.transfer.address()),
-                     self.timeout)
-        check_layouts(self.worker.layout, theirs)
-        log.info("generation peer %s connected", channel.peer)
-        try:
-            while True:
-                busy = self.worker.busy
-                if channel.poll(0.0 if busy else self.idle_timeout):
-                    try:
-                        message = channel.recv(self.timeout)
-                    except PeerClosed:
-                        return  # the peer is done
-                    if not self._handle(channel, message):
-                        return
-                elif not busy:
-                    self._note(f"peer {channel.peer}: no request within "
-                               f"{self.idle_timeout:.0f}s; dropped")
-                    return
-                if self.worker.busy:
-                    handoffs, failed = self.worker.pump()
-                    for result in failed:
-                        self._refuse(channel, result.request_id, TransferError(result.error))
-                    for handoff in handoffs:
-                        self._offer(channel, handoff)
-        finally:
-            self._drop_requests(channel.peer)
-
-    def _handle(self, channel: ControlChannel, message: dict) -> bool:
-        """Act on one message; False when the peer said goodbye."""
-        op = message.get("op")
-        if op == "prefill":
-            engine = self.worker.engine
-            try:
-                self.worker.submit(request_from_wire(
-                    message, vocab_size=engine.cfg.target.vocab_size,
-                    reserved_ids=engine.reserved_ids))
-            except (RequestError, AdmissionError, TypeError) as e:
-                self._refuse(channel, str(message.get("request_id")), e)
-            return True
-        if op in ("stats", "close"):
-            channel.send(self.stats(), self.timeout)
-            return op != "close"
-        raise TransferError(f"unknown control message op={op!r}")
-
-    def _refuse(self, channel: ControlChannel, request_id: str, error: BaseException) -> None:
-        self._note(f"request {request_id!r} refused: {type(error).__name__}: {error}")
-        channel.send({"op": "refused", "request_id": request_id,
-                      "error_type": type(error).__name__, "error": str(error)}, self.timeout)
-
-    def _offer(self, channel: ControlChannel, handoff) -> None:
-        payload, request_id = handoff.payload, handoff.request_id
-        sums, first = jax.device_get((payload.checksums, payload.first_token))
-        uuid = secrets.randbits(62)   # single use: a fresh one per handoff
-        pieces, pools = [], []
-        for k, pool_id in enumerate(payload.pool_ids):
-            shards, boxes = split_shards(payload.buffers[k])
-            pieces += shards
-            pools.append({"pool_id": pool_id,
-                          "logical_pages": payload.logical_pages[k].tolist(),
-                          "checksum": int(sums[k]), "shape": list(payload.buffers[k].shape),
-                          "dtype": str(payload.buffers[k].dtype), "shards": boxes})
-        if request_id in self.corrupt_request_ids:
-            pieces[0] = corrupt(pieces[0])
-        # The offer expires, so a vanished peer leaves nothing behind.
-        expiry = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout)
-        self.transfer.await_pull(uuid, pieces, timeout=expiry)
-        channel.send({"op": "handoff", "request_id": request_id,
-                      "target_len": payload.target_len, "draft_ctx_len": payload.draft_ctx_len,
-                      "first_token": int(first), "mode": payload.mode, "uuid": uuid,
-                      "pools": pools, "layout": layout_to_wire(handoff.layout)}, self.timeout)
-        self.num_completed += 1
-
-    def _drop_requests(self, peer: str) -> None:
-        """The peer is gone: end whatever it asked for, and free the pages."""
-        engine = self.worker.engine
-        dropped = list(engine.scheduler.active) + [s.request_id for s in engine.scheduler.waiting]
-        for request_id in dropped:
-            engine.cancel(request_id)
-            self._note(f"request {request_id!r}: peer {peer} left before its handoff")
-        engine.run()
-        engine.take_exports()
-
-    def stats(self) -> dict:
-        engine = self.worker.engine
-        if not engine.num_active:
-            engine.run()  # let pending slot resets land
-        return {"op": "stats", "num_active": engine.num_active,
-                "free_pages": np.asarray(engine.state.kv.num_free).tolist(),
-                "usable_pages": [p.num_usable_pages for p in engine.spec.pools],
-                "reserved_pages": list(engine.admission.reserved_pages),
-                "num_completed": self.num_completed, "errors": self.errors[-20:]}
-
-    def _note(self, error: str) -> None:
-        self.errors.append(error)
-        log.warning(error)
-
-
-# ------------------------------------------------------------ generation side
-
 class RemoteSource:
     """A generation engine's KV source: a context worker in another process.
 
     Args:
       address: the context server's control address.
       layout: this generation worker's layout (checked at every handshake).
+      weights: fingerprints of this worker's weights (`Weights.of(params)`); the
+        context's must match as the layout's mode needs (disagg.handshake).
       mesh: the generation engine's mesh; KV is pulled onto its first device
         and resharded onto it.
-      timeout: seconds any single wait (connect, send, a pull) may take.
+      timeout: seconds any single wait (connect, send, a pull) may take; the
+        context reports progress every timeout / 4 seconds.
     """
 
-    def __init__(self, address: str, layout: Layout, *, mesh=None,
+    def __init__(self, address: str, layout: Layout, *, weights: Weights, mesh=None,
                  transfer_host: str = "127.0.0.1", timeout: float = 30.0):
         self.address, self.layout, self.mesh, self.timeout = address, layout, mesh, timeout
+        self.weights = weights
         self.pull_device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         self.transfer = start_transfer_server(transfer_host)
         self.bytes_pulled, self.pull_seconds = 0, 0.0
@@ -224,10 +89,11 @@ class RemoteSource:
     def _connect(self) -> None:
         channel = ControlChannel.connect(self.address, self.timeout)
         try:
-            channel.send(hello("generation", self.layout, self.transfer.address()),
+            channel.send(hello("generation", self.layout, self.weights,
+                               self.transfer.address(), keepalive_s=self.timeout / 4),
                          self.timeout)
             reply = channel.recv(self.timeout)
-            check_layouts(peer_layout(reply, "context"), self.layout)
+            check_pair(read_hello(reply, "context"), (self.layout, self.weights))
         except BaseException:
             channel.close()
             raise
@@ -308,7 +174,13 @@ class RemoteSource:
                         f"the context worker at {self.address} was lost: {e}")))
                 continue
             op, request_id = message.get("op"), message.get("request_id")
-            if op == "handoff":
+            if op == "progress":
+                with self._lock:
+                    held = [r for r in message.get("request_ids", ()) if r in self._outstanding]
+                for request_id in held:
+                    self._arrivals.put((request_id, None))
+            elif op == "handoff":
+                self._arrivals.put((request_id, None))  # the pull's own deadline starts
                 try:
                     payload = self._pull(message)
                 except Exception as e:  # noqa: BLE001 - any failure is this request's alone
@@ -352,7 +224,7 @@ class RemoteSource:
             buffers=tuple(buffers),
             checksums=np.asarray([p["checksum"] for p in message["pools"]], np.uint32),
             mode=message["mode"])
-        return move_payload(payload, self.mesh)
+        return move_payload(received(payload, self.layout.mode), self.mesh)
 
     def _await(self, pieces, request_id: str) -> None:
         # The pull's own `timeout` argument is not honoured on CPU in jax 0.11.2 (a pull of

@@ -22,13 +22,17 @@ cross threads, through queues.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import queue
 import threading
 import time
 
+from disagg.handshake import Weights
 from disagg.layout import Layout, check_layouts
 from disagg.transfer import Handoff, TransferError, assemble_heads, move_payload, split_heads
 from drafter.engine import Engine
+from drafter.kv_io import KVPayload
 from drafter.request import Request
 from drafter.steps import StepConfig
 
@@ -43,6 +47,11 @@ class ContextWorker:
         self.layout = Layout.of(cfg.spec, mode)
         self.mesh, self.mode = mesh, mode
         self.num_prefilled = 0
+
+    @functools.cached_property
+    def weights(self) -> Weights:
+        """Fingerprints of the weights served (disagg.handshake.Weights), computed once."""
+        return Weights.of(self.engine.params)
 
     def submit(self, request: Request) -> None:
         self.engine.submit(request)
@@ -87,7 +96,7 @@ class InProcessSource:
         for ctx in contexts:
             check_layouts(ctx.layout, layout)
         self.contexts, self.mesh, self.move_path = list(contexts), mesh, move_path
-        self.threaded, self.head_slices = threaded, head_slices
+        self.threaded, self.head_slices, self.mode = threaded, head_slices, layout.mode
         self.bytes_moved = 0
         self._arrivals: queue.Queue = queue.Queue()
         self._slices: dict[str, list[Handoff]] = collections.defaultdict(list)
@@ -170,7 +179,8 @@ class InProcessSource:
                                          path=self.move_path)
             except TransferError as e:
                 return [(handoff.request_id, e)]
-        payload = move_payload(handoff.payload, self.mesh, path=self.move_path)
+        payload = move_payload(received(handoff.payload, self.mode), self.mesh,
+                               path=self.move_path)
         self.bytes_moved += payload.nbytes
         return [(handoff.request_id, payload)]
 
@@ -195,6 +205,19 @@ class InProcessSource:
                     self._arrivals.put((rid, TransferError(f"context worker failed: {e!r}")))
                 return
             time.sleep(0)  # let the generation thread dispatch
+
+
+def received(payload: KVPayload, mode: str) -> KVPayload:
+    """A payload as a generation worker in `mode` imports it.
+
+    In private mode the drafter's context is the receiver's own: it starts as
+    the prompt's length of zeros whatever the sender had, so a context worker
+    without a drafter (draft context 0) and one with a drafter give the same
+    generation state.
+    """
+    if mode == "private" and payload.draft_ctx_len != payload.target_len:
+        return dataclasses.replace(payload, draft_ctx_len=payload.target_len)
+    return payload
 
 
 def _default_device():

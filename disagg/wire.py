@@ -15,9 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import transfer as jax_transfer
 
 from disagg.layout import Layout
-from disagg.transfer import TransferError
 from drafter.request import Request, RequestError, SamplingParams
-
 
 
 def layout_to_wire(layout: Layout) -> dict:
@@ -25,19 +23,8 @@ def layout_to_wire(layout: Layout) -> dict:
 
 
 def layout_from_wire(fields: dict) -> Layout:
-    return Layout(**{**fields, "layers": tuple(tuple(l) for l in fields["layers"])})
-
-
-def hello(role: str, layout: Layout, transfer_address: str) -> dict:
-    return {"op": "hello", "role": role, "layout": layout_to_wire(layout),
-            "transfer_address": transfer_address}
-
-
-def peer_layout(message: dict, role: str) -> Layout:
-    if message.get("op") != "hello" or message.get("role") != role:
-        raise TransferError(f"expected a hello from a {role} worker, got "
-                            f"{ {k: message.get(k) for k in ('op', 'role')} }")
-    return layout_from_wire(message["layout"])
+    return Layout(**{**fields, "layers": tuple(tuple(l) for l in fields["layers"]),
+                     "pools": tuple(tuple(p) for p in fields.get("pools", ()))})
 
 
 def split_shards(buffer: jax.Array) -> tuple[list[jax.Array], list[list[list[int]]]]:
@@ -77,8 +64,6 @@ def start_transfer_server(host: str):
     """A transfer server on `host` with an explicit transport address (DESIGN: Transfers)."""
     return jax_transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0",
                                               [f"{host}:0"])
-
-
 
 
 def request_to_wire(request: Request) -> dict:

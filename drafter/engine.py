@@ -45,9 +45,10 @@ class KVSource(Protocol):
     def fetch(self, request: Request) -> None:
         """Start producing `request`'s KV (it is admitted here: room is reserved)."""
 
-    def poll(self, timeout: float) -> list[tuple[str, "KVPayload | BaseException"]]:
+    def poll(self, timeout: float) -> list[tuple[str, "KVPayload | BaseException | None"]]:
         """Arrived payloads (on this engine's devices) or failures, by request id;
-        waits up to `timeout` seconds for the first one."""
+        waits up to `timeout` seconds for the first one. None: the request's KV
+        is still being made (its `kv_timeout_s` starts again)."""
 
 
 @dataclasses.dataclass
@@ -78,7 +79,7 @@ class Engine:
       mode: "shared" (draft KV travels with the target's) or "private".
       lookahead: dispatch the next step before reading the last one's outputs.
       eos_token_ids: ids that end a request (unless it sets ignore_eos).
-      kv_timeout_s: a request waiting longer than this for its KV fails.
+      kv_timeout_s: a request whose KV source shows no progress for this long fails.
       decode_steps_per_call: decode steps one call runs back to back on the
         device while nothing waits to be admitted, prefilled or imported (one
         host round trip per call). Default: 4 on an accelerator, 1 on CPU
@@ -311,6 +312,9 @@ class Engine:
             seq = self.scheduler.active.get(request_id)
             if seq is None or seq.phase is not Phase.AWAITING_KV:
                 continue  # cancelled or failed meanwhile
+            if item is None:  # progress: the wait starts again
+                self._awaiting_since[request_id] = now
+                continue
             self._awaiting_since.pop(request_id, None)
             if isinstance(item, BaseException):
                 results.append(self.scheduler.finish(seq, now, "error", f"request "

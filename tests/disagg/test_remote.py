@@ -13,6 +13,7 @@ import pytest
 
 from disagg.__main__ import main
 from disagg.control import ControlChannel, Listener, PeerClosed
+from disagg.handshake import Weights
 from disagg.layout import Layout, LayoutMismatch
 from disagg.processes import ContextProcess, PairSource
 from disagg.remote import RemoteSource
@@ -30,6 +31,11 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def pair():
     return SOURCE.load()
+
+
+@pytest.fixture(scope="module")
+def weights(pair):
+    return Weights.of(pair[0])
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,8 @@ def mesh():
 
 
 def remote_engine(address, cfg, params, mesh, *, mode="shared", timeout=30.0):
-    source = RemoteSource(address, Layout.of(cfg.spec, mode), mesh=mesh, timeout=timeout)
+    source = RemoteSource(address, Layout.of(cfg.spec, mode), weights=Weights.of(params),
+                          mesh=mesh, timeout=timeout)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode, kv_timeout_s=timeout)
 
 
@@ -131,14 +138,15 @@ def test_layout_is_checked_again_on_every_handoff(context, pair, mesh, monkeypat
     assert_context_all_free(engine.kv_source.close())
 
 
-def test_layout_mismatch_fails_within_a_second_on_both_sides(tmp_path, pair):
+def test_layout_mismatch_fails_within_a_second_on_both_sides(tmp_path, pair, weights):
     _, cfg = pair
     with ContextProcess(SOURCE, tmp_path / "context.log", draft_kv="private",
                         extra_args=["--max-connections", "1"]) as ctx:
         start = time.monotonic()
         with pytest.raises(LayoutMismatch, match="mode: context worker has 'private', "
                                                  "generation worker has 'shared'"):
-            RemoteSource(ctx.address, Layout.of(cfg.spec, "shared"), timeout=10.0)
+            RemoteSource(ctx.address, Layout.of(cfg.spec, "shared"), weights=weights,
+                         timeout=10.0)
         assert time.monotonic() - start < 1.0
         assert ctx.proc.wait(timeout=10) == 0   # served its one peer and exited
         assert ("LayoutMismatch: layout mismatch in mode: context worker has 'private', "

@@ -1,0 +1,88 @@
+"""The handshake of two worker processes: cache layout and model identity.
+
+    generation ── hello {role, layout, weights, transfer address, keepalive_s} ──> context
+    generation <── hello {role, layout, weights, transfer address} ────────────── context
+    both check the pair: check_layouts (disagg.layout), then check_weights
+
+Both sides check what they received, so a bad pair fails on both at once,
+naming both sides' values and the fix. A context that will not serve the
+peer at all (too many peers) answers {"op": "error", "error": ...} instead of
+its hello.
+
+Weights are identified by `models.checkpoint.fingerprint` (computed once per
+worker). What must match follows the generation worker's draft-KV mode:
+  shared   target and drafter: the drafter's context KV comes from the
+           context worker's drafter, so a different drafter drafts garbage.
+  private  the target only: the drafter's context is built on the generation
+           side, and the context worker may have no drafter at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from disagg.layout import Layout, LayoutMismatch, check_layouts
+from disagg.transfer import TransferError
+from disagg.wire import layout_from_wire, layout_to_wire
+from models.checkpoint import fingerprint
+
+
+class ModelMismatch(LayoutMismatch):
+    """The two workers serve different weights (same shapes, other values)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """Fingerprints of the weights a worker serves; `draft` is None without a drafter."""
+
+    target: str
+    draft: str | None
+
+    @classmethod
+    def of(cls, params) -> "Weights":
+        draft = params.get("draft")
+        return cls(fingerprint(params["target"]),
+                   fingerprint(draft) if draft is not None else None)
+
+
+def check_weights(context: Weights, generation: Weights, mode: str) -> None:
+    """Raise ModelMismatch naming both fingerprints when the pair's weights differ."""
+    parts = [("target", "load the same target checkpoint on both workers")]
+    if mode == "shared":
+        parts.append(("draft", "load the same drafter on both workers, or run both with "
+                               "--draft-kv private (the context's drafter is then unused)"))
+    for part, fix in parts:
+        a, b = getattr(context, part), getattr(generation, part)
+        if a != b:
+            raise ModelMismatch(
+                f"model mismatch: the context worker serves {part} weights with fingerprint "
+                f"{a}, the generation worker {b} (same shapes, different values: another "
+                f"checkpoint or a damaged one); {fix}")
+
+
+def check_pair(context: tuple[Layout, Weights], generation: tuple[Layout, Weights]) -> None:
+    """The whole gate: layouts (mode-aware), then the weights the mode needs equal."""
+    check_layouts(context[0], generation[0])
+    check_weights(context[1], generation[1], generation[0].mode)
+
+
+def hello(role: str, layout: Layout, weights: Weights, transfer_address: str,
+          **extra) -> dict:
+    return {"op": "hello", "role": role, "layout": layout_to_wire(layout),
+            "weights": dataclasses.asdict(weights), "transfer_address": transfer_address,
+            **extra}
+
+
+def read_hello(message: dict, role: str) -> tuple[Layout, Weights]:
+    """The peer's (Layout, Weights) from its hello; TransferError for anything else."""
+    if message.get("op") == "error":
+        raise TransferError(f"the {role} worker refused the connection: "
+                            f"{message.get('error')}")
+    if message.get("op") != "hello" or message.get("role") != role:
+        raise TransferError(f"expected a hello from a {role} worker, got "
+                            f"{ {k: message.get(k) for k in ('op', 'role')} }")
+    weights = message.get("weights")
+    if not isinstance(weights, dict) or not isinstance(weights.get("target"), str):
+        raise TransferError(f"the {role} worker's hello carries no weights fingerprint: "
+                            f"an older version of this project? run the same version on both")
+    return layout_from_wire(message["layout"]), Weights(weights["target"], weights.get("draft"))
