@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from disagg import processes
+from disagg.accounting import page_report
 from disagg.serving import serve_json_lines
 from disagg.sources import disaggregated_engine
 from disagg.transfer import MOVE_PATHS
@@ -120,8 +122,9 @@ def serve(args) -> None:
     params, tcfg, dcfg = load_default()
     step_cfg = default_step_config(tcfg, dcfg, num_slots=args.num_slots)
     name = "aggregated" if args.draft_kv == "aggregated" else f"disagg-{args.draft_kv}"
-    serve_json_lines(make_engine(name, params, step_cfg, "coalesced"), args.input,
-                     ByteTokenizer())
+    engine = make_engine(name, params, step_cfg, "coalesced")
+    serve_json_lines(engine, args.input, ByteTokenizer())
+    print(f"serve: pages at exit: {json.dumps(page_report(engine))}", file=sys.stderr)
 
 
 def main(argv=None):

@@ -66,7 +66,11 @@ def _text_prompt(rid: str, text, tokenizer) -> list[int]:
     if not text:
         raise RequestError(f"request {rid!r}: empty prompt; give at least one character",
                            "prompt")
-    return tokenizer.encode(text)
+    try:
+        return tokenizer.encode(text)
+    except UnicodeEncodeError as e:   # a lone surrogate ("\\ud800") decodes from JSON
+        raise RequestError(f"request {rid!r}: \"prompt\" is not valid Unicode ({e})",
+                           "prompt") from None
 
 
 def _make(rid: str, prompt, obj: dict, engine, max_tokens_field: str, default_max: int,

@@ -90,7 +90,7 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
                         obj = json.loads(raw.decode("utf-8"))
                     except UnicodeDecodeError as e:
                         raise RequestError(f"request {rid!r}: the line is not UTF-8 ({e})")
-                    except json.JSONDecodeError as e:
+                    except (json.JSONDecodeError, RecursionError) as e:
                         raise RequestError(f"request {rid!r}: not JSON ({e})")
                     rid = request_id_of(obj, line_no)
                     request, stops = parse_line(obj, line_no, engine, tokenizer)
