@@ -1,0 +1,151 @@
+"""What `python -m disagg demo | serve` serve: a model pair given by path (or the
+embedded one), as an engine in one of three modes, behind JSON lines or HTTP.
+
+Modes (every one a configuration of the one Engine):
+    aggregated      prefill and decode on one worker
+    shared          disaggregated; the draft KV travels with the target's (the fix)
+    private         disaggregated; the generation worker rebuilds the draft KV (the loss)
+
+A pair by path is an HF Qwen3 target directory (config.json, safetensors,
+tokenizer.json) and a z-lab DFlash drafter directory; text goes through the
+target's own tokenizer. Without paths: the embedded pair and its byte tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from disagg.sources import disaggregated_engine
+from drafter.engine import Engine
+from drafter.tokenizer import load_tokenizer
+
+MODES = ("aggregated", "shared", "private")
+DEFAULT_MODEL_NAME = "dflash-default"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPair:
+    params: dict
+    step_config: object
+    tokenizer: object
+    name: str
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--target", default=None, help="HF Qwen3 checkpoint directory (with its "
+                   "tokenizer.json); default: the embedded pair")
+    p.add_argument("--drafter", default=None, help="z-lab DFlash drafter directory (with "
+                   "--target)")
+    p.add_argument("--num-slots", type=int, default=4, help="requests decoded together")
+    p.add_argument("--max-seq-len", type=int, default=9216,
+                   help="prompt + generated tokens per request, at most")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use the persistent compilation cache (also: "
+                        "DFLASH_COMPILE_CACHE=0)")
+
+
+def load_pair(target=None, drafter=None, *, num_slots: int = 4,
+              max_seq_len: int = 9216) -> ModelPair:
+    """The pair at `target` / `drafter`, or the embedded one when both are None."""
+    from drafter.checkpoint import load_dflash
+    from drafter.default import default_step_config, load_default
+    from models.checkpoint import load_qwen3
+    if (target is None) != (drafter is None):
+        raise SystemExit("give both --target DIR and --drafter DIR, or neither (the "
+                         "embedded pair)")
+    if num_slots < 1 or max_seq_len < 1:
+        raise SystemExit(f"--num-slots and --max-seq-len must be >= 1, got {num_slots}, "
+                         f"{max_seq_len}")
+    if target is None:
+        params, tcfg, dcfg = load_default()
+        name = DEFAULT_MODEL_NAME
+    else:
+        for flag, path in (("--target", target), ("--drafter", drafter)):
+            if not Path(path, "config.json").is_file():
+                raise SystemExit(f"{flag} {path}: no config.json there; give a checkpoint "
+                                 f"directory")
+        tcfg, target_params = load_qwen3(target)
+        dcfg, draft_params = load_dflash(drafter)
+        params = {"target": target_params, "draft": draft_params}
+        name = Path(target).resolve().name
+    tokenizer = load_tokenizer(target, model_vocab_size=tcfg.vocab_size)
+    cfg = default_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len)
+    return ModelPair(params, cfg, tokenizer, name)
+
+
+def split_meshes():
+    """Half the devices each; on one device both workers share it."""
+    devices = np.array(jax.devices())
+    if len(devices) < 2:
+        return None, None
+    half = len(devices) // 2
+    return (jax.sharding.Mesh(devices[:half], ("tp",)),
+            jax.sharding.Mesh(devices[half:2 * half], ("tp",)))
+
+
+def make_engine(mode: str, pair: ModelPair, *, move_path: str = "coalesced",
+                eos: bool = True) -> Engine:
+    """The pair's engine in `mode` (MODES); `eos`: the tokenizer's end-of-sequence
+    ids end a request (unless it sets ignore_eos)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is unknown; use one of {MODES}")
+    mesh_ctx, mesh_gen = split_meshes()
+    eos_ids = tuple(pair.tokenizer.eos_token_ids) if eos else ()
+    if mode == "aggregated":
+        return Engine(pair.params, pair.step_config, mesh=mesh_gen, eos_token_ids=eos_ids)
+    return disaggregated_engine(pair.params, pair.step_config, mode=mode,
+                                context_meshes=(mesh_ctx,), mesh=mesh_gen,
+                                move_path=move_path, eos_token_ids=eos_ids)
+
+
+def warm_up(engine: Engine, tokenizer, log=None) -> float:
+    """Compile what a first request needs (prefill of one and of several prompts,
+    decode); returns the seconds it took."""
+    start = time.perf_counter()
+    prompt = tokenizer.encode("def main():") or [0]
+    for batch in (1, 2):
+        if log:
+            log(f"compiling: {batch} prompt(s), prefill and decode ...")
+        engine.generate([prompt] * batch, 2, ignore_eos=True)
+    return time.perf_counter() - start
+
+
+def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: str,
+               request_timeout_s: float = 600.0, counter=None) -> None:
+    """Listen at once (GET /health says "starting"), compile, print the ready line,
+    serve until SIGINT / SIGTERM, then finish the accepted requests and return."""
+    from disagg.http import CompletionsApp, HTTPServer, require_http
+    from disagg.loop import ServingLoop
+    from disagg.metrics import ServingMetrics
+    from disagg.serving import install_drain_handlers
+    require_http()
+
+    def log(msg):
+        print(f"serve: {msg}", file=sys.stderr, flush=True)
+
+    metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
+    loop = ServingLoop(engine, pair.tokenizer, metrics)
+    app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=request_timeout_s)
+    server = HTTPServer(app.app, host, port).start()
+    log(f"listening on {server.url} (GET /health answers 503 until compiled)")
+    handlers = install_drain_handlers("serve", loop.close)
+    try:
+        seconds = warm_up(engine, pair.tokenizer, log)
+        app.ready.set()
+        cache = f"; {counter.summary()}" if counter is not None else ""
+        print(f"ready: {pair.name} ({mode}) on {server.url}/v1 after {seconds:.1f}s of "
+              f"compiling{cache}", flush=True)
+        loop.run()
+    finally:
+        loop.close()
+        server.stop()
+        import signal
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    log("stopped")

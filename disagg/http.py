@@ -1,0 +1,259 @@
+"""OpenAI-compatible HTTP front end over a ServingLoop (starlette + uvicorn, Prometheus).
+
+    POST /v1/completions   OpenAI completions; "stream": true answers with server-sent events
+    GET  /v1/models        the one model served
+    GET  /health           200 {"status": "ready"} once compiled; 503 {"status": "starting"}
+    GET  /metrics          Prometheus text format (disagg/metrics.py)
+
+Rules:
+  * the HTTP server runs on its own thread and asyncio loop and never touches
+    the engine: requests go through `ServingLoop.submit`; a request's Events
+    come back through `call_soon_threadsafe` onto its own asyncio queue;
+  * a bad request gets HTTP 400 with an OpenAI error body {"error": {"message",
+    "type": "invalid_request_error", "param", "code"}} naming the field and the
+    fix, and touches nothing else;
+  * a client that goes away mid-request cancels it (its pages are freed);
+  * every wait for a request's next Event is bounded by `request_timeout_s`
+    (then the request is cancelled: 504, or an error event when streaming);
+  * the response's `usage` counts prompt and completion tokens; extensions:
+    "acceptance_length" (tokens kept per decode step, 1..block size; higher is
+    better) and each choice's "token_ids".
+
+starlette, uvicorn and prometheus-client are imported when a server is made;
+a missing one is named with the command that installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+
+from disagg.loop import Event, ServingClosed, ServingLoop, Submission
+from disagg.metrics import ServingMetrics
+from disagg.schema import parse_completion
+from drafter.request import RequestError
+from unified_kv import AdmissionError
+
+
+def require_http():
+    missing = []
+    for name, dist in (("starlette", "starlette"), ("uvicorn", "uvicorn"),
+                       ("prometheus_client", "prometheus-client")):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(dist)
+    if missing:
+        raise ImportError(f"serve --http needs {', '.join(missing)}: pip install "
+                          f"{' '.join(missing)} (or pip install -e . in the checkout)")
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class CompletionsApp:
+    """The starlette app of one served model (`app`), and whether it is ready."""
+
+    def __init__(self, loop: ServingLoop, metrics: ServingMetrics, model_name: str, *,
+                 request_timeout_s: float = 600.0):
+        require_http()
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+        self.loop, self.metrics, self.model_name = loop, metrics, model_name
+        self.request_timeout_s = request_timeout_s
+        self.ready = threading.Event()
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_page, methods=["GET"]),
+        ])
+
+    # ----------------------------------------------------------- routes
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+        if self.loop.closed:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        if not self.ready.is_set():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ready", "model": self.model_name})
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created,
+             "owned_by": "unified-kv-dflash"}]})
+
+    async def metrics_page(self, request):
+        from starlette.responses import Response
+        body, content_type = self.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    async def completions(self, request):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        def refuse(status, message, param=None, kind="invalid_request_error"):
+            return JSONResponse(error_body(message, param, kind), status_code=status)
+
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return refuse(400, f"the request body is not JSON ({e}); send a JSON object")
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != self.model_name:
+            return refuse(404, f"model {model!r} is not served here; use {self.model_name!r} "
+                               f"(GET /v1/models)", "model", "not_found_error")
+        try:
+            req, stops = parse_completion(body, rid, self.loop.engine, self.loop.tokenizer)
+            self.loop.engine.scheduler.check_fits(req)
+        except RequestError as e:
+            return refuse(400, str(e), e.field)
+        except AdmissionError as e:
+            return refuse(400, str(e), "max_tokens")
+        aio = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(event: Event) -> None:  # on the engine's thread
+            aio.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            self.loop.submit(Submission(req, sink, stops))
+        except ServingClosed as e:
+            return refuse(503, str(e), None, "server_error")
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if body.get("stream", False):
+            return StreamingResponse(self._stream(rid, events, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._whole(rid, events, refuse)
+
+    # --------------------------------------------------------- internals
+
+    async def _next(self, rid: str, events: asyncio.Queue) -> Event:
+        try:
+            return await asyncio.wait_for(events.get(), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            self.loop.cancel(rid)
+            raise
+
+    def _chunk(self, rid: str, text: str, finish_reason, token_ids, **extra) -> dict:
+        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": finish_reason, "token_ids": token_ids}], **extra}
+
+    @staticmethod
+    def _usage(event: Event) -> dict:
+        prompt, completion = len(event.result.prompt), len(event.result.tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    async def _whole(self, rid: str, events: asyncio.Queue, refuse):
+        from starlette.responses import JSONResponse
+        pieces, finished = [], False
+        try:
+            while True:
+                try:
+                    event = await self._next(rid, events)
+                except asyncio.TimeoutError:
+                    return refuse(504, f"request {rid!r}: no progress within "
+                                       f"{self.request_timeout_s:g}s; it was cancelled", None,
+                                  "timeout_error")
+                pieces.append(event.text)
+                if event.finish_reason is not None:
+                    finished = True
+                    break
+        finally:
+            if not finished:
+                self.loop.cancel(rid)
+        if event.result is None or event.finish_reason == "error":
+            return refuse(500 if event.result is not None else 400, event.error, None,
+                          "server_error" if event.result is not None else
+                          "invalid_request_error")
+        return JSONResponse(self._chunk(rid, "".join(pieces), event.finish_reason,
+                                        event.result.tokens, usage=self._usage(event),
+                                        acceptance_length=event.result.acceptance_length))
+
+    async def _stream(self, rid: str, events: asyncio.Queue, include_usage: bool):
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        finished = False
+        try:
+            while not finished:
+                try:
+                    event = await self._next(rid, events)
+                except asyncio.TimeoutError:
+                    yield sse(error_body(f"request {rid!r}: no progress within "
+                                         f"{self.request_timeout_s:g}s; it was cancelled",
+                                         None, "timeout_error"))
+                    break
+                finished = event.finish_reason is not None
+                if finished and (event.result is None or event.finish_reason == "error"):
+                    yield sse(error_body(event.error, None, "server_error"))
+                    break
+                if event.text or event.tokens or finished:
+                    extra = {"acceptance_length": event.result.acceptance_length} \
+                        if finished else {}
+                    yield sse(self._chunk(rid, event.text, event.finish_reason, event.tokens,
+                                          **extra))
+                if finished and include_usage:
+                    yield sse({"id": rid, "object": "text_completion",
+                               "created": int(time.time()), "model": self.model_name,
+                               "choices": [], "usage": self._usage(event)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (or timed out): free the request
+                self.loop.cancel(rid)
+
+
+class HTTPServer:
+    """uvicorn serving `app` on its own thread. The socket is bound at construction
+    (port 0 picks a free one; `port` tells which)."""
+
+    def __init__(self, app, host: str, port: int):
+        require_http()
+        import uvicorn
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as e:
+            self.sock.close()
+            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another "
+                          f"--http HOST:PORT") from None
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=10)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "HTTPServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.url} within "
+                                   f"{timeout_s:g}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting, let open responses finish (up to the graceful timeout), join."""
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        self.sock.close()
