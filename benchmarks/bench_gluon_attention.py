@@ -104,7 +104,7 @@ def bench_draft(q, pool, table, ctx_lens, with_pallas):
     return row
 
 
-def bench_prefill(prior, chunk, dtype, batch=4, tuning=None):
+def bench_prefill(prior, chunk, dtype, batch=4):
     """Chunked prefill of `chunk` tokens after `prior` cached ones
     (`bench_paged_attention.prefill_case`): TFLOP/s of both kernels and of XLA dense
     attention on contiguous K/V, and each kernel's relative error against the dense
@@ -112,8 +112,7 @@ def bench_prefill(prior, chunk, dtype, batch=4, tuning=None):
     args, flops, (k_dense, v_dense), mask = prefill_case(prior, chunk, batch, dtype)
     q = args[0]
     xla = jax.jit(lambda q_, k_, v_: jax.nn.dot_product_attention(q_, k_, v_, mask=mask))
-    kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0,
-                                                                 tuning=tuning)),
+    kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0)),
                "pallas": ours(*args)}
     want = xla(q, k_dense, v_dense)
     row = {"prior": prior, "chunk": chunk, "batch": batch, "kv": "fp8" if dtype == FP8

@@ -26,7 +26,9 @@ K+1-query verify run the same per-row arithmetic (rows are independent in the do
 the softmax; the row sums come from a dot, so they add in the same order whichever way
 the warps are laid out), so greedy speculative decoding reproduces plain decoding bit for
 bit (tested compiled). No key splits: it is chosen when batch x kv heads fill the GPU
-(`pallas_kernels.attention.select_backend`). GPU only (`gluon_call`); on CPU the Pallas kernel runs in interpret mode.
+(`pallas_kernels.attention.select_backend`). What it does per key block:
+`gluon_key_block.py`. GPU only (`gluon_call`); on CPU the Pallas kernel runs in interpret
+mode.
 """
 
 from __future__ import annotations
@@ -40,15 +42,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from pallas_kernels.gluon_call import gluon_call
-from pallas_kernels.launch_plan import MIN_ROWS, FEW_Q_MAX, plan_launch
-from pallas_kernels.pool_layout import (BAD_PAGE_INDEX, MAX_POOL_ELEMENTS, pow2_at_least,
-                                        static_validate_inputs)
+from pallas_kernels.gluon_key_block import (LOG2E, MASK_, cap_logits, copy_block, cta_barrier,
+                                            mask_logits, pv_step, softmax_step)
+from pallas_kernels.launch_plan import FEW_Q_MAX, MIN_ROWS, plan_launch
+from pallas_kernels.pool_layout import pow2_at_least, static_validate_inputs
 
-# Names that moved between Triton releases (3.6 on the H200, 3.9 on a CPU machine).
-async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-LOG2E = math.log2(math.e)
 GLUON_POOL_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16))  # pools it reads
 BLOCK_KEYS, STAGES, NUM_WARPS = 64, 3, 2  # keys per block: pages_per_block = 64 / page
 # Prefill: 16 query rows per warp, 2 stages (faster than 3 on the H200: docs/decisions.md).
@@ -56,95 +54,6 @@ PREFILL_ROWS, PREFILL_WARPS, PREFILL_STAGES = 64, 4, 2
 # The draft block over bf16 KV: 4 warps along the dots' columns (faster on the H200 over
 # bf16, slower over fp8).
 DRAFT_BF16_WARPS = 4
-# The same values for the kernel (Gluon reads only constexpr globals).
-MASK_ = gl.constexpr(-0.7 * 3.4028234663852886e38)  # finite: a row with no key stays exact
-BAD_ = gl.constexpr(BAD_PAGE_INDEX)
-LOG2E_ = gl.constexpr(LOG2E)
-
-
-@gluon.jit
-def _page_entries(table_row, block, key, hi_block, table_width, PAGE: gl.constexpr,
-                  PPB: gl.constexpr):
-    """Table entry of each key's page (BAD past the row's blocks or the table)."""
-    index = block * PPB + key // PAGE
-    return gl.load(table_row + index, mask=(block < hi_block) & (index < table_width),
-                   other=BAD_)
-
-
-@gluon.jit
-def _kernel_pages(entries, layer_pages):
-    """Kernel page ids (page * 2L + 2 * layer offset) of table entries, 64-bit; BAD entries
-    (in front of a window, past a row's last page) read the null page (page 0, zeros)."""
-    return (gl.where(entries == BAD_, 0, entries) + layer_pages).to(gl.int64)
-
-
-@gluon.jit
-def _copy_block(k_slot, v_slot, head_pool, table_row, block, hi_block, table_width,
-                layer_pages, kj, kd, vpage, vd, vj, PAGE: gl.constexpr, PPB: gl.constexpr,
-                D: gl.constexpr):
-    """Start one block's K [BK, D] and V^T [PPB * D, PAGE] copies (none past hi_block).
-    Its table entries load here: loading them a block ahead makes verify slower on the
-    H200 (more registers live across the loop)."""
-    k_page = _kernel_pages(_page_entries(table_row, block, kj, hi_block, table_width,
-                                         PAGE, PPB), layer_pages)
-    k_off = (k_page * (PAGE * D) + (kj % PAGE) * D)[:, None] + kd[None, :]
-    async_load(k_slot, head_pool + k_off, mask=(kj[:, None] * 0 + block) < hi_block)
-    v_page = _kernel_pages(_page_entries(table_row, block, vpage * PAGE, hi_block,
-                                         table_width, PAGE, PPB), layer_pages) + 1
-    v_off = ((v_page * (PAGE * D))[:, None, None] + (vd * PAGE)[None, :, None]
-             + vj[None, None, :])
-    v_off = gl.max_contiguous(gl.multiple_of(v_off, [1, 1, PAGE]), [1, 1, PAGE])
-    async_load(v_slot.reshape([PPB, D, PAGE]), head_pool + v_off,
-               mask=(vd[None, :, None] * 0 + block) < hi_block)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _capped(logits, cap_log2e, HAS_CAP: gl.constexpr):
-    """Base-2 logits after the soft cap: tanh(x) x cap_log2e, tanh(x) = 1 - 2 / (e^2x + 1)."""
-    if HAS_CAP:
-        logits = (1.0 - 2.0 / (gl.exp2(logits * (2.0 * LOG2E_)) + 1.0)) * cap_log2e
-    return logits
-
-
-@gluon.jit
-def _mask(logits, k_pos, upper, q_pos, window, HAS_WINDOW: gl.constexpr):
-    """Logits [ROWS, keys] with the keys a row does not see (k_pos > upper, or not in
-    its window) at MASK_."""
-    visible = k_pos[None, :] <= upper[:, None]
-    if HAS_WINDOW:
-        visible = visible & (k_pos[None, :] > (q_pos - window)[:, None])
-    return gl.where(visible, logits, MASK_)
-
-
-@gluon.jit
-def _softmax_step(logits, m_i, l_i, SUM_BY_MMA: gl.constexpr):
-    """One online-softmax step over a key block's masked, capped base-2 logits [ROWS, keys]:
-    returns p, the accumulator's correction, and the new running max and sum."""
-    m_new = gl.maximum(m_i, gl.max(logits, axis=1))
-    # A row with nothing visible yet keeps m == MASK_: subtract 0 so its masked
-    # logits still underflow to p == 0.
-    m_sub = gl.where(m_new == MASK_, 0.0, m_new)
-    corr = gl.exp2(m_i - m_sub)
-    p = gl.exp2(logits - m_sub[:, None])
-    if SUM_BY_MMA:  # the caller sums p on the tensor cores
-        return p, corr, m_new, l_i
-    return p, corr, m_new, l_i * corr + gl.sum(p, axis=1)
-
-
-@gluon.jit
-def _pv_step(p, v, corr, acc, l_acc, CDT: gl.constexpr, a_layout: gl.constexpr,
-             b_layout: gl.constexpr, SUM_COLS: gl.constexpr, SUM_BY_MMA: gl.constexpr):
-    """acc x corr + p @ v for p [ROWS, keys] and v [keys, D], both taken to the dots' dtype
-    CDT (v after p: that order keeps ptxas's schedule); with SUM_BY_MMA also l_acc x corr +
-    p @ ones, p's row sums in the tensor cores' order."""
-    p_op = gl.convert_layout(p.to(CDT), a_layout)
-    v = v.to(CDT)
-    acc = mma_v2(p_op, v, acc * corr[:, None])
-    if SUM_BY_MMA:
-        ones = gl.full([v.shape[0], SUM_COLS], 1.0, CDT, layout=b_layout)
-        l_acc = mma_v2(p_op, ones, l_acc * corr[:, None])
-    return acc, l_acc
 
 
 @gluon.jit
@@ -157,8 +66,7 @@ def paged_attention_kernel(
         STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARPS_M: gl.constexpr,
         KV_FP8: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr,
         QUERIES_CACHED: gl.constexpr, BLOCK_KEYS_PAD: gl.constexpr,
-        BLOCK_CAUSAL: gl.constexpr, Q_IN_SMEM: gl.constexpr, EDGE_MASKS: gl.constexpr,
-        SUM_BY_MMA: gl.constexpr):
+        BLOCK_CAUSAL: gl.constexpr, EDGE_MASKS: gl.constexpr, SUM_BY_MMA: gl.constexpr):
     """Program (query block, row b, kv head h). q and o [batch, MAX_Q, HQ, D] in q's
     layout; the pool [kv heads, head_pages, PAGE * D] (head_pages = pages x layers x 2, K
     then V^T per page and layer); table i32[batch, table_width] of page * 2L (BAD = -1);
@@ -171,8 +79,8 @@ def paged_attention_kernel(
     block_v_scale = 1 / v_scale, in the dots' dtype), key j at kv_len + j, the first q_len
     of them live (all of them, or j <= i with BLOCK_CAUSAL).
     The dots' warps: WARPS_M along the rows, NUM_WARPS / WARPS_M along their columns.
-    Q_IN_SMEM: q (scaled) waits in shared memory and is loaded for each dot, instead of
-    held in registers throughout. EDGE_MASKS: only key blocks at the causal and window
+    q (scaled) is loaded once into the dots' operand layout and held in registers.
+    EDGE_MASKS: only key blocks at the causal and window
     edges are masked (the others are visible to every valid row: the same arithmetic).
     SUM_BY_MMA: p's row sums come from a dot (p @ ones), whose order of additions is the
     tensor cores', not the warps' layout's: with it a [1, 2] decode and a [2, 1] verify
@@ -223,12 +131,6 @@ def paged_attention_kernel(
     q_row = (b * MAX_Q + tok) * HQ + h * GQA + r % GQA
     q = gl.load(q_ptr + q_row[:, None] * D + c[None, :], mask=in_q[:, None], other=0.0)
     q = (q.to(gl.float32) * logit_scale).to(CDT)
-    if Q_IN_SMEM:
-        Q_ROW_BYTES: gl.constexpr = D * 2
-        q_sl: gl.constexpr = gl.SwizzledSharedLayout(
-            vec=8, per_phase=128 // Q_ROW_BYTES if Q_ROW_BYTES < 128 else 1,
-            max_phase=Q_ROW_BYTES // 16 if Q_ROW_BYTES < 128 else 8, order=[1, 0])
-        q_smem = gl.allocate_shared_memory(CDT, [ROWS, D], q_sl, q)
 
     # The keys this block's queries can see: blocks [lo_block, hi_block).
     first_tok = q_block * TOKENS
@@ -247,7 +149,7 @@ def paged_attention_kernel(
     vd = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, v_ld)))
     vj = gl.arange(0, PAGE, layout=gl.SliceLayout(0, gl.SliceLayout(1, v_ld)))
     for stage in gl.static_range(STAGES - 1):  # the pipeline's first blocks
-        _copy_block(k_smem.index(stage), v_smem.index(stage), head_pool, table_row,
+        copy_block(k_smem.index(stage), v_smem.index(stage), head_pool, table_row,
                     lo_block + stage, hi_block, table_width, layer_pages, kj, kd, vpage, vd,
                     vj, PAGE, PPB, D)
 
@@ -274,30 +176,26 @@ def paged_attention_kernel(
         async_copy.wait_group(STAGES - 2)
         cta_barrier()
         nxt = i + STAGES - 1
-        _copy_block(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), head_pool,
+        copy_block(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), head_pool,
                     table_row, lo_block + nxt, hi_block, table_width, layer_pages, kj, kd,
                     vpage, vd, vj, PAGE, PPB, D)
         slot = i % STAGES
         k_t = k_smem.index(slot).permute((1, 0)).load(b_layout)
-        if Q_IN_SMEM:
-            q_op = q_smem.load(a_layout)
-        else:
-            q_op = q
-        logits = _capped(mma_v2(q_op, k_t.to(CDT), gl.zeros([ROWS, BK], gl.float32,
-                                                           layout=mma)), cap_log2e, HAS_CAP)
+        logits = cap_logits(mma_v2(q, k_t.to(CDT), gl.zeros([ROWS, BK], gl.float32,
+                                                        layout=mma)), cap_log2e, HAS_CAP)
         k_lo = (lo_block + i) * BK
         if EDGE_MASKS:  # only blocks some valid row does not see whole take the mask
             masked = k_lo + BK - 1 > all_see_upto
             if HAS_WINDOW:
                 masked = masked | (k_lo <= window_edge)
             if masked:
-                logits = _mask(logits, k_lo + keys_m, upper, q_pos, window, HAS_WINDOW)
+                logits = mask_logits(logits, k_lo + keys_m, upper, q_pos, window, HAS_WINDOW)
         else:
-            logits = _mask(logits, k_lo + keys_m, upper, q_pos, window, HAS_WINDOW)
-        p, corr, m_new, l_i = _softmax_step(logits, m_i, l_i, SUM_BY_MMA)
+            logits = mask_logits(logits, k_lo + keys_m, upper, q_pos, window, HAS_WINDOW)
+        p, corr, m_new, l_i = softmax_step(logits, m_i, l_i, SUM_BY_MMA)
         v_pages = v_smem.index(slot).reshape([PPB, D, PAGE]).permute((0, 2, 1))
         v = v_pages.reshape([BK, D]).load(b_layout)
-        acc, l_acc = _pv_step(p, v, corr, acc, l_acc, CDT, a_layout, b_layout, SUM_COLS,
+        acc, l_acc = pv_step(p, v, corr, acc, l_acc, CDT, a_layout, b_layout, SUM_COLS,
                               SUM_BY_MMA)
         m_i = m_new
     async_copy.wait_group(0)  # no copy outlives the program
@@ -308,27 +206,22 @@ def paged_attention_kernel(
         block_k_t = gl.load(block_k_ptr + ((b * MAX_Q + bj[None, :]) * (HQ // GQA) + h) * D
                             + bd[:, None], mask=bj[None, :] < MAX_Q, other=0.0)  # [D, keys]
         block_k_t = (block_k_t.to(gl.float32) * block_k_scale).to(CDT)
-        if Q_IN_SMEM:
-            cta_barrier()  # q's store is seen (the loop's barriers do it when it runs)
-            q_op = q_smem.load(a_layout)
-        else:
-            q_op = q
-        logits = mma_v2(q_op, block_k_t, gl.zeros([ROWS, BLOCK_KEYS_PAD], gl.float32,
-                                                  layout=mma))
+        logits = mma_v2(q, block_k_t, gl.zeros([ROWS, BLOCK_KEYS_PAD], gl.float32,
+                                               layout=mma))
         j = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(0, mma))
         visible = valid[:, None] & (j[None, :] < q_len)
         if BLOCK_CAUSAL:
             visible = visible & (j[None, :] <= tok_m[:, None])
         if HAS_WINDOW:
             visible = visible & (j[None, :] > (tok_m - window)[:, None])
-        logits = gl.where(visible, _capped(logits, cap_log2e, HAS_CAP), MASK_)
-        p, corr, m_i, l_i = _softmax_step(logits, m_i, l_i, SUM_BY_MMA)
+        logits = gl.where(visible, cap_logits(logits, cap_log2e, HAS_CAP), MASK_)
+        p, corr, m_i, l_i = softmax_step(logits, m_i, l_i, SUM_BY_MMA)
         vj = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(1, b_layout))
         vd = gl.arange(0, D, layout=gl.SliceLayout(0, b_layout))
         block_v = gl.load(block_v_ptr + ((b * MAX_Q + vj[:, None]) * (HQ // GQA) + h) * D
                           + vd[None, :], mask=vj[:, None] < MAX_Q, other=0.0)   # [keys, D]
         block_v = (block_v.to(gl.float32) * block_v_scale).to(CDT)
-        acc, l_acc = _pv_step(p, block_v, corr, acc, l_acc, CDT, a_layout, b_layout,
+        acc, l_acc = pv_step(p, block_v, corr, acc, l_acc, CDT, a_layout, b_layout,
                               SUM_COLS, SUM_BY_MMA)
 
     # Rows that saw no key have l == 0, rows past q_len (and padding rows) no meaning
@@ -361,28 +254,25 @@ def supports(q, pool, *, draft_block: bool = False) -> str | None:
 
 
 def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=None,
-           soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None, tuning=None):
+           soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None):
     """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
     K / V pointers), constexprs and grid for a call; `supports` must hold. draft_block:
     None, or (padded block keys, causal within the block). Decode, verify and the draft
     block (up to FEW_Q_MAX queries) take 2 warps (the bf16 draft block
     DRAFT_BF16_WARPS), edge-only masks and row sums by dot; prefill PREFILL_ROWS rows per
     program over PREFILL_WARPS warps, every block masked and rows summed by `gl.sum`
-    (faster for prefill than the few-query options). Warps go along the rows, 16 rows each.
-    tuning: a dict overriding the constexprs so chosen (a benchmark comparing variants);
-    a key that names no constexpr raises."""
+    (faster for prefill than the few-query options). Warps go along the rows, 16 rows each."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     q_per_kv = num_q_heads // num_kv_heads
-    few_q, tuning = max_q <= FEW_Q_MAX, dict(tuning or {})
+    few_q = max_q <= FEW_Q_MAX
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, table_width=batch_table.shape[1], num_splits=1,
-                       rows_per_block=tuning.get("ROWS") or (None if few_q else PREFILL_ROWS))
+                       rows_per_block=None if few_q else PREFILL_ROWS)
     fp8 = pool.dtype == jnp.float8_e4m3fn
     num_warps = NUM_WARPS if few_q else PREFILL_WARPS
     if draft_block is not None and not fp8:
         num_warps = DRAFT_BF16_WARPS
-    num_warps = tuning.get("NUM_WARPS") or num_warps
     # Warps along the rows, 16 rows each, the rest along the dots' columns: a program's
     # warps then exchange nothing per key block.
     warps_m = max(1, min(num_warps, plan.rows // 16))
@@ -399,12 +289,7 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
                       NUM_WARPS=num_warps, WARPS_M=warps_m, KV_FP8=fp8,
                       HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
                       QUERIES_CACHED=draft_block is None, BLOCK_KEYS_PAD=block_keys_pad,
-                      BLOCK_CAUSAL=block_causal, Q_IN_SMEM=False, EDGE_MASKS=few_q,
-                      SUM_BY_MMA=few_q)
-    unknown = set(tuning) - set(constexprs)
-    if unknown:
-        raise ValueError(f"tuning names no constexpr of the kernel: {sorted(unknown)}")
-    constexprs.update(tuning)
+                      BLOCK_CAUSAL=block_causal, EDGE_MASKS=few_q, SUM_BY_MMA=few_q)
     return scalars, constexprs, (plan.num_q_blocks, batch, num_kv_heads)
 
 
@@ -427,7 +312,7 @@ def _refuse(q, pool, draft_block=False):
 
 def paged_attention_gluon(q, pool, batch_table, kv_lens, q_lens, *, layer_offset,
                           sliding_window=None, sm_scale=None, soft_cap=None, k_scale=1.0,
-                          v_scale=1.0, tuning=None):
+                          v_scale=1.0):
     """`paged_attention` (decode, verify, chunked prefill) compiled from Gluon (module
     docstring). Trace-time errors name what it does not take (`supports`)."""
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
@@ -436,13 +321,12 @@ def paged_attention_gluon(q, pool, batch_table, kv_lens, q_lens, *, layer_offset
     # The block pointers are unused (BLOCK_KEYS_PAD = 0): q stands in for them.
     return _call(q, pool, batch_table, kv_lens, q_lens, q, q, layer_offset=layer_offset,
                  sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
-                 k_scale=k_scale, v_scale=v_scale, tuning=tuning)
+                 k_scale=k_scale, v_scale=v_scale)
 
 
 def draft_block_attention_gluon(q, pool, batch_table, ctx_lens, block_lens, block_k, block_v,
                                 *, layer_offset, causal_in_block=False, sliding_window=None,
-                                sm_scale=None, soft_cap=None, k_scale=1.0, v_scale=1.0,
-                                tuning=None):
+                                sm_scale=None, soft_cap=None, k_scale=1.0, v_scale=1.0):
     """`draft_block_attention` compiled from Gluon: block queries at ctx_len + i over the
     row's cached context and the block's own K / V [batch, block, kv heads, D]."""
     static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
@@ -459,4 +343,4 @@ def draft_block_attention_gluon(q, pool, batch_table, ctx_lens, block_lens, bloc
     return _call(q, pool, batch_table, ctx_lens, block_lens, block_k, block_v,
                  layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
                  soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-                 draft_block=(pad, causal_in_block), tuning=tuning)
+                 draft_block=(pad, causal_in_block))

@@ -17,7 +17,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
 @pytest.fixture
 def on_cpu(monkeypatch):
     def interpreted(kernel):
-        return lambda *a, tuning=None, **k: kernel(*a, interpret=True, **k)
+        return lambda *a, **k: kernel(*a, interpret=True, **k)
 
     monkeypatch.setattr(bench, "paged_attention_gluon", interpreted(paged_attention))
     monkeypatch.setattr(bench, "draft_block_attention_gluon", interpreted(draft_block_attention))

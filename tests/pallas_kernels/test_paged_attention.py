@@ -175,7 +175,7 @@ def test_fp8_launch_options_are_the_default_over_fp8_kv_only(monkeypatch, kv_dty
                                                              want):
     """The kernel hands plan_launch fast_fp8 only over fp8 pools, and only
     unless the caller turns it off; the plan then picks the fp8 options."""
-    import pallas_kernels.paged_attention as module
+    import pallas_kernels.paged_attention_kernel as module
     plans, plan_launch = [], module.plan_launch
 
     def recording_plan(**kw):
