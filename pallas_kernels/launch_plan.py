@@ -3,8 +3,7 @@ options measured best on the H200 (docs/decisions.md).
 
 One job: from the call's shapes and the caller's explicit choices, decide
 query blocks, key splits, warps, pipeline stages, page-id prefetch and the
-rescale threshold (over fp8 KV with `fast_fp8`, its own for the last
-three). Greedy speculative decoding must reproduce plain decoding token for
+rescale threshold (over fp8 KV, its own for the last three). Greedy speculative decoding must reproduce plain decoding token for
 token, so a row's 1-query decode pass and its K+1-query verify pass must do
 the same arithmetic; `arithmetic(plan)` names the fields that decide it,
 and tests check that decode and verify plans agree on them.
@@ -38,7 +37,6 @@ class LaunchOptions(NamedTuple):
     compute_dtype: Any = None              # the dots' dtype (None: q's; f16 over fp8 KV)
     prefetch_page_ids: bool | None = None  # load a block's page ids one block ahead
     rescale_threshold: float | None = None  # lazy rescale: move a row's max by > 2**T only
-    fast_fp8: bool = True                  # over fp8 KV, the fp8 defaults (`plan_launch`)
 
 
 class LaunchPlan(NamedTuple):
@@ -69,7 +67,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
                 pages_per_block: int = 4, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 prefetch_page_ids: bool | None = None,
-                rescale_threshold: float | None = None, fast_fp8: bool = False,
+                rescale_threshold: float | None = None, kv_fp8: bool = False,
                 num_sms: int | None = None) -> LaunchPlan:
     """The caller's explicit options, and measured defaults for those left None.
 
@@ -100,14 +98,13 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     bits on the H200. So few-query blocks hold fewer rows than head_dim (16 at
     head dim 32) unless q heads per kv head alone reach it.
 
-    `fast_fp8` (the kernels pass it for calls over fp8 KV; on by default
-    there): fp8 decode prefetches the page ids one block ahead, fp8 verify
-    takes 5 stages and rescale_threshold=8 (both faster on the H200,
-    docs/decisions.md). Over bf16 KV and for prefill they are slower, so
-    neither gets them.
+    `kv_fp8` (the call reads fp8 KV) sets the fp8 defaults up to FEW_Q_MAX
+    query tokens: decode prefetches the page ids one block ahead, verify takes
+    5 stages, and both rescale lazily (rescale_threshold=8); docs/decisions.md
+    says why bf16 KV and prefill keep the plain ones.
     """
     few_q = max_q <= FEW_Q_MAX
-    fast = fast_fp8 and few_q  # prefill keeps its options (the lazy rescale slowed it)
+    fast = kv_fp8 and few_q  # prefill keeps its options (the lazy rescale slows it)
     if rows_per_block is None:
         rows_per_block = max(MIN_ROWS, min(FEW_Q_ROWS, head_dim // 2)) if few_q else 128
     tokens_per_block = min(max_q, max(1, rows_per_block // q_per_kv))

@@ -57,12 +57,9 @@ def paged_attention(
     f32 softmax.
 
     `options` (`launch_plan.LaunchOptions`, one static argument) holds the
-    launch choices; fields left None take the values measured on the H200 for
-    the query count (`launch_plan.plan_launch`), keeping a row's decode and
-    verify passes bit-for-bit equal. Over fp8 KV, up to 16 query tokens,
-    `fast_fp8` (on by default; False for the plain fp8 options) takes the
-    options that make fp8 decode and verify faster on the H200.
-    `prefetch_page_ids` loads each block's page-table entries one iteration
+    launch choices; fields left None take `launch_plan.plan_launch`'s defaults
+    for the query count and the KV dtype, which keep a row's decode and verify
+    passes bit-for-bit equal. `prefetch_page_ids` loads each block's page-table entries one iteration
     ahead, so Triton keeps the next blocks' K/V loads in flight; it changes
     no bit. `rescale_threshold` T > 0 moves a row's running max (and rescales
     its accumulator) only when a block's max passes it by more than T (base

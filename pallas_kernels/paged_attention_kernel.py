@@ -262,7 +262,7 @@ def attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_c
                        num_warps=options.num_warps, num_stages=options.num_stages,
                        prefetch_page_ids=options.prefetch_page_ids,
                        rescale_threshold=options.rescale_threshold,
-                       fast_fp8=options.fast_fp8 and pool.dtype == jnp.float8_e4m3fn)
+                       kv_fp8=pool.dtype == jnp.float8_e4m3fn)
     compute_dtype = options.compute_dtype
     tokens_per_block, num_q_blocks, rows = plan.tokens_per_block, plan.num_q_blocks, plan.rows
     num_splits = plan.num_splits

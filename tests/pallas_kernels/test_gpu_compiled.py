@@ -97,18 +97,19 @@ def test_compiled_verify_equals_decode_bit_for_bit_across_gqa(kv_dtype, num_q_he
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fast_fp8", [True, False])
+@pytest.mark.parametrize("blocking", [
+    {}, dict(num_stages=3, prefetch_page_ids=False, rescale_threshold=0.0)])
 @pytest.mark.parametrize("head_dim", [32, 128])
 @pytest.mark.parametrize("window", [None, 100])
-def test_compiled_fp8_options_keep_verify_equal_to_decode(fast_fp8, head_dim, window):
-    """fast_fp8 (the default): decode with prefetched page ids, verify with 5
-    stages (at head dim 128; 16-row blocks at 32 prefetch too), both rescaling
-    lazily; and the plain options. Verify must equal decode bit for bit under
+def test_compiled_fp8_options_keep_verify_equal_to_decode(blocking, head_dim, window):
+    """The fp8 defaults: decode with prefetched page ids, verify with 5 stages (at
+    head dim 128; 16-row blocks at 32 prefetch too), both rescaling lazily; and the
+    plain options. Verify must equal decode bit for bit under
     both (docs/decisions.md, "Exactness")."""
     assert_verify_equals_decode(
         np.random.default_rng(5), max_q=8, batch=16, num_q_heads=8, num_kv_heads=2,
         head_dim=head_dim, page_size=16, kv_dtype=jnp.float8_e4m3fn, window=window,
-        max_len=600, interpret=False, blocking=dict(fast_fp8=fast_fp8))
+        max_len=600, interpret=False, blocking=blocking)
 
 
 def large_pool_case(pages, max_q=8):

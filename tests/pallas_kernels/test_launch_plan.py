@@ -7,15 +7,15 @@ from pallas_kernels.launch_plan import (FEW_Q_MAX, FEW_Q_ROWS, FEW_Q_SPLIT_PAGES
                                         plan_launch)
 
 
-@pytest.mark.parametrize("fast_fp8", [False, True])
+@pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("q_per_kv", [1, 2, 4, 5, 8, 16, 32])
 @pytest.mark.parametrize("batch,num_kv_heads,table_width", [
     (64, 8, 2048), (16, 4, 188), (1, 2, 4096), (3, 8, 9)])
-def test_decode_and_verify_plans_share_their_arithmetic(fast_fp8, head_dim, q_per_kv, batch,
+def test_decode_and_verify_plans_share_their_arithmetic(kv_fp8, head_dim, q_per_kv, batch,
                                                         num_kv_heads, table_width):
     shape = dict(batch=batch, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim, table_width=table_width, fast_fp8=fast_fp8)
+                 head_dim=head_dim, table_width=table_width, kv_fp8=kv_fp8)
     decode = plan_launch(max_q=1, **shape)
     for max_q in range(2, FEW_Q_MAX + 1):
         verify = plan_launch(max_q=max_q, **shape)
@@ -30,12 +30,12 @@ def test_measured_defaults():
     assert (decode.rows, verify.rows, decode.num_warps, verify.num_warps) == (16, 32, 2, 2)
     for plan in (decode, verify):  # the fast fp8 options only where the kernel passes them
         assert (plan.num_stages, plan.prefetch_page_ids, plan.rescale_threshold) == (3, False, 0)
-    fast_decode = plan_launch(max_q=1, fast_fp8=True, **shape)
-    fast_verify = plan_launch(max_q=8, fast_fp8=True, **shape)
+    fast_decode = plan_launch(max_q=1, kv_fp8=True, **shape)
+    fast_verify = plan_launch(max_q=8, kv_fp8=True, **shape)
     assert (fast_decode.num_stages, fast_decode.prefetch_page_ids) == (3, True)
     assert (fast_verify.num_stages, fast_verify.prefetch_page_ids) == (5, False)
     assert fast_decode.rescale_threshold == fast_verify.rescale_threshold == 8.0
-    assert plan_launch(max_q=2048, fast_fp8=True, **shape) == plan_launch(max_q=2048, **shape)
+    assert plan_launch(max_q=2048, kv_fp8=True, **shape) == plan_launch(max_q=2048, **shape)
     prefill = plan_launch(max_q=2048, **shape)
     assert (prefill.rows, prefill.num_warps, prefill.num_q_blocks, prefill.num_splits) == (
         128, 4, 64, 1)

@@ -168,13 +168,10 @@ def test_fp8_launch_options_keep_verify_equal_to_decode(interpret):
                                 decode_blocking=dict(lazy, prefetch_page_ids=True))
 
 
-@pytest.mark.parametrize("kv_dtype,fast_fp8,want", [
-    (jnp.float8_e4m3fn, True, True), (jnp.float8_e4m3fn, False, False),
-    (jnp.bfloat16, True, False)])
-def test_fp8_launch_options_are_the_default_over_fp8_kv_only(monkeypatch, kv_dtype, fast_fp8,
-                                                             want):
-    """The kernel hands plan_launch fast_fp8 only over fp8 pools, and only
-    unless the caller turns it off; the plan then picks the fp8 options."""
+@pytest.mark.parametrize("kv_dtype,want", [(jnp.float8_e4m3fn, True), (jnp.bfloat16, False)])
+def test_fp8_launch_options_are_the_default_over_fp8_kv_only(monkeypatch, kv_dtype, want):
+    """The kernel tells plan_launch the pool is fp8 only over fp8 pools; the plan then
+    picks the fp8 options."""
     import pallas_kernels.paged_attention_kernel as module
     plans, plan_launch = [], module.plan_launch
 
@@ -186,7 +183,7 @@ def test_fp8_launch_options_are_the_default_over_fp8_kv_only(monkeypatch, kv_dty
         np.random.default_rng(2), batch=2, max_q=1, num_q_heads=4, num_kv_heads=2,
         kv_dtype=kv_dtype)
     paged_attention.__wrapped__(q, pool, table, kv_lens, q_lens, layer_offset=1,
-                                interpret=True, options=LaunchOptions(fast_fp8=fast_fp8))
+                                interpret=True)
     (plan,) = plans
     assert (plan.prefetch_page_ids, plan.rescale_threshold) == ((True, 8.0) if want
                                                                 else (False, 0.0))
