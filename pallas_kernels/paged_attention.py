@@ -101,12 +101,8 @@ def draft_block_attention(
     causally within the block. Block K/V stay out of the cache.
     """
     static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
-                           sliding_window, options.pages_per_block, options.compute_dtype)
-    if block_k.shape != block_v.shape or block_k.shape != (
-            q.shape[0], q.shape[1], pool.shape[0], q.shape[3]):
-        raise ValueError("block_k and block_v must be [batch, block_size, num_kv_heads, "
-                         f"head_dim] = {(q.shape[0], q.shape[1], pool.shape[0], q.shape[3])}, "
-                         f"got {block_k.shape=} {block_v.shape=}")
+                           sliding_window, options.pages_per_block, options.compute_dtype,
+                           block_kv=(block_k, block_v))
     return attention_call(
         q, pool, batch_table, ctx_lens, block_lens, (block_k, block_v), queries_cached=False,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,

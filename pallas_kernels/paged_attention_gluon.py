@@ -330,12 +330,8 @@ def draft_block_attention_gluon(q, pool, batch_table, ctx_lens, block_lens, bloc
     """`draft_block_attention` compiled from Gluon: block queries at ctx_len + i over the
     row's cached context and the block's own K / V [batch, block, kv heads, D]."""
     static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
-                           sliding_window, 1, None, max_pool_elements=None)
-    if block_k.shape != block_v.shape or block_k.shape != (
-            q.shape[0], q.shape[1], pool.shape[0], q.shape[3]):
-        raise ValueError("block_k and block_v must be [batch, block_size, num_kv_heads, "
-                         f"head_dim] = {(q.shape[0], q.shape[1], pool.shape[0], q.shape[3])}, "
-                         f"got {block_k.shape=} {block_v.shape=}")
+                           sliding_window, 1, None, max_pool_elements=None,
+                           block_kv=(block_k, block_v))
     _refuse(q, pool, draft_block=True)
     # The block's K / V go in as they are: the kernel pads, scales and converts them, so no
     # XLA op runs beside it.

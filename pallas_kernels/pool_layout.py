@@ -50,10 +50,11 @@ def kernel_views(pool):
 
 def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, pages_per_block, compute_dtype,
-                           max_pool_elements=MAX_POOL_ELEMENTS) -> None:
+                           max_pool_elements=MAX_POOL_ELEMENTS, block_kv=None) -> None:
     """Trace-time checks of an attention call's arguments (shapes, dtypes,
     static options); each error names the argument and what it must be.
-    max_pool_elements: the kernel's addressing limit (None: 64-bit offsets)."""
+    max_pool_elements: the kernel's addressing limit (None: 64-bit offsets).
+    block_kv: a draft block's own (K, V), each [batch, block_size, num_kv_heads, head_dim]."""
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, max_q, num_q_heads, head_dim], got {q.shape=}")
     if pool.ndim != 6 or pool.shape[3] != 2:
@@ -97,3 +98,7 @@ def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                          f"{compute_dtype!r}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim=}")
+    want = (batch, q.shape[1], num_kv_heads, head_dim)
+    if block_kv is not None and any(x.shape != want for x in block_kv):
+        raise ValueError("block_k and block_v must be [batch, block_size, num_kv_heads, "
+                         f"head_dim] = {want}, got {[x.shape for x in block_kv]}")
