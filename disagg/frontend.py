@@ -14,6 +14,7 @@ target's own tokenizer. Without paths: the embedded pair and its byte tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import time
 from pathlib import Path
@@ -134,9 +135,10 @@ def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: s
     app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=request_timeout_s)
     server = HTTPServer(app.app, host, port).start()
     log(f"listening on {server.url} (GET /health answers 503 until compiled)")
-    handlers = install_drain_handlers("serve", loop.close)
+    handlers = {}
     try:
-        seconds = warm_up(engine, pair.tokenizer, log)
+        seconds = warm_up(engine, pair.tokenizer, log)  # Ctrl-C here: KeyboardInterrupt
+        handlers = install_drain_handlers("serve", loop.close)
         app.ready.set()
         cache = f"; {counter.summary()}" if counter is not None else ""
         print(f"ready: {pair.name} ({mode}) on {server.url}/v1 after {seconds:.1f}s of "
@@ -145,7 +147,6 @@ def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: s
     finally:
         loop.close()
         server.stop()
-        import signal
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    log("stopped")
+    log(f"stopped; {counter.summary()}" if counter is not None else "stopped")

@@ -17,7 +17,7 @@ import pytest
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from disagg.frontend import load_pair, make_engine  # noqa: E402
+from disagg.frontend import load_pair, make_engine, warm_up  # noqa: E402
 from disagg.http import CompletionsApp, HTTPServer  # noqa: E402
 from disagg.loop import ServingLoop  # noqa: E402
 from disagg.metrics import ServingMetrics  # noqa: E402
@@ -32,6 +32,7 @@ def server():
     pair = load_pair(num_slots=4)
     engine = make_engine("aggregated", pair)
     tok = pair.tokenizer
+    warm_up(engine, tok)
     greedy = engine.generate([tok.encode(p) for p in PROMPTS], MAX_TOKENS)
     metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
     loop = ServingLoop(engine, tok, metrics)
@@ -197,7 +198,8 @@ def test_health_models_and_metrics(server):
     assert status == 200 and json.loads(text)["status"] == "ready"
     models = server["client"].models.list()
     assert [m.id for m in models.data] == [server["name"]]
-    server["client"].completions.create(model=server["name"], prompt=PROMPTS[0], max_tokens=4)
+    server["client"].completions.create(model=server["name"], prompt=PROMPTS[0], max_tokens=4,
+                                        temperature=0)
     status, text = get(f"{url}/metrics")
     assert status == 200
     families = {f.name: f for f in text_string_to_metric_families(text)}

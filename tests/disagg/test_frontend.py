@@ -1,0 +1,179 @@
+"""Text in and out (checkpoint tokenizers, the text stream, the shared schema), and
+`serve --http` as a user runs it: a pair by path, the ready line, Ctrl-C, and the
+persistent compilation cache reused by a fresh process."""
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from disagg.processes import REPO_ROOT, child_env
+from disagg.schema import parse_line
+from disagg.textstream import TextStream
+from drafter.corpus import ByteTokenizer
+from drafter.request import Request, RequestError
+from drafter.tokenizer import TokenizerError, load_tokenizer
+
+tokenizers = pytest.importorskip("tokenizers")
+
+COPY_PAIR = Path(__file__).parent.parent / "fixtures" / "copy_pair"
+TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓ — naïve café", "  spaces\tand\ttabs  ",
+         "日本語のテキスト", "a"]
+
+
+def byte_level_tokenizer(out_dir: Path, eos=None) -> Path:
+    """A small byte-level BPE tokenizer.json (the kind Qwen ships), trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS * 20 + ["def main():\n    pass\n"] * 20, trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    if eos is not None:
+        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return out_dir
+
+
+def test_checkpoint_tokenizer_round_trip_and_eos(tmp_path):
+    root = byte_level_tokenizer(tmp_path / "ckpt", eos=[0, 5])
+    tok = load_tokenizer(root)
+    assert tok.eos_token_ids == (0, 5)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids and all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+    assert len(tok.encode(TEXTS[0])) < len(TEXTS[0].encode())  # merges were learned
+    with pytest.raises(TokenizerError, match="vocab_size"):
+        load_tokenizer(root, model_vocab_size=tok.vocab_size - 1)
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (root / "generation_config.json").unlink()
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert load_tokenizer(root).eos_token_ids == (0,)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_text_stream_releases_final_text_only(tmp_path, kind):
+    tok = ByteTokenizer() if kind == "bytes" else load_tokenizer(byte_level_tokenizer(tmp_path))
+    text = "naïve café ✓ done"
+    ids = tok.encode(text)[1:] if kind == "bytes" else tok.encode(text)
+    stream, pieces = TextStream(tok), []
+    for t in ids:
+        piece = stream.feed([t])
+        assert "\ufffd" not in piece  # half a character is held back
+        pieces.append(piece)
+        assert text.startswith("".join(pieces))
+    pieces.append(stream.finish())
+    assert "".join(pieces) == text
+    # A stop string that straddles feeds; the text ends before it, the tokens with it.
+    stream = TextStream(tok, stop=("é ✓", "zzz"))
+    got = "".join(stream.feed(ids[i:i + 3]) for i in range(0, len(ids), 3))
+    assert stream.stopped and got == "naïve caf"
+    assert tok.decode(stream.tokens).endswith("é ✓")
+    assert not tok.decode(stream.tokens[:-1]).endswith("é ✓")
+    assert stream.finish() == ""
+
+
+class _Engine:
+    def make_request(self, rid, prompt, params):
+        return Request.make(rid, prompt, params, vocab_size=264, reserved_ids=(258,))
+
+
+def test_json_lines_share_the_schema_stop_strings_included():
+    req, stop = parse_line({"id": 7, "prompt": "x", "stop": "\n\n", "max_new_tokens": 3}, 1,
+                           _Engine(), ByteTokenizer())
+    assert (req.request_id, stop, req.params.max_new_tokens) == ("7", ("\n\n",), 3)
+    with pytest.raises(RequestError, match="stop") as e:
+        parse_line({"prompt": "x", "stop": [3]}, 2, _Engine(), ByteTokenizer())
+    assert e.value.field == "stop"
+    with pytest.raises(RequestError) as e:
+        parse_line({"prompt": "x", "temperature": "hot"}, 3, _Engine(), ByteTokenizer())
+    assert e.value.field == "temperature"
+
+
+def copy_pair_with_text(root: Path) -> Path:
+    """The tiny copy pair by path, with a word-level tokenizer.json over its 32 ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    shutil.copytree(COPY_PAIR, root)
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz.,!?")}
+    vocab["[UNK]"] = 30  # 31 is the drafter's mask token: no text maps to it
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(root / "target" / "tokenizer.json"))
+    return root
+
+
+def read_line_with(proc, pattern: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([proc.stdout], [], [], left)[0]:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if re.search(pattern, line):
+            return line
+    proc.kill()
+    raise AssertionError(f"no line matching {pattern!r} within {timeout:.0f}s:\n"
+                         f"{proc.stderr.read()[-3000:]}")
+
+
+def serve_once(pair: Path, cache: Path) -> tuple[dict, str, str]:
+    """One `serve --http` process: ready line, one completion, SIGINT."""
+    env = {**child_env(1), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)  # the CLI caches everything
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disagg", "serve", "--http", "127.0.0.1:0", "--draft-kv",
+         "aggregated", "--target", str(pair / "target"), "--drafter", str(pair / "draft"),
+         "--max-seq-len", "128", "--num-slots", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    try:
+        ready = read_line_with(proc, r"^ready: ", 300)
+        url = re.search(r"(http://\S+)/v1", ready).group(1)
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+            assert json.loads(r.read())["status"] == "ready"
+        body = json.dumps({"model": "target", "prompt": "a b c d a b c d a b c",
+                           "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    return answer, ready, err
+
+
+@pytest.mark.timeout(600)
+def test_serve_http_by_path_ready_line_ctrl_c_and_compile_cache(tmp_path):
+    pair = copy_pair_with_text(tmp_path / "pair")
+    cache = tmp_path / "jax-cache"
+    first, ready1, err1 = serve_once(pair, cache)
+    choice = first["choices"][0]
+    assert first["usage"]["prompt_tokens"] == 11  # one id per word
+    assert len(choice["token_ids"]) == first["usage"]["completion_tokens"] == 8
+    assert choice["text"] == " ".join("abcdefghijklmnopqrstuvwxyz.,!?"[i]
+                                      for i in choice["token_ids"])
+    compiled = int(re.search(r"stopped; (\d+) programs compiled", err1).group(1))
+    assert compiled > 0 and os.listdir(cache)
+    second, ready2, err2 = serve_once(pair, cache)
+    assert second["choices"][0]["token_ids"] == choice["token_ids"]
+    # a fresh process compiles nothing the first one compiled: all of it is read back
+    assert re.search(r"stopped; 0 programs compiled, [1-9]\d* read from", err2), err2[-2000:]
