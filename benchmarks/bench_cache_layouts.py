@@ -27,15 +27,14 @@ lists). Ratios are against `unified` in the same run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.cache_layouts import (TwoCacheState, kv_memory_bytes, split_config, split_state,
-                                      two_cache_decode_step)
+from benchmarks.cache_layouts import (TwoCacheState, full_rebuild, kv_memory_bytes, per_layer,
+                                      split_config, split_state, two_cache_decode_step)
 from benchmarks.timing import time_step_loop, write_results
 from drafter.default import default_step_config, load_default
 from drafter.steps import decode_step, init_spec_state
@@ -48,11 +47,7 @@ VARIANTS = ("unified", "two_caches", "per_layer", "full_rebuild")
 
 
 def variant_config(base, name: str):
-    if name == "per_layer":
-        return dataclasses.replace(base, spec=dataclasses.replace(base.spec, pool_per_layer=True))
-    if name == "full_rebuild":
-        return dataclasses.replace(base, table_build="full_capacity")
-    return base
+    return {"per_layer": per_layer, "full_rebuild": full_rebuild}.get(name, lambda c: c)(base)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

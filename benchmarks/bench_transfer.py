@@ -13,10 +13,9 @@ own source and destination caches, sized for exactly that request.
 
 Everything goes through the code users run: `export_step` (gather +
 checksum), `move_payload` (per path), `import_step` (allocate + verify +
-scatter). A "fragment" is
-what the `fragments` path puts at once: one logical page of one pool (all its
-layers, K and V, all kv heads; 1.125 MiB for the target pool), the per-page
-fallback that a transfer without coalescing makes in this layout.
+scatter). The baseline path `fragments` (`move_fragments`, here only) puts one
+logical page of one pool at a time (all its layers, K and V, all kv heads; 1.125
+MiB for the target pool): what a transfer without coalescing makes in this layout.
 
 Source -> destination: device 0 -> device 1 when there are two devices, the
 link being `jax.device_put` of one contiguous array of the same bytes
@@ -49,11 +48,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from benchmarks.timing import write_results
-from disagg.transfer import move_payload, pinned_host_sharding
+from disagg.transfer import move_payload, pinned_host_sharding, receiver_shardings
 from drafter.kv_io import (KVPayload, checksum, export_step, import_step, live_logical_pages,
                            padded_pages, sent_pool_ids)
 from drafter.steps import SpecState, StepConfig
-from unified_kv import NULL_PAGE, CacheSpec, LayerSpec, grow, init_state
+from unified_kv import NULL_PAGE, CacheSpec, LayerSpec, grow, init_state, layer_name
 
 TARGET_LAYERS, DRAFT_LAYERS, KV_HEADS, HEAD_DIM, PAGE = 36, 2, 8, 128, 16
 BYTES_PER_TOKEN = KV_HEADS * HEAD_DIM * 2 * (TARGET_LAYERS * 1 + DRAFT_LAYERS * 2)
@@ -99,9 +98,9 @@ def median_seconds(call, *, out_bytes: int = 0, chained: bool = False) -> float:
 
 
 def cache_spec(tokens: int) -> CacheSpec:
-    layers = ([LayerSpec(f"target.{i}", "target", KV_HEADS, HEAD_DIM, "fp8_e4m3")
+    layers = ([LayerSpec(layer_name("target", i), "target", KV_HEADS, HEAD_DIM, "fp8_e4m3")
                for i in range(TARGET_LAYERS)]
-              + [LayerSpec(f"draft.{i}", "draft", KV_HEADS, HEAD_DIM, "bf16")
+              + [LayerSpec(layer_name("draft", i), "draft", KV_HEADS, HEAD_DIM, "bf16")
                  for i in range(DRAFT_LAYERS)])
     # One slot and an ample budget: each pool holds exactly one such request.
     return CacheSpec(PAGE, tuple(layers), num_slots=1, max_seq_len=tokens,
@@ -188,6 +187,14 @@ def warm_host_memory(nbytes: int, sharding) -> None:
     gc.collect()
 
 
+def move_fragments(payload: KVPayload, mesh) -> list:
+    """The baseline the coalesced path replaces: one put per logical page of each
+    buffer, stacked on the receiver."""
+    sharding, _ = receiver_shardings(mesh)
+    return [jnp.stack([jax.device_put(b[:, j], sharding) for j in range(b.shape[1])], axis=1)
+            for b in payload.buffers]
+
+
 def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int) -> dict:
     two = src_mesh.devices.flat[0] != dst_mesh.devices.flat[0]
     tokens = max(PAGE, size // BYTES_PER_TOKEN // PAGE * PAGE)
@@ -224,7 +231,8 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
             continue
         try:  # one path failing on this platform must not lose the others
             row["move_ms"][path] = 1e3 * median_seconds(
-                lambda: move_payload(payload, dst_mesh, path=path).buffers,
+                lambda: (move_fragments(payload, dst_mesh) if path == "fragments"
+                         else move_payload(payload, dst_mesh, path=path).buffers),
                 out_bytes=moved_bytes)
         except Exception as e:
             row["errors"][path] = f"{type(e).__name__}: {e}"

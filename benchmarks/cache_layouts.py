@@ -8,9 +8,10 @@ kernel that builds the batch's tables each step. The contrasts:
     (what a system without draft layers in the cache does): two allocations,
     two table builds, two retirements per step. `two_cache_decode_step` is
     `drafter.steps.decode_step` over such a pair.
-  * per-layer tables: `CacheSpec(pool_per_layer=True)`, every layer its own
-    pool, table and free list (runs through the ordinary steps).
-  * full-capacity rebuilds: `StepConfig(table_build="full_capacity")`.
+  * per-layer tables: `PerLayerCacheSpec`, every layer its own pool, table and
+    free list (runs through the ordinary steps).
+  * full-capacity rebuilds: `FullRebuildStepConfig`, every slot's full-width
+    table rebuilt each step, then the batch's rows picked (the ordinary steps).
 
 `split_state` turns a unified state into the equivalent two-cache state (same
 pages, same data), so the two decode steps can be checked token for token.
@@ -19,6 +20,7 @@ pages, same data), so the two decode steps can be checked token for token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.struct
@@ -26,10 +28,49 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import draft_block, write_context
-from drafter.steps import Sampler, StepConfig, accept, batch_tables, emitted_tokens
+from drafter.steps import Sampler, StepConfig, accept, emitted_tokens
 from models.qwen3 import forward
+from pallas_kernels.batch_tables import bucket_width
 from unified_kv import (CacheSpec, KVState, allocate_pages, bytes_per_request,
                         retire_window_pages)
+from unified_kv.spec import size_pools
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLayerCacheSpec(CacheSpec):
+    """Every layer its own pool, page table and free list, instead of one per layout."""
+
+    @functools.cached_property
+    def pools(self):
+        return size_pools(self, tuple((layer,) for layer in self.layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class FullRebuildStepConfig(StepConfig):
+    """Steps that rebuild every slot's full-capacity device table, then pick the batch's
+    rows, instead of building the batch's rows only."""
+
+    def device_tables(self, kv, slot_ids, table_width: int):
+        spec = self.spec
+        every_slot = jnp.arange(spec.num_slots + 1, dtype=jnp.int32)
+        full = bucket_width(spec.max_pages_per_seq, spec.max_pages_per_seq)
+        tables = super().device_tables(kv, every_slot, full)
+        return tuple(t[slot_ids, :table_width] for t in tables)
+
+
+def _as(cls, config):
+    """`config`'s fields in a `cls` (a subclass of its class)."""
+    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
+def per_layer(cfg: StepConfig) -> StepConfig:
+    """`cfg` with every layer in its own pool."""
+    return dataclasses.replace(cfg, spec=_as(PerLayerCacheSpec, cfg.spec))
+
+
+def full_rebuild(cfg: StepConfig) -> StepConfig:
+    """`cfg` with every slot's full-capacity table rebuilt each step."""
+    return _as(FullRebuildStepConfig, cfg)
 
 
 @flax.struct.dataclass
@@ -105,8 +146,8 @@ def _two_cache_decode(params, state, slot_ids, key, cfgs, table_width, temperatu
     ok = ok_t & ok_d
     live = active & ok
     tokens = jnp.concatenate([state.anchors[slot_ids][:, None], state.drafts[slot_ids]], axis=1)
-    t_tables = batch_tables(tcfg, tkv, slot_ids, table_width)
-    d_tables = batch_tables(dcfg, dkv, slot_ids, table_width)
+    t_tables = tcfg.device_tables(tkv, slot_ids, table_width)
+    d_tables = dcfg.device_tables(dkv, slot_ids, table_width)
     verify_len = jnp.where(live, block, 0).astype(jnp.int32)
     logits, t_pools, feats = forward(params["target"], tcfg.target, tcfg.spec, tkv.pools,
                                      t_tables, tokens, p, verify_len,

@@ -8,9 +8,8 @@ r"""Moving one request's KV between workers: the handoff, its move paths, head s
 
 Move paths: "coalesced" (one device-to-device put per pool buffer),
 "pinned_host" (staged in the sender's pinned host memory, then put on the
-receiver: what a transfer that must leave the device does), "host" (through
-pageable host memory, numpy) and "fragments" (one put per page: the slow
-fallback, kept to measure against).
+receiver: what a transfer that must leave the device does) and "host" (through
+pageable host memory, numpy).
 
 Head slices (fan-in): a context worker on a TP mesh holds each buffer as
 per-device shards along kv heads; `split_heads` sends each shard as its own
@@ -31,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from drafter.kv_io import KVPayload, checksum
 from drafter.request import Request
 
-MOVE_PATHS = ("coalesced", "pinned_host", "host", "fragments")
+MOVE_PATHS = ("coalesced", "pinned_host", "host")
 
 
 class TransferError(RuntimeError):
@@ -93,9 +92,6 @@ def move_buffer(buf: jax.Array, sharding: jax.sharding.Sharding, path: str) -> j
         return jax.device_put(staged, sharding)
     if path == "host":
         return jax.device_put(np.asarray(buf), sharding)
-    if path == "fragments":  # one transfer per page, stacked on the receiver
-        pages = [jax.device_put(buf[:, j], sharding) for j in range(buf.shape[1])]
-        return jnp.stack(pages, axis=1) if pages else jax.device_put(buf, sharding)
     raise ValueError(f"move path {path!r} is unknown; use one of {MOVE_PATHS}")
 
 
@@ -105,15 +101,21 @@ def move_payload(payload: KVPayload, mesh, *, path: str = "coalesced",
     along kv heads. Asynchronous: nothing waits for the data."""
     if path not in MOVE_PATHS:
         raise ValueError(f"move path {path!r} is unknown; use one of {MOVE_PATHS}")
-    if mesh is None:
-        sharding = replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    else:
-        sharding = NamedSharding(mesh, P(kv_head_axis or mesh.axis_names[0]))
-        replicated = NamedSharding(mesh, P())
+    sharding, replicated = receiver_shardings(mesh, kv_head_axis)
     return dataclasses.replace(
         payload, buffers=tuple(move_buffer(b, sharding, path) for b in payload.buffers),
         first_token=jax.device_put(payload.first_token, replicated),
         checksums=jax.device_put(payload.checksums, replicated))
+
+
+def receiver_shardings(mesh, kv_head_axis: str | None = None):
+    """(the buffers' sharding: split along kv heads over `kv_head_axis`, default the
+    mesh's first axis; the scalars' sharding: replicated) on the receiver's mesh, or on
+    the first device when mesh is None."""
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return device, device
+    return NamedSharding(mesh, P(kv_head_axis or mesh.axis_names[0])), NamedSharding(mesh, P())
 
 
 def split_heads(handoff: Handoff) -> list[Handoff]:

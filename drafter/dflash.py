@@ -28,7 +28,7 @@ from models.attention import attend_draft_block, write_layer_kv
 from models.qwen3 import (ParamInit, Qwen3Config, decoder_layer, lm_head_weight, qkv,
                           rms_norm)
 from models.rope import RopeScaling
-from unified_kv import CacheSpec, LayerSpec
+from unified_kv import CacheSpec, LayerSpec, layer_name
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -107,9 +107,9 @@ class DFlashConfig:
                                   "causal_in_sliding_block": self.causal_in_sliding_block}}
 
     def layer_specs(self, kv_dtype: str = "bf16") -> list[LayerSpec]:
-        """The draft layers for a CacheSpec: `draft.{i}`."""
-        return [LayerSpec(f"draft.{i}", "draft", self.num_kv_heads, self.head_dim, kv_dtype,
-                          self.window(i)) for i in range(self.num_layers)]
+        """The draft layers for a CacheSpec (`unified_kv.layer_name("draft", i)`)."""
+        return [LayerSpec(layer_name("draft", i), "draft", self.num_kv_heads, self.head_dim,
+                          kv_dtype, self.window(i)) for i in range(self.num_layers)]
 
 
 def init_params(cfg: DFlashConfig, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -138,8 +138,7 @@ def write_context(params, cfg: DFlashConfig, spec: CacheSpec, pools, tables, fea
     pools = list(pools)
     positions = starts[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None]
     for i, (k, v) in enumerate(context_kv(params, cfg, features, positions)):
-        layer = spec.layer(f"draft.{i}")
-        pool_id, offset = spec.layer_location(layer.name)
+        layer, pool_id, offset = spec.find_layer("draft", i)
         pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts, num_tokens,
                                         k, v, layer, offset)
     return tuple(pools)
@@ -161,8 +160,7 @@ def draft_block(params, cfg: DFlashConfig, target_params, target_cfg: Qwen3Confi
     block_lens = jnp.where(active, block, 0).astype(jnp.int32)
     x = target_params["embed"][ids]
     for i, p in enumerate(params["layers"]):
-        layer = spec.layer(f"draft.{i}")
-        pool_id, offset = spec.layer_location(layer.name)
+        layer, pool_id, offset = spec.find_layer("draft", i)
 
         def paged_block(q, k, v):  # context pages + the block's own K/V
             return attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens,

@@ -28,12 +28,8 @@ import jax.numpy as jnp
 from drafter.dflash import DFlashConfig, draft_block, write_context
 from models.attention import resolve_impl
 from models.qwen3 import Qwen3Config, forward
-from pallas_kernels.batch_tables import (bucket_width, build_batch_tables,
-                                         build_batch_tables_reference)
+from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
 from unified_kv import CacheSpec, KVState, allocate_pages, grow, retire_window_pages
-
-
-TABLE_BUILDS = ("batch", "full_capacity")
 
 
 @flax.struct.dataclass
@@ -63,24 +59,26 @@ class StepConfig:
     spec: CacheSpec
     draft: DFlashConfig | None = None
     impl: str = "auto"
-    # "batch": tables for the batch's rows only (the design). "full_capacity":
-    # rebuild every slot's full-width table each step, then pick the rows; the
-    # cost the design removes, kept to measure it (bench_cache_layouts.py).
-    table_build: str = "batch"
     # f32 matmuls at full precision. On GPUs XLA's default rounds f32 inputs to
     # TF32, and the 1-token plain step and the K+1-token verify then round
     # differently enough to flip near-tied argmaxes: greedy speculative output
     # would stop matching plain greedy decoding. bf16 weights cost nothing extra.
     matmul_precision: str = "highest"
 
-    def __post_init__(self):
-        if self.table_build not in TABLE_BUILDS:
-            raise ValueError(f"StepConfig.table_build={self.table_build!r} is unknown; "
-                             f"use one of {TABLE_BUILDS}")
-
     @property
     def block_size(self) -> int:
         return self.draft.block_size if self.draft is not None else 1
+
+    def device_tables(self, kv: KVState, slot_ids, table_width: int):
+        """Every pool's device table for this batch's rows only, `table_width` entries
+        wide, in the index the attention kernels read (one kernel launch)."""
+        scales = tuple(p.page_index_scale for p in self.spec.pools)
+        impl = resolve_impl(self.impl)
+        if impl == "reference":
+            return build_batch_tables_reference(slot_ids, kv.page_tables,
+                                                table_width=table_width, scales=scales)
+        return build_batch_tables(slot_ids, kv.page_tables, table_width=table_width,
+                                  scales=scales, interpret=impl == "interpret")
 
 
 def _at_precision(step):
@@ -97,26 +95,6 @@ def init_spec_state(cfg: StepConfig, kv: KVState) -> SpecState:
     return SpecState(kv=kv, anchors=jnp.zeros((slots,), jnp.int32),
                      drafts=jnp.zeros((slots, max(cfg.block_size - 1, 1)), jnp.int32),
                      running=jnp.zeros((slots,), bool))
-
-
-def batch_tables(cfg: StepConfig, kv: KVState, slot_ids, table_width: int):
-    """Every pool's table for this batch's rows (one kernel launch)."""
-    spec = cfg.spec
-    scales = tuple(p.page_index_scale for p in spec.pools)
-    impl = resolve_impl(cfg.impl)
-    rows, width = slot_ids, table_width
-    if cfg.table_build == "full_capacity":
-        rows = jnp.arange(spec.num_slots + 1, dtype=jnp.int32)
-        width = bucket_width(spec.max_pages_per_seq, spec.max_pages_per_seq)
-    if impl == "reference":
-        tables = build_batch_tables_reference(rows, kv.page_tables, table_width=width,
-                                              scales=scales)
-    else:
-        tables = build_batch_tables(rows, kv.page_tables, table_width=width, scales=scales,
-                                    interpret=impl == "interpret")
-    if cfg.table_build == "full_capacity":
-        tables = tuple(t[slot_ids, :table_width] for t in tables)
-    return tables
 
 
 @flax.struct.dataclass
@@ -189,7 +167,7 @@ def prefill_rows(params, state: SpecState, slot_ids, tokens, num_tokens, is_last
     ends = starts + num_tokens
     kv, ok = grow(spec, kv, slot_ids, ends, ends)
     num_tokens = jnp.where(ok, num_tokens, 0)
-    tables = batch_tables(cfg, kv, slot_ids, table_width)
+    tables = cfg.device_tables(kv, slot_ids, table_width)
     feature_layers = cfg.draft.target_layer_ids if cfg.draft else ()
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    starts, num_tokens, feature_layers=feature_layers,
@@ -285,7 +263,7 @@ def decode_rows(params, state: SpecState, slot_ids, sampler: Sampler, *, cfg: St
                             p + block, p + block)
     live = active & ok
     tokens = jnp.concatenate([state.anchors[slot_ids][:, None], state.drafts[slot_ids]], axis=1)
-    tables = batch_tables(cfg, kv, slot_ids, table_width)
+    tables = cfg.device_tables(kv, slot_ids, table_width)
     verify_len = jnp.where(live, block, 0).astype(jnp.int32)
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    p, verify_len, feature_layers=cfg.draft.target_layer_ids,
@@ -322,7 +300,7 @@ def plain_decode_rows(params, state: SpecState, slot_ids, sampler: Sampler, *,
     p = kv.target_lens[slot_ids]
     kv, ok = grow(spec, kv, rows, p + 1, p + 1)
     live = active & ok
-    tables = batch_tables(cfg, kv, slot_ids, table_width)
+    tables = cfg.device_tables(kv, slot_ids, table_width)
     logits, pools, _ = forward(params["target"], cfg.target, spec, kv.pools, tables,
                                state.anchors[slot_ids][:, None], p,
                                live.astype(jnp.int32), impl=cfg.impl)
@@ -333,7 +311,7 @@ def plain_decode_rows(params, state: SpecState, slot_ids, sampler: Sampler, *,
 
 
 def _uniform_running(cfg, state, slot_ids):
-    """The legacy single-call steps treat every real row in `slot_ids` as running."""
+    """The single-temperature steps treat every real row in `slot_ids` as running."""
     real = slot_ids != cfg.spec.dummy_slot
     return state.replace(running=_idle_dummy(cfg, state.running.at[slot_ids].set(
         real | state.running[slot_ids])))
@@ -366,7 +344,7 @@ def redraft_rows(params, state: SpecState, slot_ids, *, cfg: StepConfig, table_w
     kv = state.kv
     if active is None:
         active = slot_ids != cfg.spec.dummy_slot
-    tables = batch_tables(cfg, kv, slot_ids, table_width)
+    tables = cfg.device_tables(kv, slot_ids, table_width)
     new = _draft(params, cfg, kv, tables, state.anchors[slot_ids], kv.draft_ctx_lens[slot_ids],
                  active)
     return state.replace(drafts=state.drafts.at[slot_ids].set(

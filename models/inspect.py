@@ -57,7 +57,7 @@ def describe_pools(layers: list[LayerSpec], page_size: int = 16) -> list[str]:
     """One line per pool (layers with one layout), with bytes per token, and the total."""
     pools: dict[tuple, list[LayerSpec]] = {}
     for layer in layers:
-        pools.setdefault(layer.layout, []).append(layer)
+        pools.setdefault(layer.pool_key, []).append(layer)
     lines, total = [], 0
     for i, (layout, members) in enumerate(pools.items()):
         window, kv_dtype, heads, head_dim = layout

@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from unified_kv import CacheSpec, LayerSpec
+from unified_kv import CacheSpec, LayerSpec, layer_name
 from models.attention import attend, write_layer_kv
 from models.rope import RopeScaling, rope_frequencies
 
@@ -84,9 +84,10 @@ class Qwen3Config:
 
     def layer_specs(self, kv_dtype: str = "bf16", k_scale: float = 1.0,
                     v_scale: float = 1.0) -> list[LayerSpec]:
-        """The target's layers for a CacheSpec: `target.{i}`."""
-        return [LayerSpec(f"target.{i}", "target", self.num_kv_heads, self.head_dim, kv_dtype,
-                          self.window(i), k_scale, v_scale) for i in range(self.num_layers)]
+        """The target's layers for a CacheSpec (`unified_kv.layer_name("target", i)`)."""
+        return [LayerSpec(layer_name("target", i), "target", self.num_kv_heads, self.head_dim,
+                          kv_dtype, self.window(i), k_scale, v_scale)
+                for i in range(self.num_layers)]
 
 
 class ParamInit:
@@ -212,8 +213,7 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
     x = params["embed"][tokens]
     features = []
     for i, p in enumerate(params["layers"]):
-        layer = spec.layer(f"target.{i}")
-        pool_id, offset = spec.layer_location(layer.name)
+        layer, pool_id, offset = spec.find_layer("target", i)
 
         def paged(q, k, v):  # store the new K/V, then attend over the row's pages
             pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts,

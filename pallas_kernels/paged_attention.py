@@ -59,9 +59,9 @@ def paged_attention(
     `options` (`launch_plan.LaunchOptions`, one static argument) holds the
     launch choices; fields left None take `launch_plan.plan_launch`'s defaults
     for the query count and the KV dtype, which keep a row's decode and verify
-    passes bit-for-bit equal. `prefetch_page_ids` loads each block's page-table entries one iteration
-    ahead, so Triton keeps the next blocks' K/V loads in flight; it changes
-    no bit. `rescale_threshold` T > 0 moves a row's running max (and rescales
+    passes bit-for-bit equal. `prefetch_page_ids` loads each block's page-table
+    entries one iteration ahead, so Triton keeps the next blocks' K/V loads in
+    flight; it changes no bit. `rescale_threshold` T > 0 moves a row's running max (and rescales
     its accumulator) only when a block's max passes it by more than T (base
     2), so p stays below 2**T and most blocks skip the rescale; 0 rescales
     whenever the max grows. It changes rounding.

@@ -16,13 +16,14 @@ import numpy as np
 
 from pallas_kernels.batch_tables import bucket_width, build_batch_tables
 from unified_kv import (AdmissionController, CacheSpec, LayerSpec, bytes_per_pool, grow,
-                        init_state, release_slots, retire_window_pages, row_extent)
+                        init_state, layer_name, release_slots, retire_window_pages,
+                        row_extent)
 
 
 def demo_spec(max_seq_len: int = 4096) -> CacheSpec:
-    target = [LayerSpec(f"target.{i}", "target", 8, 128, "fp8_e4m3",
+    target = [LayerSpec(layer_name("target", i), "target", 8, 128, "fp8_e4m3",
                         512 if i % 2 == 0 else None) for i in range(8)]
-    draft = [LayerSpec(f"draft.{i}", "draft", 8, 128, "bf16", 512) for i in range(2)]
+    draft = [LayerSpec(layer_name("draft", i), "draft", 8, 128, "bf16", 512) for i in range(2)]
     return CacheSpec(page_size=16, layers=tuple(target + draft), num_slots=8,
                      max_seq_len=max_seq_len, memory_budget_bytes=256 << 20,
                      max_step_tokens=16)

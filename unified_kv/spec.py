@@ -1,7 +1,7 @@
-"""Layer specs -> pools: the static layout of the unified target/draft KV cache.
+"""Layer specs -> pools: the static shape of the unified target/draft KV cache.
 
 Every attention layer, target or draft, is a `LayerSpec`. Layers with the same
-layout (sliding window, KV dtype, kv heads, head dim) share one physical
+pool key (sliding window, KV dtype, kv heads, head dim) share one physical
 *pool* and one page table; they differ only by their offset inside the pool.
 A target with windowed and full FP8 layers plus a windowed BF16 drafter gives
 three pools:
@@ -45,13 +45,19 @@ KV_DTYPES = {"bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn, "f32": jnp.flo
 ROLES = ("target", "draft")
 
 
+def layer_name(role: str, index: int) -> str:
+    """The cache's name for a model's `index`-th attention layer of `role`: "target.3",
+    "draft.0". Models name their layers by it and find them by it (`CacheSpec.find_layer`)."""
+    return f"{role}.{index}"
+
+
 class CacheSpecError(ValueError):
     """A cache or layer spec the system cannot build; the message names the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """One attention layer's KV layout.
+    """One attention layer's KV cache needs.
 
     Attributes:
       name: unique layer name, e.g. "target.3" or "draft.0".
@@ -74,8 +80,8 @@ class LayerSpec:
     v_scale: float = 1.0
 
     @property
-    def layout(self) -> tuple:
-        """What decides pool membership: layers with equal layout share a pool."""
+    def pool_key(self) -> tuple:
+        """What decides pool membership: layers with equal keys share a pool."""
         return (self.sliding_window, self.kv_dtype, self.num_kv_heads, self.head_dim)
 
     @property
@@ -85,7 +91,7 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class PoolSpec:
-    """One physical pool: the layers of one layout, their pages and table width.
+    """One physical pool: the layers of one pool key, their pages and table width.
 
     Attributes:
       pool_id: index into `KVState.pools` / `KVState.page_tables`.
@@ -171,13 +177,9 @@ class CacheSpec:
       memory_budget_bytes: bytes for all pools together.
       max_step_tokens: most tokens one step writes per row (prefill chunk or
         K+1 verify tokens); headroom for windowed pools and table width.
-      pool_per_layer: give every layer its own pool and page table instead of
-        sharing one per layout. This is the per-layer-table layout the
-        unified cache replaces, kept so its cost can be measured against it
-        (benchmarks/bench_cache_layouts.py); leave it False.
 
-    A spec of draft layers only is a drafter's own cache (the two-cache layout
-    the unified cache replaces, likewise kept for comparison).
+    Layers of one pool key share a pool (`group_layers`); a spec of draft layers
+    only is a drafter's own cache.
     """
 
     page_size: int
@@ -186,7 +188,6 @@ class CacheSpec:
     max_seq_len: int
     memory_budget_bytes: int
     max_step_tokens: int = 16
-    pool_per_layer: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -210,7 +211,13 @@ class CacheSpec:
 
     @functools.cached_property
     def pools(self) -> tuple[PoolSpec, ...]:
-        return derive_pools(self)
+        return size_pools(self, group_layers(self.layers))
+
+    def find_layer(self, role: str, index: int) -> tuple[LayerSpec, int, int]:
+        """(the layer, its pool id, its offset in the pool) of a model's `index`-th
+        attention layer of `role`."""
+        layer = self.layer(layer_name(role, index))
+        return (layer, *self.layer_location(layer.name))
 
     def layer_location(self, name: str) -> tuple[int, int]:
         """(pool_id, layer_offset) of a layer."""
@@ -280,35 +287,43 @@ def _validate_layer(layer: LayerSpec, page_size: int) -> None:
                 f"{page_size}; use a window of at least one page or a smaller page_size")
 
 
-def derive_pools(spec: CacheSpec) -> tuple[PoolSpec, ...]:
-    """Group layers by layout into pools and size each pool from the budget.
+def group_layers(layers) -> tuple[tuple[LayerSpec, ...], ...]:
+    """Layers grouped by pool key, in first-seen order (which keeps pool ids stable): one
+    pool each."""
+    groups: dict[tuple, list[LayerSpec]] = {}
+    for layer in layers:
+        groups.setdefault(layer.pool_key, []).append(layer)
+    return tuple(tuple(g) for g in groups.values())
+
+
+def size_pools(spec: CacheSpec, groups) -> tuple[PoolSpec, ...]:
+    """One pool per group of layers with one pool key, sized from the budget.
 
     Pools are sized in proportion to one max-length request's worst case
     (`max_live_pages` per pool): the budget buys N such requests at once,
     N = min(num_slots, budget / bytes of one), possibly fractional, and pool i
-    gets floor(N * live_pages_i) usable pages plus the null page. Windowed pools so stay small: their
-    per-request need is bounded by the window, not the sequence.
+    gets floor(N * live_pages_i) usable pages plus the null page. Windowed pools so stay
+    small: their per-request need is bounded by the window, not the sequence.
     """
-    groups: dict[tuple, list[LayerSpec]] = {}
-    for layer in spec.layers:  # first-seen order keeps pool ids stable
-        key = (layer.name, *layer.layout) if spec.pool_per_layer else layer.layout
-        groups.setdefault(key, []).append(layer)
     ps = spec.page_size
     proto = []
-    for layers in groups.values():
-        layout = layers[0].layout
-        window, kv_dtype, heads, head_dim = layout
+    for layers in groups:
+        if len({l.pool_key for l in layers}) != 1:
+            raise CacheSpecError(f"layers {[l.name for l in layers]} differ in window, KV "
+                                 "dtype, kv heads or head dim; a pool holds layers alike in all")
+        key = layers[0].pool_key
+        window, kv_dtype, heads, head_dim = key
         per_row = max_live_pages(ps, window, spec.max_seq_len, spec.max_step_tokens)
         bytes_per_page = (heads * len(layers) * 2 * ps * head_dim
                           * np.dtype(KV_DTYPES[kv_dtype]).itemsize)
-        proto.append((layout, layers, per_row, bytes_per_page))
+        proto.append((key, layers, per_row, bytes_per_page))
     one_request = sum(r * b for _, _, r, b in proto)
     null_pages = sum(b for _, _, _, b in proto)
     num_requests = min(spec.num_slots,
                        (spec.memory_budget_bytes - null_pages) / one_request)
     pools = []
-    for pool_id, (layout, layers, per_row, _) in enumerate(proto):
-        window, kv_dtype, heads, head_dim = layout
+    for pool_id, (key, layers, per_row, _) in enumerate(proto):
+        window, kv_dtype, heads, head_dim = key
         pools.append(PoolSpec(
             pool_id=pool_id, kv_dtype=kv_dtype, num_kv_heads=heads,
             head_dim=head_dim, sliding_window=window, page_size=ps,

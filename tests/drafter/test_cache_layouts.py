@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.cache_layouts import (TwoCacheState, kv_memory_bytes, split_config, split_state,
-                                      two_cache_decode_step)
+from benchmarks.cache_layouts import (TwoCacheState, full_rebuild, kv_memory_bytes, per_layer,
+                                      split_config, split_state, two_cache_decode_step)
 from drafter.engine import Engine
 from drafter.steps import decode_step
 from tests.drafter.tiny import tiny_pair
@@ -19,19 +19,12 @@ PROMPTS = [list(np.random.default_rng(3).integers(0, 63, n)) for n in (5, 23, 41
 def test_per_layer_pools_and_full_capacity_tables_give_identical_tokens():
     params, cfg, _ = tiny_pair(num_slots=3)
     want = Engine(params, cfg).generate(PROMPTS, 12)
-    per_layer = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, pool_per_layer=True))
-    assert len(per_layer.spec.pools) == len(cfg.spec.layers) > len(cfg.spec.pools)
-    full = dataclasses.replace(cfg, table_build="full_capacity")
-    for variant in (per_layer, full):
+    per_layer_cfg = per_layer(cfg)
+    assert len(per_layer_cfg.spec.pools) == len(cfg.spec.layers) > len(cfg.spec.pools)
+    for variant in (per_layer_cfg, full_rebuild(cfg)):
         got = Engine(params, variant).generate(PROMPTS, 12)
         assert [r.tokens for r in got] == [r.tokens for r in want]
         assert [r.acceptance for r in got] == [r.acceptance for r in want]
-
-
-def test_unknown_table_build_is_named():
-    _, cfg, _ = tiny_pair()
-    with pytest.raises(ValueError, match="table_build='rows'.*batch"):
-        dataclasses.replace(cfg, table_build="rows")
 
 
 def test_two_caches_decode_like_the_unified_cache():

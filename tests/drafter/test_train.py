@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.dflash import draft_block
-from drafter.steps import batch_tables, init_spec_state, prefill_step
+from drafter.steps import init_spec_state, prefill_step
 from drafter.train import block_logits, target_features, train_drafter
 from tests.drafter.tiny import tiny_pair
 from unified_kv import admit_slots, init_state
@@ -30,7 +30,7 @@ def test_dense_training_block_matches_paged_draft_block():
                                         jnp.array([False]), jax.random.key(0), cfg=cfg,
                                         table_width=16)
             assert bool(ok[0])
-        tables = batch_tables(cfg, state.kv, ids, 16)
+        tables = cfg.device_tables(state.kv, ids, 16)
         _, paged = draft_block(params["draft"], cfg.draft, params["target"], cfg.target,
                                cfg.spec, state.kv.pools, tables,
                                jnp.asarray(tokens[:, anchor]), jnp.array([anchor]),

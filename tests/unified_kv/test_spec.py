@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 
 from unified_kv import CacheSpec, CacheSpecError, LayerSpec, max_live_pages
+from unified_kv.spec import size_pools
 
 
 def mixed_layers(num_target=4, num_draft=2, window=64):
@@ -116,15 +117,15 @@ def test_draft_only_spec_is_a_drafters_own_cache():
     assert spec.pools[0].layer_names == tuple(l.name for l in draft_only)
 
 
-def test_pool_per_layer_gives_every_layer_its_own_pool_and_same_bytes_per_token():
+def test_pools_of_one_layer_each_keep_every_layout_and_the_bytes_per_token():
+    """size_pools over one group per layer (the per-layer-table layout the benchmarks
+    compare against)."""
     shared = make_spec()
-    per_layer = make_spec(pool_per_layer=True)
-    names = [l.name for l in shared.layers]
-    assert [p.layer_names for p in per_layer.pools] == [(n,) for n in names]
-    assert len(shared.pools) < len(per_layer.pools)
-    for name in names:  # every layer keeps its layout
-        pool = per_layer.pools[per_layer.layer_location(name)[0]]
-        layer = shared.layer(name)
+    per_layer = size_pools(shared, tuple((layer,) for layer in shared.layers))
+    assert [p.layer_names for p in per_layer] == [(l.name,) for l in shared.layers]
+    for pool, layer in zip(per_layer, shared.layers):  # every layer keeps its layout
         assert (pool.sliding_window, pool.kv_dtype) == (layer.sliding_window, layer.kv_dtype)
-    per_token = lambda s: sum(p.bytes_per_page for p in s.pools) / s.page_size
-    assert per_token(shared) == per_token(per_layer)
+    per_token = lambda pools: sum(p.bytes_per_page for p in pools) / shared.page_size
+    assert per_token(shared.pools) == per_token(per_layer)
+    with pytest.raises(CacheSpecError, match="a pool holds layers alike"):
+        size_pools(shared, (shared.layers,))
