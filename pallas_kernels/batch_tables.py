@@ -9,8 +9,7 @@ the index the attention kernels read:
     where entry  = page_tables[p][slot_ids[b], j],  j < table_width
 
 So the cost grows with batch rows x table_width, never with slots x
-max_pages_per_seq (rebuilding full-capacity tables cost milliseconds per step
-at 1M-token max_seq_len in the original system).
+max_pages_per_seq.
 
 `table_width` is static (it shapes the output); pick it with `bucket_width`
 from the host's upper bound on the rows' extents, so recompiles stay few.

@@ -1,12 +1,13 @@
-"""How a paged-attention call is cut into Pallas programs, and the launch
-options measured best on the H200 (docs/decisions.md).
+"""How a paged-attention call is cut into Pallas programs, and the default launch
+options (the evidence for each: docs/decisions.md).
 
 One job: from the call's shapes and the caller's explicit choices, decide
 query blocks, key splits, warps, pipeline stages, page-id prefetch and the
-rescale threshold (over fp8 KV, its own for the last three). Greedy speculative decoding must reproduce plain decoding token for
-token, so a row's 1-query decode pass and its K+1-query verify pass must do
-the same arithmetic; `arithmetic(plan)` names the fields that decide it,
-and tests check that decode and verify plans agree on them.
+rescale threshold (over fp8 KV, its own for the last three). Greedy speculative
+decoding must reproduce plain decoding token for token, so a row's 1-query decode
+pass and its K+1-query verify pass must do the same arithmetic; `arithmetic(plan)`
+names the fields that decide it, and tests check that decode and verify plans agree
+on them.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
                 prefetch_page_ids: bool | None = None,
                 rescale_threshold: float | None = None, kv_fp8: bool = False,
                 num_sms: int | None = None) -> LaunchPlan:
-    """The caller's explicit options, and measured defaults for those left None.
+    """The caller's explicit options, and the defaults for those left None.
 
     Up to FEW_Q_MAX query tokens per row (decode, verify, draft block) every
     arithmetic field is the same whatever max_q and table width: blocks of at
@@ -79,24 +80,19 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     two engines (plain and speculative, or an aggregated server and a
     disaggregated generation server) split a row's keys alike, and so agree
     bit for bit, when both have slots x kv heads below 2 x num_sms or both
-    at or above it (H200, 8 kv heads: both under 33 slots, or both 33 or more).
-    Splitting always would drop that condition at some large-batch decode
-    time (docs/decisions.md). num_sms: the device's (`device.device_info`)
-    unless given.
+    at or above it (8 kv heads, 132 SMs: both under 33 slots, or both 33 or
+    more). Splitting always would drop that condition at some large-batch
+    decode time (docs/decisions.md). num_sms: the device's
+    (`device.device_info`) unless given.
 
-    On the H200, a 64-row verify block (4 warps, Triton's choice there: 16 tokens
-    at GQA 4, or 8 at GQA 5-8) or 2 warps over 128 rows changed bits against
-    2-warp decode, and so did a split count that followed the number of query
-    blocks (test_gpu_compiled); a verify blocked apart from decode can
-    flip a near-tied argmax. Such
-    verifies take several 32-row query blocks per row, launched side by side
-    so their reads of the row's keys meet in L2. Triton (3.6, and the H200's)
-    lays the two dots out over 2 warps by splitting head_dim when rows <
-    head_dim and the rows otherwise (warpsPerCTA [1, 2] vs [2, 1] in the
-    Triton IR); a 16-row decode block always splits
-    head_dim, and a 32-row verify block at head dim 32 split rows and changed
-    bits on the H200. So few-query blocks hold fewer rows than head_dim (16 at
-    head dim 32) unless q heads per kv head alone reach it.
+    A verify with more rows than FEW_Q_ROWS takes several query blocks per row
+    (never one larger block, nor more warps, nor a split count that follows the
+    number of query blocks: each changes bits against decode), launched side by
+    side so their reads of the row's keys meet in L2. Triton lays the two dots
+    out over 2 warps by splitting head_dim when rows < head_dim and the rows
+    otherwise, and the two add in different orders; so few-query blocks hold
+    fewer rows than head_dim (16 at head dim 32) unless q heads per kv head
+    alone reach it (docs/decisions.md, "Exactness").
 
     `kv_fp8` (the call reads fp8 KV) sets the fp8 defaults up to FEW_Q_MAX
     query tokens: decode prefetches the page ids one block ahead, verify takes
