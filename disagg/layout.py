@@ -65,7 +65,7 @@ _FIXES = {
     "num_draft_layers": "load the same drafter on both workers (its layer count differs)",
     "num_target_layers": "load the same target model on both workers",
     "layers": "use the same layer specs (kv heads, head dim, KV dtype, window, fp8 scales)",
-    "pools": "build both caches with the same pool grouping (pool_per_layer)",
+    "pools": "build both caches from the same layer specs (layers with one pool key share a pool)",
 }
 
 

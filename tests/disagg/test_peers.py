@@ -151,14 +151,10 @@ class SlowPrefill:
         return self.worker.pump()
 
 
-def test_progress_keeps_a_slow_prefill_alive_and_a_silent_peer_is_found(
-        pair, meshes, expected, shared_context):
+def test_progress_keeps_a_slow_prefill_alive_and_a_silent_peer_is_found(pair, meshes,
+                                                                        expected):
     params, cfg, mine = pair
-    engine = generation(shared_context.address, pair, meshes[0])
-    assert [r.tokens for r in engine.generate(PROMPTS[:1], MAX_NEW)] == expected[:1]  # compiled
-    engine.kv_source.close()
-
-    # A prefill step 3x longer than the timeout: the keep-alives carry it through.
+    # A prefill step 3x longer than the timeout (compiles included): keep-alives carry it.
     slow = SlowPrefill(ContextWorker(params, cfg, mesh=meshes[1]), 3.0)
     with context_server(slow, timeout=1.0) as server:
         engine = generation(server.address, pair, meshes[0], timeout=1.0)
