@@ -17,7 +17,6 @@ compiled programs in a persistent compilation cache (disagg/compile_cache.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -25,14 +24,8 @@ from disagg import processes
 from disagg.transfer import MOVE_PATHS
 
 
-def host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT, e.g. 127.0.0.1:8000")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser():
+    import argparse
     from disagg.frontend import add_model_args
     ap = argparse.ArgumentParser(prog="python -m disagg", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -50,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("input", nargs="?", default="-", help="JSON-lines requests ('-': stdin)")
     srv.add_argument("--draft-kv", default="shared", choices=("shared", "private", "aggregated"),
                      help="disaggregated with the draft KV shared or private, or aggregated")
-    srv.add_argument("--http", type=host_port, default=None, metavar="HOST:PORT",
+    srv.add_argument("--http", type=processes.host_port, default=None, metavar="HOST:PORT",
                      help="serve OpenAI-compatible HTTP here instead of JSON lines")
     srv.add_argument("--request-timeout", type=float, default=600.0,
                      help="HTTP: seconds a request may wait for its next tokens")

@@ -105,7 +105,7 @@ class CompletionsApp:
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             return refuse(400, f"the request body is not JSON ({e}); send a JSON object")
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model != self.model_name:

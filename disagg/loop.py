@@ -222,6 +222,5 @@ class ServingLoop:
         except Exception:
             rid = sub.request.request_id
             log.exception("request %r: its sink failed; the request is cancelled", rid)
-            if event.finish_reason is None and (o := self._open.pop(rid, None)) is not None:
+            if event.finish_reason is None and self._open.pop(rid, None) is not None:
                 self.engine.cancel(rid)
-                del o

@@ -85,7 +85,16 @@ def add_parser(sub) -> None:
                    help="context: exit after serving this many peers")
     p.add_argument("--warmup", action="store_true",
                    help="context: compile prefill before serving (peers queue meanwhile)")
+    p.add_argument("--http", type=host_port, default=None, metavar="HOST:PORT",
+                   help="generation: serve OpenAI-compatible HTTP here instead of JSON lines")
     p.add_argument("--corrupt-request", action="append", default=[], help=argparse.SUPPRESS)
+
+
+def host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT, e.g. 127.0.0.1:8000")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def local_mesh(tp: int):
@@ -135,7 +144,16 @@ def run(args) -> None:
                           timeout=args.timeout)
     engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=args.draft_kv,
                     speculative=cfg.draft is not None, kv_timeout_s=args.timeout)
-    serve_json_lines(engine, args.input, ByteTokenizer())
+    if args.http is not None:
+        from disagg.frontend import DEFAULT_MODEL_NAME, ModelPair, serve_http
+        from drafter.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(Path(args.pair) / "target" if args.pair else None,
+                                   model_vocab_size=cfg.target.vocab_size)
+        name = Path(args.pair).resolve().name if args.pair else DEFAULT_MODEL_NAME
+        serve_http(engine, ModelPair(params, cfg, tokenizer, name), *args.http,
+                   mode=f"{args.draft_kv}, context at {args.address}")
+    else:
+        serve_json_lines(engine, args.input, ByteTokenizer())
     logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())
 
 

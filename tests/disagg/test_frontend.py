@@ -26,8 +26,8 @@ from drafter.tokenizer import TokenizerError, load_tokenizer
 tokenizers = pytest.importorskip("tokenizers")
 
 COPY_PAIR = Path(__file__).parent.parent / "fixtures" / "copy_pair"
-TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓ — naïve café", "  spaces\tand\ttabs  ",
-         "日本語のテキスト", "a"]
+TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓ — naïve café",
+         "  spaces\tand\ttabs  ", "日本語のテキスト", "a"]
 
 
 def byte_level_tokenizer(out_dir: Path, eos=None) -> Path:

@@ -126,7 +126,7 @@ def test_stop_sequences_cut_the_text(server, stream):
 
 
 def test_concurrent_clients_each_get_their_greedy_output(server):
-    c, tok = server["client"], server["tok"]
+    c = server["client"]
 
     def one(i):
         prompt = PROMPTS[i % len(PROMPTS)]
