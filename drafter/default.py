@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from drafter.checkpoint import load_dflash, load_dflash_config
 from drafter.dflash import DFlashConfig, init_params as init_draft
 from drafter.steps import StepConfig
-from models.checkpoint import load_qwen3, restore_orbax, save_orbax
+from models.checkpoint import load_qwen3
+from models.orbax_params import restore_orbax, save_orbax
 from models.config import load_qwen3_config
 from models.qwen3 import Qwen3Config, init_params as init_target
 from unified_kv import CacheSpec

@@ -131,7 +131,8 @@ def verify(path: Path, cfg, load_safetensors, init_params) -> str:
     if (path / "params").is_dir() and not list(path.glob("*.safetensors")):
         import jax
         import jax.numpy as jnp
-        from models.checkpoint import fingerprint, read_manifest, restore_orbax
+        from models.checkpoint import fingerprint, read_manifest
+        from models.orbax_params import restore_orbax
         manifest = read_manifest(path) or {"arrays": {}}
         dtypes = {a["dtype"] for a in manifest["arrays"].values()} or {"float32"}
         dtype = jnp.dtype(dtypes.pop()) if len(dtypes) == 1 else jnp.float32

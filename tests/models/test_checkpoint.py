@@ -9,8 +9,8 @@ from safetensors.numpy import load_file, save_file
 
 from drafter.checkpoint import load_dflash, save_dflash
 from drafter.engine import Engine
-from models.checkpoint import (CheckpointError, load_qwen3, restore_orbax, save_orbax,
-                               save_qwen3)
+from models.checkpoint import CheckpointError, load_qwen3, save_qwen3
+from models.orbax_params import restore_orbax, save_orbax
 from tests.drafter.tiny import tiny_pair
 
 

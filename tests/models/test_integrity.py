@@ -10,8 +10,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from drafter.checkpoint import load_dflash, save_dflash
-from models.checkpoint import (CheckpointError, fingerprint, load_qwen3, read_manifest,
-                               restore_orbax, save_orbax, save_qwen3)
+from models.checkpoint import CheckpointError, fingerprint, load_qwen3, read_manifest, save_qwen3
+from models.orbax_params import restore_orbax, save_orbax
 from models.qwen3 import Qwen3Config, init_params
 
 
