@@ -195,6 +195,22 @@ def move_fragments(payload: KVPayload, mesh) -> list:
             for b in payload.buffers]
 
 
+def time_moves(payload: KVPayload, mesh, paths, moved_bytes: int) -> tuple[dict, dict]:
+    """({path: ms per move}, {path: error}) for each move path; one path failing on
+    this platform does not lose the others."""
+    move_ms, errors = {}, {}
+    for path in paths:
+        try:
+            move_ms[path] = 1e3 * median_seconds(
+                lambda: (move_fragments(payload, mesh) if path == "fragments"
+                         else move_payload(payload, mesh, path=path).buffers),
+                out_bytes=moved_bytes)
+        except Exception as e:
+            errors[path] = f"{type(e).__name__}: {e}"
+            print(f"  move path {path!r} failed: {errors[path]}", flush=True)
+    return move_ms, errors
+
+
 def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int) -> dict:
     two = src_mesh.devices.flat[0] != dst_mesh.devices.flat[0]
     tokens = max(PAGE, size // BYTES_PER_TOKEN // PAGE * PAGE)
@@ -225,18 +241,8 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     row["export_ms"] = 1e3 * median_seconds(lambda: export()[0], out_bytes=moved_bytes)
     payload = KVPayload(tokens, tokens, np.int32(0), pool_ids, logical, buffers, sums, "shared")
 
-    row["move_ms"], row["errors"] = {}, {}
-    for path in PATHS:
-        if path == "fragments" and live > fragments_max:
-            continue
-        try:  # one path failing on this platform must not lose the others
-            row["move_ms"][path] = 1e3 * median_seconds(
-                lambda: (move_fragments(payload, dst_mesh) if path == "fragments"
-                         else move_payload(payload, dst_mesh, path=path).buffers),
-                out_bytes=moved_bytes)
-        except Exception as e:
-            row["errors"][path] = f"{type(e).__name__}: {e}"
-            print(f"  move path {path!r} failed: {row['errors'][path]}", flush=True)
+    paths = [p for p in PATHS if p != "fragments" or live <= fragments_max]
+    row["move_ms"], row["errors"] = time_moves(payload, dst_mesh, paths, moved_bytes)
     moved = move_payload(payload, dst_mesh, path="coalesced")
 
     # import_step donates the cache: thread it through the calls. No drafter: no redraft.
