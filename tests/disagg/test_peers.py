@@ -93,8 +93,9 @@ def test_different_weights_are_refused_at_connect_naming_both_fingerprints(pair,
     assert theirs.target == mine.target and theirs.draft != mine.draft
     with context_server(ContextWorker(other_draft, cfg, mesh=meshes[1]), timeout=10.0) as server:
         start = time.monotonic()
-        with pytest.raises(ModelMismatch, match=f"draft weights with fingerprint {theirs.draft}, "
-                                                f"the generation worker {mine.draft}.*same drafter"):
+        with pytest.raises(ModelMismatch, match=f"draft weights with fingerprint "
+                                                f"{theirs.draft}, the generation worker "
+                                                f"{mine.draft}.*same drafter"):
             generation(server.address, pair, meshes[0], timeout=10.0)
         assert time.monotonic() - start < 1.0
         deadline = time.monotonic() + 1.0   # the context refused it too, naming both
