@@ -38,6 +38,27 @@ def pages_per_request(spec: CacheSpec, max_len: int) -> tuple[int, ...]:
                                 spec.max_step_tokens) for p in spec.pools)
 
 
+def check_fits(spec: CacheSpec, request_id: str, max_len: int) -> tuple[int, ...]:
+    """The worst-case pages per pool of a request of `max_len` tokens; AdmissionError if
+    it could not run even in an empty cache (past max_seq_len, or more pages than a pool
+    has)."""
+    if not isinstance(max_len, int) or max_len <= 0:
+        raise AdmissionError(f"request {request_id!r}: max_len must be a positive "
+                             f"int, got {max_len!r}")
+    if max_len > spec.max_seq_len:
+        raise AdmissionError(
+            f"request {request_id!r}: max_len={max_len} exceeds the cache's "
+            f"max_seq_len={spec.max_seq_len}; shorten the prompt or max_new_tokens, "
+            f"or build the cache with a larger max_seq_len")
+    need = pages_per_request(spec, max_len)
+    for pool, n in zip(spec.pools, need):
+        if n > pool.num_usable_pages:
+            raise AdmissionError(
+                f"request {request_id!r}: needs {n} pages of pool {pool.pool_id} but it "
+                f"has {pool.num_usable_pages}; raise memory_budget_bytes")
+    return need
+
+
 def bytes_per_request(spec: CacheSpec, max_len: int) -> dict[int, int]:
     """Worst-case KV bytes of one request, per pool id."""
     return {p.pool_id: n * p.bytes_per_page
@@ -75,19 +96,11 @@ class AdmissionController:
         if request_id in self._by_request:
             raise AdmissionError(f"request {request_id!r} is already admitted "
                                  f"(slot {self._by_request[request_id].slot})")
-        if not isinstance(max_len, int) or max_len <= 0:
-            raise AdmissionError(f"request {request_id!r}: max_len must be a positive "
-                                 f"int, got {max_len!r}")
-        if max_len > spec.max_seq_len:
-            raise AdmissionError(
-                f"request {request_id!r}: max_len={max_len} exceeds the cache's "
-                f"max_seq_len={spec.max_seq_len}; shorten the prompt or max_new_tokens, "
-                f"or build the cache with a larger max_seq_len")
+        need = check_fits(spec, request_id, max_len)
         if not self._free_slots:
             raise AdmissionError(
                 f"request {request_id!r}: all {spec.num_slots} slots are busy; retry "
                 f"after a request finishes or raise num_slots")
-        need = pages_per_request(spec, max_len)
         for pool, n, held in zip(spec.pools, need, self._reserved):
             if held + n > pool.num_usable_pages:
                 raise AdmissionError(

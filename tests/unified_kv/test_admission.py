@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from unified_kv import (AdmissionController, AdmissionError, CacheSpec, LayerSpec,
-                        bytes_per_pool, bytes_per_request, grow, init_state,
+                        bytes_per_pool, bytes_per_request, check_fits, grow, init_state,
                         pages_per_request, retire_window_pages)
 
 
@@ -51,6 +51,15 @@ def test_admission_errors(kwargs, match):
     with pytest.raises(AdmissionError, match=match):
         ctl.admit("r", **kwargs)
     assert ctl.reserved_pages == (0, 0, 0)
+
+
+def test_check_fits_is_the_rule_admit_applies_before_counting_reservations():
+    spec = make_spec(num_slots=1)
+    assert check_fits(spec, "r", 256) == pages_per_request(spec, 256)
+    ctl = AdmissionController(spec)
+    ctl.admit("a", 20)
+    with pytest.raises(AdmissionError, match="exceeds the cache's max_seq_len"):
+        ctl.admit("b", 257)  # too long for any cache of this spec, not just a busy one
 
 
 def test_slots_run_out_and_duplicate_ids_are_refused():
