@@ -1,10 +1,11 @@
-"""What `python -m disagg demo | serve` serve: a model pair given by path (or the
-embedded one), as an engine in one of three modes, behind JSON lines or HTTP.
+"""The model pair `python -m disagg demo | serve` run: given by path (or the embedded
+one), as an engine in one of three modes, behind JSON lines or HTTP.
 
 Modes (every one a configuration of the one Engine):
     aggregated      prefill and decode on one worker
     shared          disaggregated; the draft KV travels with the target's (the fix)
-    private         disaggregated; the generation worker rebuilds the draft KV (the loss)
+    private         disaggregated; only the target's KV travels: the generation worker
+                    drafts without the prompt's draft context KV (the loss)
 
 A pair by path is an HF Qwen3 target directory (config.json, safetensors,
 tokenizer.json) and a z-lab DFlash drafter directory; text goes through the
