@@ -14,15 +14,35 @@ from disagg.__main__ import main
 from disagg.processes import child_env
 
 
-def test_demo_writes_the_table(tmp_path, capsys):
+def test_demo_writes_the_table_and_explains_it(tmp_path, capsys):
     out = tmp_path / "demo.json"
-    main(["demo", "--num-prompts", "2", "--max-new-tokens", "8", "--json", str(out)])
+    main(["demo", "--num-prompts", "1", "--max-new-tokens", "8", "--repeats", "2",
+          "--max-prompt-len", "128", "--json", str(out)])
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == ["aggregated", "disagg-shared",
                                                   "disagg-private"]
     assert report["shared_equals_aggregated"] and report["private_output_unchanged"]
     assert report["rows"][1]["bytes_transferred"] > report["rows"][2]["bytes_transferred"] > 0
-    assert "disagg-shared" in capsys.readouterr().out
+    for row in report["rows"]:  # the keys scripts read, then the new ones
+        assert {"mode", "requests", "acceptance_length", "tokens_per_s", "ttft_ms",
+                "bytes_transferred", "tokens", "tokens_per_s_runs", "tokens_per_s_min",
+                "tokens_per_s_max"} <= set(row)
+        assert len(row["tokens_per_s_runs"]) == 2
+        assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+    assert [b["prompt_tokens"] for b in report["by_prompt_length"]] == [128]
+    for b in report["by_prompt_length"]:
+        assert b["al_shared"] == b["al_aggregated"]
+        assert b["private_loss"] == pytest.approx(b["al_shared"] - b["al_private"])
+    assert report["best_acceptance_length"] == 8
+    assert "512, 2048, 8192" in report["prompts_left_out"]
+    assert "--max-prompt-len" in report["prompts_left_out"]
+    text = capsys.readouterr().out
+    assert "disagg-shared" in text and "AL per prompt length" in text
+    assert "AL (acceptance length): tokens a request keeps per decode step" in text
+    assert "best = 8" in text and "higher is better" in text
+    assert "tok/s: generated tokens per wall-clock second" in text
+    assert "CPU: attention runs in Pallas interpret mode" in text
+    assert "programs compiled" in text
 
 
 BAD_LINES = [
