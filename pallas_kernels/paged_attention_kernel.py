@@ -1,36 +1,31 @@
 """The Pallas Triton paged-attention kernel and its launch, over one layer of a
-unified-cache pool: decode, verify, chunked prefill and the DFlash draft block. The
-entry points, their contracts and their references: `paged_attention.py`.
+unified-cache pool: decode, verify, chunked prefill and the DFlash draft block (also
+runs in interpret mode on CPU). The entry points, their contracts and their references:
+`paged_attention.py`.
 
-Each batch row has 1..max_q query tokens at positions `kv_len - q_len ..
-kv_len - 1` whose K/V are already in the cache; they are causal among
-themselves and see the row's earlier keys (only the last `sliding_window`
-positions for windowed layers). One program handles one (row, kv head, split)
-and a block of query rows (tokens x q heads per kv head; up to 32 rows, and
-fewer than head_dim, for decode and verify, 128 for prefill: `launch_plan.py`),
-so the K+1 verify queries of a row read each KV page once per block; a row's
-blocks launch side by side and share those reads in L2.
+Each batch row has 1..max_q query tokens at positions `kv_len - q_len .. kv_len - 1`
+whose K/V are already in the cache; they are causal among themselves and see the row's
+earlier keys (only the last `sliding_window` positions for windowed layers). One
+program handles one (row, kv head, split) and a block of query rows (tokens x q heads
+per kv head; up to 32 rows, and fewer than head_dim, for decode and verify, 128 for
+prefill: `launch_plan.py`), so the K+1 verify queries of a row read each KV page once
+per block; a row's blocks launch side by side and share those reads in L2.
 
-The pool's layout and the kernel page index: `pool_layout.py`. K and V^T
-are gathered with one table load per page, broadcast to the page's rows, as
-plain 2-D loads that feed the dots and that Triton pipelines through shared
-memory.
+The pool's layout and the kernel page index: `pool_layout.py`. K and V^T are gathered
+with one table load per page, broadcast to the page's rows, as plain 2-D loads that
+feed the dots and that Triton pipelines through shared memory.
 
-Blocks are `pages_per_block` pages on a grid aligned to page 0 in every pass
-(a windowed row starts at the block holding its first visible page), and
-split results combine in a fixed order; with launch_plan's blocking, a query's
-arithmetic is then the same in a 1-query decode pass and a K+1-query verify
-pass, so greedy speculative decoding reproduces plain decoding bit for bit (tested
-compiled on the H200).
+Blocks are `pages_per_block` pages on a grid aligned to page 0 in every pass (a
+windowed row starts at the block holding its first visible page), and split results
+combine in a fixed order; with launch_plan's blocking, a query's arithmetic is then
+the same in a 1-query decode pass and a K+1-query verify pass, so greedy speculative
+decoding reproduces plain decoding bit for bit (tested compiled).
 
-A windowed row's table has BAD (-1) entries in front of its live tail; the
-kernel starts at the block of the first page the earliest query can see, so
-BAD entries are never dereferenced: they and the entries padding a row's last
-block read the pool's null page (page 0: reserved, never allocated, all zeros)
-and are masked. Query rows past a row's `q_len` (and padding rows, q_len 0)
-get zeros.
-
-Lowering: Pallas Triton (also runs in interpret mode on CPU).
+A windowed row's table has BAD (-1) entries in front of its live tail; the kernel
+starts at the block of the first page the earliest query can see, so BAD entries are
+never dereferenced: they and the entries padding a row's last block read the pool's
+null page (page 0: reserved, never allocated, all zeros) and are masked. Query rows
+past a row's `q_len` (and padding rows, q_len 0) get zeros.
 """
 
 from __future__ import annotations
@@ -246,23 +241,18 @@ def paged_attention_kernel(
 def attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_cached,
                     layer_offset, sliding_window, sm_scale, soft_cap, k_scale, v_scale,
                     block_causal, options: LaunchOptions, interpret):
-    """Run the kernel on validated inputs: plan the launch, lay q out, call, combine
-    the key splits (if any). block_kv: None, or the draft block's own (K, V)
-    [batch, max_q, num_kv_heads, head_dim]; queries_cached: the queries' K/V are in the
-    cache (decode, verify, prefill), else they follow kv_lens (the draft block)."""
+    """Run the kernel on validated inputs: plan, lay q out, call, combine the key splits.
+    block_kv: None, or the draft block's own (K, V) [B, max_q, Hkv, D]; queries_cached:
+    the queries' K/V are in the cache (decode, verify, prefill), else they follow kv_lens."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, _, _, _, page_size, _ = pool.shape
     table_width = batch_table.shape[1]
     q_per_kv = num_q_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    choices = {k: v for k, v in options._asdict().items() if k != "compute_dtype"}
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, table_width=table_width,
-                       rows_per_block=options.rows_per_block,
-                       pages_per_block=options.pages_per_block, num_splits=options.num_splits,
-                       num_warps=options.num_warps, num_stages=options.num_stages,
-                       prefetch_page_ids=options.prefetch_page_ids,
-                       rescale_threshold=options.rescale_threshold,
-                       kv_fp8=pool.dtype == jnp.float8_e4m3fn)
+                       kv_fp8=pool.dtype == jnp.float8_e4m3fn, **choices)
     compute_dtype = options.compute_dtype
     tokens_per_block, num_q_blocks, rows = plan.tokens_per_block, plan.num_q_blocks, plan.rows
     num_splits = plan.num_splits
@@ -282,19 +272,7 @@ def attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_c
     # loop (128 rows; the draft block's own keys use q after the loop).
     has_block = block_kv is not None
     q_in_rows = rows > FEW_Q_ROWS or has_block
-    if q_in_rows:  # [B, Q, Hkv*G, D] -> [B, Hkv, num_q_blocks * rows, D]
-        q_in = jnp.pad(q, ((0, 0), (0, num_q_blocks * tokens_per_block - max_q), (0, 0), (0, 0)))
-        q_in = q_in.reshape(batch, num_q_blocks, tokens_per_block, num_kv_heads,
-                            q_per_kv * head_dim).transpose(0, 3, 1, 2, 4)
-        q_in = jnp.pad(q_in.reshape(batch, num_kv_heads, num_q_blocks, -1, head_dim),
-                       ((0, 0),) * 3 + ((0, rows - tokens_per_block * q_per_kv), (0, 0)))
-        q_in = q_in.reshape(batch, num_kv_heads, num_q_blocks * rows, head_dim)
-        q_in = (q_in.astype(jnp.float32) * logit_scale).astype(compute_dtype)
-        q_spec = pl.BlockSpec((None, None, rows, head_dim),
-                              lambda p, b, h: (b, h, p // num_splits, 0))
-    else:
-        q_in = q.reshape(batch, max_q * num_q_heads, head_dim)
-        q_spec = pl.BlockSpec((None, max_q * num_q_heads, head_dim), lambda p, b, h: (b, 0, 0))
+    q_in, q_spec = _q_input(q, num_kv_heads, plan, logit_scale, compute_dtype, q_in_rows)
     kernel = functools.partial(
         paged_attention_kernel, k_offset=2 * layer_offset, rows=rows,
         num_q_heads=num_q_heads, q_per_kv=q_per_kv, queries_cached=queries_cached,
@@ -313,31 +291,14 @@ def attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_c
         whole, whole,                                                        # kv_lens, q_lens
     ]
     inputs = [q_in, k_view, v_view, batch_table, kv_lens, q_lens]
-    if has_block:  # block K [B, Hkv, pad, D] and V^T [B, Hkv, D, pad] (V / v_scale)
-        block_pad = max(MIN_ROWS, pow2_at_least(max_q))
-        block_k, block_v = (jnp.pad(x, ((0, 0), (0, block_pad - max_q), (0, 0), (0, 0)))
-                            for x in block_kv)
-        inputs.append(block_k.transpose(0, 2, 1, 3).astype(compute_dtype))
-        inputs.append((block_v.astype(jnp.float32) / v_scale).transpose(0, 2, 3, 1)
-                      .astype(compute_dtype))
-        in_specs += [pl.BlockSpec((None, None, block_pad, head_dim),
-                                  lambda p, b, h: (b, h, 0, 0)),
-                     pl.BlockSpec((None, None, head_dim, block_pad),
-                                  lambda p, b, h: (b, h, 0, 0))]
-    out_rows = (num_splits, batch, num_kv_heads, num_q_blocks * rows)
-    def rows_index(p, b, h):  # the split's, and the query block's, rows
-        return p % num_splits, b, h, p // num_splits
-
+    if has_block:
+        block_inputs, block_specs = _block_inputs(block_kv, v_scale, compute_dtype)
+        inputs += block_inputs
+        in_specs += block_specs
     if num_splits == 1 and not q_in_rows:  # the result in q's dtype and layout
         out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q_in.shape, q.dtype)]
-    else:  # in rows: unsplit in q's dtype, or f32 per split with m and l for the combine
-        out_specs = [pl.BlockSpec((None, None, None, rows, head_dim),
-                                  lambda *grid: (*rows_index(*grid), 0))]
-        out_shape = [jax.ShapeDtypeStruct(out_rows + (head_dim,),
-                                          q.dtype if num_splits == 1 else jnp.float32)]
-        if num_splits > 1:
-            out_specs += 2 * [pl.BlockSpec((None, None, None, rows), rows_index)]
-            out_shape += 2 * [jax.ShapeDtypeStruct(out_rows, jnp.float32)]
+    else:
+        out_specs, out_shape = _row_outputs(plan, batch, num_kv_heads, head_dim, q.dtype)
     o, *split_stats = pl.pallas_call(
         kernel,
         # Query blocks and splits of one (row, kv head) launch side by side (CUDA
@@ -355,12 +316,74 @@ def attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_c
     if num_splits == 1 and not q_in_rows:
         return o.reshape(q.shape)
     out = o[0] if num_splits == 1 else _combine_splits(o, *split_stats)
-    # [B, Hkv, num_q_blocks * rows, D] -> [B, max_q, num_q_heads, D]
-    out = out.reshape(batch, num_kv_heads, num_q_blocks, rows, head_dim)
-    out = out[:, :, :, :tokens_per_block * q_per_kv].reshape(
-        batch, num_kv_heads, num_q_blocks * tokens_per_block, q_per_kv, head_dim)
-    out = out[:, :, :max_q].transpose(0, 2, 1, 3, 4).reshape(q.shape)
-    return out.astype(q.dtype)
+    return _rows_to_queries(out, q.shape, plan).astype(q.dtype)
+
+
+def _q_input(q, num_kv_heads, plan, logit_scale, compute_dtype, in_rows: bool):
+    """q as the kernel reads it, and its block spec: in rows, scaled, in the dots' dtype;
+    or as given, [B, Q * Hq, D] (the kernel scales it)."""
+    batch, max_q, num_q_heads, head_dim = q.shape
+    if in_rows:
+        q_rows = _queries_to_rows(q, num_kv_heads, plan).astype(jnp.float32) * logit_scale
+        num_splits = plan.num_splits
+        return q_rows.astype(compute_dtype), pl.BlockSpec(
+            (None, None, plan.rows, head_dim), lambda p, b, h: (b, h, p // num_splits, 0))
+    return (q.reshape(batch, max_q * num_q_heads, head_dim),
+            pl.BlockSpec((None, max_q * num_q_heads, head_dim), lambda p, b, h: (b, 0, 0)))
+
+
+def _block_inputs(block_kv, v_scale, compute_dtype):
+    """The draft block's own K [B, Hkv, pad, D] and V^T [B, Hkv, D, pad] (V / v_scale),
+    padded to a power of two of at least MIN_ROWS keys, and their block specs."""
+    max_q, head_dim = block_kv[0].shape[1], block_kv[0].shape[3]
+    pad = max(MIN_ROWS, pow2_at_least(max_q))
+    block_k, block_v = (jnp.pad(x, ((0, 0), (0, pad - max_q), (0, 0), (0, 0))) for x in block_kv)
+    inputs = [block_k.transpose(0, 2, 1, 3).astype(compute_dtype),
+              (block_v.astype(jnp.float32) / v_scale).transpose(0, 2, 3, 1).astype(compute_dtype)]
+    specs = [pl.BlockSpec((None, None, pad, head_dim), lambda p, b, h: (b, h, 0, 0)),
+             pl.BlockSpec((None, None, head_dim, pad), lambda p, b, h: (b, h, 0, 0))]
+    return inputs, specs
+
+
+def _row_outputs(plan, batch, num_kv_heads, head_dim, dtype):
+    """Output specs and shapes in rows [splits, B, Hkv, num_q_blocks * rows, (D)]: unsplit
+    in q's dtype, or f32 per split with the softmax's m and l for the combine."""
+    num_splits, rows = plan.num_splits, plan.rows
+    out_rows = (num_splits, batch, num_kv_heads, plan.num_q_blocks * rows)
+
+    def rows_index(p, b, h):  # the split's, and the query block's, rows
+        return p % num_splits, b, h, p // num_splits
+    specs = [pl.BlockSpec((None, None, None, rows, head_dim),
+                          lambda *grid: (*rows_index(*grid), 0))]
+    shapes = [jax.ShapeDtypeStruct(out_rows + (head_dim,),
+                                   dtype if num_splits == 1 else jnp.float32)]
+    if num_splits > 1:
+        specs += 2 * [pl.BlockSpec((None, None, None, rows), rows_index)]
+        shapes += 2 * [jax.ShapeDtypeStruct(out_rows, jnp.float32)]
+    return specs, shapes
+
+
+def _queries_to_rows(q, num_kv_heads: int, plan):
+    """q [B, Q, Hkv * G, D] -> [B, Hkv, num_q_blocks * rows, D]: each query block's
+    (token, q head) rows of one kv head, padded to `plan.rows`."""
+    batch, max_q, num_q_heads, head_dim = q.shape
+    q_per_kv, tokens, blocks = num_q_heads // num_kv_heads, plan.tokens_per_block, plan.num_q_blocks
+    q = jnp.pad(q, ((0, 0), (0, blocks * tokens - max_q), (0, 0), (0, 0)))
+    q = q.reshape(batch, blocks, tokens, num_kv_heads, q_per_kv * head_dim).transpose(0, 3, 1, 2, 4)
+    q = jnp.pad(q.reshape(batch, num_kv_heads, blocks, -1, head_dim),
+                ((0, 0),) * 3 + ((0, plan.rows - tokens * q_per_kv), (0, 0)))
+    return q.reshape(batch, num_kv_heads, blocks * plan.rows, head_dim)
+
+
+def _rows_to_queries(out, q_shape, plan):
+    """The inverse of `_queries_to_rows`: [B, Hkv, num_q_blocks * rows, D] -> q's shape."""
+    batch, max_q, num_q_heads, head_dim = q_shape
+    num_kv_heads = out.shape[1]
+    q_per_kv, tokens, blocks = num_q_heads // num_kv_heads, plan.tokens_per_block, plan.num_q_blocks
+    out = out.reshape(batch, num_kv_heads, blocks, plan.rows, head_dim)
+    out = out[:, :, :, :tokens * q_per_kv].reshape(
+        batch, num_kv_heads, blocks * tokens, q_per_kv, head_dim)
+    return out[:, :, :max_q].transpose(0, 2, 1, 3, 4).reshape(q_shape)
 
 
 def _combine_splits(o, m, l):
