@@ -25,7 +25,7 @@ import numpy as np
 
 from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
-from drafter.tokenizer import load_tokenizer
+from drafter.tokenizer import TokenizerError, load_tokenizer
 
 MODES = ("aggregated", "shared", "private")
 DEFAULT_MODEL_NAME = "dflash-default"
@@ -76,7 +76,10 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4,
         dcfg, draft_params = load_dflash(drafter)
         params = {"target": target_params, "draft": draft_params}
         name = Path(target).resolve().name
-    tokenizer = load_tokenizer(target, model_vocab_size=tcfg.vocab_size)
+    try:
+        tokenizer = load_tokenizer(target, model_vocab_size=tcfg.vocab_size)
+    except TokenizerError as e:
+        raise SystemExit(f"--target {target}: {e}") from None
     cfg = default_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len)
     return ModelPair(params, cfg, tokenizer, name)
 
@@ -126,7 +129,10 @@ def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: s
     from disagg.loop import ServingLoop
     from disagg.metrics import ServingMetrics
     from disagg.serving import install_drain_handlers
-    require_http()
+    try:
+        require_http()
+    except ImportError as e:
+        raise SystemExit(str(e)) from None
 
     def log(msg):
         print(f"serve: {msg}", file=sys.stderr, flush=True)
@@ -134,7 +140,10 @@ def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: s
     metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
     loop = ServingLoop(engine, pair.tokenizer, metrics)
     app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=request_timeout_s)
-    server = HTTPServer(app.app, host, port).start()
+    try:
+        server = HTTPServer(app.app, host, port).start()
+    except OSError as e:  # the address is taken or not ours
+        raise SystemExit(str(e)) from None
     log(f"listening on {server.url} (GET /health answers 503 until compiled)")
     handlers = {}
     try:

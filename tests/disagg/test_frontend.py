@@ -177,3 +177,10 @@ def test_serve_http_by_path_ready_line_ctrl_c_and_compile_cache(tmp_path):
     assert second["choices"][0]["token_ids"] == choice["token_ids"]
     # a fresh process compiles nothing the first one compiled: all of it is read back
     assert re.search(r"stopped; 0 programs compiled, [1-9]\d* read from", err2), err2[-2000:]
+
+
+def test_a_missing_http_package_is_named_with_its_install_command(monkeypatch):
+    from disagg.http import require_http
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
+    with pytest.raises(ImportError, match="serve --http needs uvicorn: pip install uvicorn"):
+        require_http()
