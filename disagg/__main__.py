@@ -53,7 +53,7 @@ def build_parser():
 
 def serve(args) -> None:
     from disagg.accounting import page_report
-    from disagg.frontend import load_pair, make_engine, serve_http
+    from disagg.frontend import load_pair, make_engine, serve_http, warm_up
     from disagg.serving import serve_json_lines
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
                      max_seq_len=args.max_seq_len)
@@ -65,8 +65,12 @@ def serve(args) -> None:
         serve_http(engine, pair, *args.http, mode=args.draft_kv,
                    request_timeout_s=args.request_timeout, counter=args.counter)
     else:
-        print(f"serve: {pair.name} ({args.draft_kv}) reading JSON lines from "
-              f"{'stdin' if args.input == '-' else args.input}", file=sys.stderr, flush=True)
+        def log(msg):
+            print(f"serve: {msg}", file=sys.stderr, flush=True)
+        seconds = warm_up(engine, pair.tokenizer, log)
+        log(f"ready: {pair.name} ({args.draft_kv}) after {seconds:.1f}s of compiling "
+            f"({args.counter.summary()}); reading JSON lines from "
+            f"{'stdin' if args.input == '-' else args.input}")
         serve_json_lines(engine, args.input, pair.tokenizer)
     print(f"serve: pages at exit: {json.dumps(page_report(engine))}", file=sys.stderr)
 
