@@ -32,7 +32,7 @@ def engine_rate(engine, steps: int) -> dict:
     """Wall time of Engine.step() (the host loop, one step in flight ahead), and
     where it goes: planning + dispatch, then the wait for the previous step."""
     longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + (steps + 3) * \
-        engine.cfg.block_size
+        engine.decode_steps * engine.cfg.block_size
     engine.warmup(longest)  # rows cross table-width buckets while timed: compile them first
     for _ in range(3):
         engine.step()

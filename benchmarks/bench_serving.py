@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from benchmarks.bench_decode_speed import engine_rate
-from benchmarks.timing import write_results
+from benchmarks.timing import report_goals
 from disagg.serving import serve_json_lines
 from disagg.sources import disaggregated_engine
 from disagg.transfer import move_payload
@@ -134,18 +134,27 @@ def handoff_part(params, cfg, prompts_by_len, repeats: int) -> dict:
                                                         for r in rows]))}
 
 
-def engine_part(params, tcfg, dcfg, prompts, batches, steps: int) -> dict:
+def engine_part(params, tcfg, dcfg, prompts, batches, steps: int,
+                decode_steps=(None,)) -> dict:
+    """Per batch: device rate once, then the engine's rate for each decode-steps-per-call
+    setting (None: the engine's default); the ratio is the default's (or the first)."""
     out = {}
     for batch in batches:
-        engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, True)
-        device = device_rate(engine, steps, 3)
-        host = engine_rate(engine, steps)
-        out[f"b{batch}"] = {**device, **host,
-                            "ratio": host["engine_tokens_per_s"] / device["device_tokens_per_s"]}
-        print(f"  batch {batch:>2}: engine {host['engine_tokens_per_s']:.0f} tok/s / device "
-              f"{device['device_tokens_per_s']:.0f} tok/s = {out[f'b{batch}']['ratio']:.2f} "
-              f"(dispatch {host['dispatch_ms']:.3f} ms, wait {host['wait_ms']:.3f} ms, "
-              f"device step {device['device_step_ms']:.3f} ms)", flush=True)
+        device = None
+        for k in decode_steps:
+            engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, True,
+                                      decode_steps_per_call=k)
+            device = device or device_rate(engine, steps, 3)
+            host = engine_rate(engine, max(steps // engine.decode_steps, 4))
+            row = {**device, **host, "decode_steps_per_call": engine.decode_steps,
+                   "ratio": host["engine_tokens_per_s"] / device["device_tokens_per_s"]}
+            out.setdefault(f"b{batch}", row)
+            out[f"b{batch}_k{engine.decode_steps}"] = row
+            print(f"  batch {batch:>2}, {engine.decode_steps} decode steps per call: engine "
+                  f"{host['engine_tokens_per_s']:.0f} tok/s / device "
+                  f"{device['device_tokens_per_s']:.0f} tok/s = {row['ratio']:.2f} (dispatch "
+                  f"{host['dispatch_ms']:.3f} ms, wait {host['wait_ms']:.3f} ms per call, "
+                  f"device step {device['device_step_ms']:.3f} ms)", flush=True)
     return out
 
 
@@ -209,6 +218,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--load-requests", type=int, default=200)
     ap.add_argument("--load-rate", type=float, default=20.0, help="arrivals per second")
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
+                    help="engine part: decode steps per call to compare (default: the "
+                         "engine's own)")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
     cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16)
@@ -241,7 +253,7 @@ def main(argv=None) -> dict:
         print("engine over device (speculative):", flush=True)
         short = [q["tokens"] for q in held_out if q["length"] == 128]
         report["engine"] = engine_part(params, tcfg, dcfg, [s[:40] for s in short] if args.quick
-                                       else short, batches, steps)
+                                       else short, batches, steps, args.decode_steps)
         for b in batches:
             report[f"engine_over_device_b{b}"] = report["engine"][f"b{b}"]["ratio"]
     if "load" in args.parts:
@@ -249,12 +261,7 @@ def main(argv=None) -> dict:
         report["load"] = load_part(params, cfg, load_prompts_,
                                    8 if args.quick else args.load_requests,
                                    50.0 if args.quick else args.load_rate, new)
-    goals = {k: report[k] for k in GOAL_KEYS if k in report}
-    print("goals:", json.dumps(goals), flush=True)
-    report = {**goals, **report}
-    if args.out:
-        print("wrote", write_results("serving", report, args.out))
-    return report
+    return report_goals("serving", report, GOAL_KEYS, args.out)
 
 
 if __name__ == "__main__":

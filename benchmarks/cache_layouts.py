@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import draft_block, write_context
-from drafter.steps import Sampler, StepConfig, accept, emitted_tokens
+from drafter.steps import Sampler, StepConfig, accept, emitted_tokens, matmul_precision_for
 from models.qwen3 import forward
 from pallas_kernels.batch_tables import bucket_width
 from unified_kv import (CacheSpec, KVState, allocate_pages, bytes_per_request,
@@ -132,7 +132,7 @@ def two_cache_decode_step(params, state: TwoCacheState, slot_ids, key, *,
                           cfgs: tuple[StepConfig, StepConfig], table_width: int,
                           temperature: float = 0.0):
     """`decode_step` with the target's and the drafter's KV in separate caches."""
-    with jax.default_matmul_precision(cfgs[0].matmul_precision):
+    with jax.default_matmul_precision(matmul_precision_for(params, cfgs[0].matmul_precision)):
         return _two_cache_decode(params, state, slot_ids, key, cfgs, table_width, temperature)
 
 

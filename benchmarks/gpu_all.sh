@@ -4,7 +4,7 @@
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
 # STAGEs: tests, attention, layouts (batch tables, cache layouts, decode speed),
-# eval, transfer, serving. Each fits one 600 s device call (the device tool's limit): every
+# eval, transfer, serving, scale. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -15,11 +15,11 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|layouts|eval|transfer|serving) stages+=("$a") ;;
+    tests|attention|layouts|eval|transfer|serving|scale) stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention layouts eval transfer serving)
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention layouts eval transfer serving scale)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
   if [ -n "${DRY_RUN:-}" ]; then echo "[$limit s] $*"; return; fi
@@ -57,5 +57,9 @@ for stage in "${stages[@]}"; do
         --parts demo handoff engine --repeats 3
       mkdir -p "$OUT/load"
       run 300 serving_load python3 benchmarks/bench_serving.py --out "$OUT/load" --parts load ;;
+    scale)
+      # the Qwen3-8B-shaped pair: batch 1 first (the goal keys), then batch 32
+      run 280 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32
+      run 150 precision python3 -m pytest -q -p no:cacheprovider tests/drafter/test_precision.py ;;
   esac
 done

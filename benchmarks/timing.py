@@ -59,3 +59,13 @@ def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:
     file = path / f"{name}.json"
     file.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return file
+
+
+def report_goals(name: str, report: dict, goal_keys, out_dir: str | None) -> dict:
+    """Print the goal keys present, put them first, write `name`.json when `out_dir`."""
+    goals = {k: report[k] for k in goal_keys if k in report}
+    print("goals:", json.dumps(goals), flush=True)
+    report = {**goals, **report}
+    if out_dir:
+        print("wrote", write_results(name, report, out_dir))
+    return report

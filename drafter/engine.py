@@ -82,7 +82,7 @@ class Engine:
       kv_timeout_s: a request whose KV source shows no progress for this long fails.
       decode_steps_per_call: decode steps one call runs back to back on the
         device while nothing waits to be admitted, prefilled or imported (one
-        host round trip per call). Default: 4 on an accelerator, 1 on CPU
+        host round trip per call). Default: 8 on an accelerator, 1 on CPU
         (where compile time, not the host loop, is the cost).
     """
 
@@ -100,7 +100,7 @@ class Engine:
         self.kv_source, self.export, self.mode = kv_source, export, mode
         self.lookahead, self.kv_timeout_s = lookahead, kv_timeout_s
         if decode_steps_per_call is None:
-            decode_steps_per_call = 1 if jax.default_backend() == "cpu" else 4
+            decode_steps_per_call = 1 if jax.default_backend() == "cpu" else 8
         if decode_steps_per_call < 1:
             raise ValueError(f"decode_steps_per_call must be >= 1, got {decode_steps_per_call}")
         self.decode_steps = decode_steps_per_call

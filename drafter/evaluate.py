@@ -54,11 +54,12 @@ def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto"):
 
 
 def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool,
-                     impl: str = "auto"):
+                     impl: str = "auto", decode_steps_per_call: int | None = None):
     """An Engine whose `batch` slots hold the prompts (cycled), prefilled, with
     room for 2048 new tokens each."""
     cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch, impl=impl)
-    engine = Engine(params, cfg, speculative=speculative)
+    engine = Engine(params, cfg, speculative=speculative,
+                    decode_steps_per_call=decode_steps_per_call)
     for i in range(batch):
         engine.add_request(f"r{i}", prompts[i % len(prompts)], 2048)
     engine.prefill_submitted()

@@ -59,10 +59,12 @@ class StepConfig:
     spec: CacheSpec
     draft: DFlashConfig | None = None
     impl: str = "auto"
-    # f32 matmuls at full precision. On GPUs XLA's default rounds f32 inputs to
+    # f32-exact matmuls by default. On GPUs XLA's default rounds f32 inputs to
     # TF32, and the 1-token plain step and the K+1-token verify then round
     # differently enough to flip near-tied argmaxes: greedy speculative output
-    # would stop matching plain greedy decoding. bf16 weights cost nothing extra.
+    # would stop matching plain greedy decoding. "auto" (`matmul_precision_for`)
+    # runs bf16 weights at the default precision; it is not the default because
+    # greedy equality under it is not established on the GPU.
     matmul_precision: str = "highest"
 
     @property
@@ -81,12 +83,22 @@ class StepConfig:
                                   scales=scales, interpret=impl == "interpret")
 
 
+def matmul_precision_for(params, requested: str = "auto") -> str:
+    """The matmul precision a step over `params` runs at: `requested`, or for
+    "auto" "highest" when any floating weight is wider than 16 bits, else "default"."""
+    if requested != "auto":
+        return requested
+    wide = any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > 2
+               for x in jax.tree.leaves(params))
+    return "highest" if wide else "default"
+
+
 def _at_precision(step):
-    """Trace `step` under its StepConfig's matmul precision."""
+    """Trace `step` (params first) under the matmul precision its weights call for."""
     @functools.wraps(step)
-    def traced(*args, cfg: StepConfig, **kwargs):
-        with jax.default_matmul_precision(cfg.matmul_precision):
-            return step(*args, cfg=cfg, **kwargs)
+    def traced(params, *args, cfg: StepConfig, **kwargs):
+        with jax.default_matmul_precision(matmul_precision_for(params, cfg.matmul_precision)):
+            return step(params, *args, cfg=cfg, **kwargs)
     return traced
 
 

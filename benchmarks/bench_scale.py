@@ -1,0 +1,188 @@
+"""Real model scale: a Qwen3-8B-shaped target with a DFlash-b16-shaped drafter.
+
+    PYTHONPATH=. python benchmarks/bench_scale.py --out DIR [--batches 1 32]
+        [--contexts 1024] [--layers 36] [--steps 16]
+
+Random bf16 weights (only step times matter), fp8 target KV and bf16 draft KV.
+Every figure is set against a bound measured in the same run:
+
+  copy bandwidth    bytes read + written by a 4 GiB copy, per second
+  bf16 matmul peak  an 8192^3 bf16 matmul (f32 accumulation), FLOP/s
+  decode roofline   (weights read + KV read) / copy bandwidth; the embedding
+                    table is not read by a step (a gather of B rows)
+  compute bound     2 x params x tokens / matmul peak (verify: block tokens per
+                    row through the target; draft: block tokens through the
+                    drafter's layers and the shared lm_head)
+
+Per batch and context: device step time of plain and speculative decode (one
+jitted loop, no host), the engine's host loop beside it (`Engine.step`),
+prefill tokens/s and utilisation (the batch's prompts, chunked and batched by
+the scheduler), the wall time of each first call (compile included, minus the
+same call warm), and peak device memory. Writes scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_decode_speed import engine_rate
+from benchmarks.timing import report_goals
+from drafter.engine import Engine
+from drafter.evaluate import device_rate
+from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
+from drafter.steps import StepConfig
+from unified_kv import CacheSpec
+
+GOAL_KEYS = ("plain_b1_over_roofline", "plain_b32_over_roofline", "spec_b1_over_plain_b1",
+             "spec_b32_over_compute_bound", "prefill_utilisation", "compile_s",
+             "projected_b1_tokens_per_s", "engine_over_device_b1")
+DESIGN_AL = 6.5  # DFlash's reported acceptance length for Qwen3-8B-b16 (math / code, greedy)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * 2)
+    jax.block_until_ready(copy(x))
+    best = min(_timed(lambda: copy(x)) for _ in range(5))
+    return 2 * nbytes / best
+
+
+def matmul_peak(n: int = 8192) -> float:
+    a = jnp.ones((n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    jax.block_until_ready(mm(a, a))
+    best = min(_timed(lambda: mm(a, a)) for _ in range(5))
+    return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def step_config(tcfg, dcfg, batch: int, context: int) -> StepConfig:
+    layers = tcfg.layer_specs("fp8_e4m3") + (dcfg.layer_specs("bf16") if dcfg else [])
+    max_len = context + 1024
+    per_token = sum(2 * l.num_kv_heads * l.head_dim * (1 if l.kv_dtype == "fp8_e4m3" else 2)
+                    for l in layers)
+    budget = int(1.3 * (batch + 1) * (max_len + 256) * per_token) + (64 << 20)
+    spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=batch + 1,
+                     max_seq_len=max_len, memory_budget_bytes=budget, max_step_tokens=256)
+    return StepConfig(tcfg, spec, dcfg)
+
+
+def kv_bytes_read(tcfg, dcfg, batch: int, context: int) -> int:
+    target = batch * context * tcfg.num_layers * 2 * tcfg.num_kv_heads * tcfg.head_dim
+    draft = 0 if dcfg is None else (batch * context * dcfg.num_layers * 2
+                                     * dcfg.num_kv_heads * dcfg.head_dim * 2)
+    return target + draft
+
+
+def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
+            peak: float) -> dict:
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(0, min(150_000, tcfg.vocab_size - 1), context).tolist() for _ in range(batch + 1)]
+    out = {"batch": batch, "context": context}
+    weights_t = param_bytes(params["target"]) - param_bytes(params["target"]["embed"])
+    weights_d = param_bytes(params["draft"]) + param_bytes(params["target"]["lm_head"])
+    flops_t = 2 * weights_t // 2  # bf16: 2 bytes per parameter, 2 FLOPs per MAC
+    flops_d = 2 * weights_d // 2
+    for name, speculative in (("plain", False), ("spec", True)):
+        cfg = step_config(tcfg, dcfg if speculative else None, batch, context)
+        eng = Engine(params if speculative else {"target": params["target"]}, cfg,
+                     speculative=speculative)
+        start = time.perf_counter()
+        for i in range(batch):
+            eng.add_request(f"r{i}", prompts[i], 768)
+        eng.prefill_submitted()
+        cold = time.perf_counter() - start
+        # the same prefill warm: one more prompt of the same length into the spare slot
+        start = time.perf_counter()
+        eng.add_request("warm", prompts[batch], 1)
+        eng.prefill_submitted()
+        warm_one = time.perf_counter() - start
+        start = time.perf_counter()
+        dev = device_rate(eng, steps, 3)
+        timed = time.perf_counter() - start
+        compile_decode = timed - dev["device_step_ms"] * 1e-3 * steps * 4
+        kv = kv_bytes_read(tcfg, dcfg if speculative else None, batch, context)
+        roof = (weights_t + (weights_d if speculative else 0) + kv) / bw
+        row = {**dev, "prefill_cold_s": cold, "prefill_one_warm_s": warm_one,
+               "prefill_tokens_per_s": context / warm_one,
+               "compile_decode_s": compile_decode, "roofline_ms": roof * 1e3,
+               "over_roofline": dev["device_step_ms"] * 1e-3 / roof}
+        if speculative:
+            block = dcfg.block_size
+            compute = batch * block * (flops_t + flops_d) / peak
+            row["compute_bound_ms"] = compute * 1e3
+            row["over_compute_bound"] = dev["device_step_ms"] * 1e-3 / compute
+        if batch == 1:
+            row.update(engine_rate(eng, max(steps // eng.decode_steps, 4)))
+            row["engine_over_device"] = row["engine_tokens_per_s"] / dev["device_tokens_per_s"]
+        out[name] = row
+        print(f"  b{batch} ctx {context} {name}: step {dev['device_step_ms']:.2f} ms "
+              f"(roofline {roof * 1e3:.2f} ms, x{row['over_roofline']:.2f}), prefill "
+              f"{row['prefill_tokens_per_s']:.0f} tok/s, cold prefill {cold:.1f} s, decode "
+              f"compile ~{compile_decode:.1f} s", flush=True)
+        del eng
+    flops_prefill = 2 * weights_t // 2 * context + 4 * tcfg.num_layers * tcfg.num_heads * \
+        tcfg.head_dim * context * context // 2
+    out["prefill_utilisation"] = flops_prefill / out["plain"]["prefill_one_warm_s"] / peak
+    out["compile_s"] = (out["plain"]["prefill_cold_s"] - batch * out["plain"]["prefill_one_warm_s"]
+                        + out["plain"]["compile_decode_s"] + out["spec"]["compile_decode_s"])
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    ap.add_argument("--layers", type=int, default=36, help="target layers (36: Qwen3-8B)")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--quick", action="store_true",
+                    help="small probes and a 4K vocabulary: a smoke test on CPU")
+    args = ap.parse_args(argv)
+    tcfg, dcfg = qwen3_8b_pair(num_target_layers=args.layers,
+                               num_draft_layers=5 if args.layers >= 8 else 1,
+                               **({"vocab_size": 4096} if args.quick else {}))
+    bw, peak = ((copy_bandwidth(64 << 20), matmul_peak(512)) if args.quick
+                else (copy_bandwidth(), matmul_peak()))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s",
+          flush=True)
+    params = random_params(tcfg, dcfg)
+    report = {"device": jax.devices()[0].device_kind, "target_layers": args.layers,
+              "weight_bytes": {"target": param_bytes(params["target"]),
+                               "draft": param_bytes(params["draft"])},
+              "copy_bandwidth_bytes_per_s": bw, "bf16_matmul_flops_per_s": peak, "runs": []}
+    for context in args.contexts:
+        for batch in args.batches:
+            report["runs"].append(measure(params, tcfg, dcfg, batch, context, args.steps,
+                                          bw, peak))
+    stats = jax.devices()[0].memory_stats() or {}
+    report["peak_memory_bytes"] = stats.get("peak_bytes_in_use")
+    by = {(r["batch"], r["context"]): r for r in report["runs"]}
+    base = min(args.contexts)
+    if (1, base) in by:
+        b1 = by[(1, base)]
+        report["plain_b1_over_roofline"] = b1["plain"]["over_roofline"]
+        report["spec_b1_over_plain_b1"] = (b1["spec"]["device_step_ms"]
+                                           / b1["plain"]["device_step_ms"])
+        report["projected_b1_tokens_per_s"] = DESIGN_AL / (b1["spec"]["device_step_ms"] * 1e-3)
+        report["engine_over_device_b1"] = b1["spec"].get("engine_over_device")
+        report["prefill_utilisation"] = b1["prefill_utilisation"]
+        report["compile_s"] = b1["compile_s"]
+    if (32, base) in by:
+        report["plain_b32_over_roofline"] = by[(32, base)]["plain"]["over_roofline"]
+        report["spec_b32_over_compute_bound"] = by[(32, base)]["spec"]["over_compute_bound"]
+    return report_goals("scale", report, GOAL_KEYS, args.out)
+
+
+if __name__ == "__main__":
+    main()
