@@ -16,11 +16,41 @@ from tests.drafter.test_context import PAIR, periodic_prompts
 from tests.drafter.tiny import tiny_pair
 
 
+# One tiny pair for the module (4 kv heads, so the TP tests can split them 4 ways): every
+# engine here, aggregated or either side of a pair, on a device or a mesh, runs the same
+# configuration and so compiles each of its steps once for the whole module.
+@pytest.fixture(scope="module")
+def pair():
+    params, cfg, _ = tiny_pair(num_slots=3, num_kv_heads=4)
+    return params, cfg
+
+
+_rng = np.random.default_rng(1)
+PROMPTS = [_rng.integers(0, 63, n).tolist() for n in (5, 17, 33, 40, 9)]  # > draft window 16
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def aggregated(pair):
+    """The aggregated engine's results for PROMPTS: what every serving split must equal."""
+    params, cfg = pair
+    return Engine(params, cfg).generate(PROMPTS, MAX_NEW)
+
+
 def meshes():
     devices = np.array(jax.devices())
     if len(devices) < 4:
         pytest.skip("needs 4 (host) devices")
     return (jax.sharding.Mesh(devices[:2], ("tp",)), jax.sharding.Mesh(devices[2:4], ("tp",)))
+
+
+def split_engine(params, cfg, **kwargs):
+    """A pair on the equality test's meshes (context TP2, generation TP2: their compiled
+    steps are shared) where there are 4 devices, else on the default device."""
+    if len(jax.devices()) >= 4:
+        mesh_a, mesh_b = meshes()
+        kwargs = dict(context_meshes=(mesh_a,), mesh=mesh_b, **kwargs)
+    return disaggregated_engine(params, cfg, **kwargs)
 
 
 def assert_all_free(engine):
@@ -55,19 +85,18 @@ class Tampered:
 # Two paths here: device to device, and through host memory. Every path's bytes are
 # checked in test_transfer.py; what happens after the move does not depend on the path.
 @pytest.mark.parametrize("path", ["coalesced", "host"])
-def test_shared_mode_equals_aggregated_token_for_token_and_step_for_step(path):
+def test_shared_mode_equals_aggregated_token_for_token_and_step_for_step(path, pair,
+                                                                         aggregated):
     assert path in MOVE_PATHS
     kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
     if path == "pinned_host" and "pinned_host" not in kinds:
         pytest.skip(f"this platform's devices offer no pinned host memory ({sorted(kinds)})")
-    params, cfg, _ = tiny_pair(num_slots=3)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 63, n).tolist() for n in (5, 17, 33, 40, 9)]  # > draft window 16
-    agg = Engine(params, cfg).generate(prompts, 16)
+    params, cfg = pair
+    agg = aggregated
     mesh_a, mesh_b = meshes()
     engine = disaggregated_engine(params, cfg, context_meshes=(mesh_a,), mesh=mesh_b,
                                   move_path=path)
-    dis = engine.generate(prompts, 16, arrival_steps=[0, 0, 1, 4, 6])
+    dis = engine.generate(PROMPTS, MAX_NEW, arrival_steps=[0, 0, 1, 4, 6])
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
     assert engine.bytes_imported > 0
@@ -105,8 +134,8 @@ def variant(cfg, **layer_changes):
     (dict(kv_dtype="bf16"), "layers: context worker has .*'f32'.*generation worker has .*'bf16'"),
     (dict(sliding_window=32), "layers: .*16.*32"),
 ])
-def test_layout_gate_fails_fast_naming_both_sides(change, match):
-    params, cfg, _ = tiny_pair(num_slots=2)
+def test_layout_gate_fails_fast_naming_both_sides(change, match, pair):
+    _, cfg = pair
     mode = change.pop("mode", "shared")
     other = cfg
     if change.pop("drop_draft", False):
@@ -122,8 +151,8 @@ def test_layout_gate_fails_fast_naming_both_sides(change, match):
     assert time.monotonic() - start < 1.0
 
 
-def test_a_mismatched_pair_is_refused_when_built():
-    params, cfg, _ = tiny_pair(num_slots=2)
+def test_a_mismatched_pair_is_refused_when_built(pair):
+    params, cfg = pair
     context = ContextWorker(params, cfg, mode="shared")
     start = time.monotonic()
     with pytest.raises(LayoutMismatch, match="mode"):
@@ -132,13 +161,12 @@ def test_a_mismatched_pair_is_refused_when_built():
 
 
 @pytest.mark.parametrize("which", [0, -1])
-def test_a_corrupted_buffer_fails_that_request_alone(which):
+def test_a_corrupted_buffer_fails_that_request_alone(which, pair, aggregated):
     """Any pool's corruption (the last one too) fails its request inside the
     import step; the others are served exactly, and no page leaks anywhere."""
-    params, cfg, _ = tiny_pair(num_slots=2)
-    prompts = [list(range(1, 30)), list(range(3, 20)), list(range(5, 14))]
-    agg = Engine(params, cfg).generate(prompts, 8)
-    engine = disaggregated_engine(params, cfg)
+    params, cfg = pair
+    prompts, agg = PROMPTS, aggregated
+    engine = split_engine(params, cfg)
     victim = {}
 
     def corrupt(request_id, payload):
@@ -150,10 +178,12 @@ def test_a_corrupted_buffer_fails_that_request_alone(which):
         return payload
 
     engine.kv_source = Tampered(engine.kv_source, corrupt)
-    requests = [engine.make_request(f"r{i}", p, max_new_tokens=8) for i, p in enumerate(prompts)]
+    requests = [engine.make_request(f"r{i}", p, max_new_tokens=MAX_NEW)
+                for i, p in enumerate(prompts)]
     for r in requests:
         engine.submit(r)
     results = {r.request_id: r for r in engine.run()}
+    assert len(results) == len(prompts)
     bad = results.pop(victim["id"])
     assert bad.finish_reason == "error" and "checksum" in bad.error and victim["id"] in bad.error
     for i, r in enumerate(requests):
@@ -162,9 +192,9 @@ def test_a_corrupted_buffer_fails_that_request_alone(which):
     assert_pair_free(engine)
 
 
-def test_a_lost_request_times_out_alone_and_frees_its_pages():
-    params, cfg, _ = tiny_pair(num_slots=2)
-    engine = disaggregated_engine(params, cfg, kv_timeout_s=0.5)
+def test_a_lost_request_times_out_alone_and_frees_its_pages(pair):
+    params, cfg = pair
+    engine = split_engine(params, cfg, kv_timeout_s=0.5)
     engine.generate([[1, 2, 3, 4, 5]], 4)  # compile outside the timed wait
     engine.kv_source = Tampered(engine.kv_source, lambda rid, item: item)
     real_poll = engine.kv_source.poll
@@ -179,13 +209,13 @@ def test_a_lost_request_times_out_alone_and_frees_its_pages():
     assert_pair_free(engine)
 
 
-def test_decode_steps_keep_running_while_a_transfer_is_pending():
+def test_decode_steps_keep_running_while_a_transfer_is_pending(pair):
     """A slow transport: one request's KV is held back for many steps; the
     running request keeps decoding meanwhile and both equal aggregated."""
-    params, cfg, _ = tiny_pair(num_slots=2)
+    params, cfg = pair
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 10, 11, 12, 13]]
     agg = Engine(params, cfg).generate(prompts, 20)
-    engine = disaggregated_engine(params, cfg)
+    engine = split_engine(params, cfg)
     held, steps_while_held = [], []
 
     def slow(request_id, item):
@@ -215,10 +245,11 @@ def test_decode_steps_keep_running_while_a_transfer_is_pending():
     assert_pair_free(engine)
 
 
-def test_room_is_checked_on_the_generation_side_before_any_prefill():
-    """6 prompts into 2 generation slots cost exactly 6 prefills."""
-    params, cfg, _ = tiny_pair(num_slots=2)
-    engine = disaggregated_engine(params, cfg)
+def test_room_is_checked_on_the_generation_side_before_any_prefill(pair):
+    """6 prompts into 3 generation slots cost exactly 6 prefills."""
+    params, cfg = pair
+    assert cfg.spec.num_slots < 6
+    engine = split_engine(params, cfg)
     prompts = [[i + 1, i + 2, i + 3] for i in range(6)]
     engine.generate(prompts, 6)
     assert engine.kv_source.contexts[0].num_prefilled == 6
@@ -226,35 +257,34 @@ def test_room_is_checked_on_the_generation_side_before_any_prefill():
 
 
 @pytest.mark.parametrize("gen_tp", [2, 1])
-def test_context_tp4_into_generation_tp2_and_tp1(gen_tp):
+def test_context_tp4_into_generation_tp2_and_tp1(gen_tp, pair, aggregated):
     """kv heads split 4 ways on the context side are resharded on receipt."""
     devices = np.array(jax.devices())
     if len(devices) < 4:
         pytest.skip("needs 4 (host) devices")
-    params, cfg, _ = tiny_pair(num_slots=2, num_kv_heads=4)
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, 63, n).tolist() for n in (9, 26, 40)]
-    agg = Engine(params, cfg).generate(prompts, 12)
+    params, cfg = pair
+    assert cfg.target.num_kv_heads == 4
+    agg = aggregated
     ctx_mesh = jax.sharding.Mesh(devices[:4], ("tp",))
     gen_mesh = jax.sharding.Mesh(devices[4 - gen_tp:], ("tp",))
     engine = disaggregated_engine(params, cfg, context_meshes=(ctx_mesh,), mesh=gen_mesh)
-    dis = engine.generate(prompts, 12)
+    dis = engine.generate(PROMPTS, MAX_NEW, arrival_steps=[0, 0, 1, 4, 6])
     assert len(engine.state.kv.pools[0].sharding.device_set) == gen_tp
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
     assert_pair_free(engine)
 
 
-def test_long_prompt_into_windowed_pools_takes_only_the_window_tail():
+def test_long_prompt_into_windowed_pools_takes_only_the_window_tail(pair):
     """The receiver backs a windowed pool's in-window tail only: a prompt whose
     whole page range is larger than the windowed pools still moves."""
-    params, cfg, _ = tiny_pair(num_slots=2)
+    params, cfg = pair
     prompt = np.random.default_rng(5).integers(0, 63, 130).tolist()
     windowed = [p for p in cfg.spec.pools if p.sliding_window]
     assert windowed and all(p.num_usable_pages < -(-len(prompt) // cfg.spec.page_size)
                             for p in windowed)
     agg = Engine(params, cfg).generate([prompt], 8)
-    engine = disaggregated_engine(params, cfg)
+    engine = split_engine(params, cfg)
     dis = engine.generate([prompt], 8)
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
