@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import time_call, write_results
-from pallas_kernels.batch_tables import bucket_width, build_batch_tables
+from pallas_kernels.batch_tables import build_batch_tables
+from unified_kv import bucket_width
 
 NUM_SLOTS, BATCH, PAGE = 256, 64, 16
 SCALES = (8, 8, 4)

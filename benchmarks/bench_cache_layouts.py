@@ -38,7 +38,7 @@ from benchmarks.cache_layouts import (TwoCacheState, full_rebuild, kv_memory_byt
 from benchmarks.timing import time_step_loop, write_results
 from drafter.default import default_step_config, load_default
 from drafter.steps import decode_step, init_spec_state
-from pallas_kernels.batch_tables import bucket_width
+from unified_kv import bucket_width
 from unified_kv import admit_slots, bytes_per_request, grow, init_state, retire_window_pages
 
 NUM_SLOTS = 256     # slots in the cache (what a full-capacity rebuild pays for)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from drafter.dflash import draft_block, write_context
 from drafter.steps import Sampler, StepConfig, accept, emitted_tokens, matmul_precision_for
 from models.qwen3 import forward
-from pallas_kernels.batch_tables import bucket_width
+from unified_kv import bucket_width
 from unified_kv import (CacheSpec, KVState, allocate_pages, bytes_per_request,
                         retire_window_pages)
 from unified_kv.spec import size_pools

@@ -22,42 +22,19 @@ Result with finish_reason "error" for the one request it concerns.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
-from typing import Protocol
 
 import jax
 
 from drafter.executor import Executor
-from drafter.kv_io import KVPayload, sent_pool_ids
+from drafter.kv_io import Export, KVSource, import_refusal
 from drafter.request import Request, RequestError, Result, SamplingParams
 from drafter.scheduler import Phase, Scheduler, Sequence
 from drafter.steps import StepConfig
 from unified_kv import AdmissionError
 
 __all__ = ["Engine", "Export", "KVSource", "Result", "Request", "SamplingParams"]
-
-
-class KVSource(Protocol):
-    """Where a generation engine's admitted requests get their KV."""
-
-    def fetch(self, request: Request) -> None:
-        """Start producing `request`'s KV (it is admitted here: room is reserved)."""
-
-    def poll(self, timeout: float) -> list[tuple[str, "KVPayload | BaseException | None"]]:
-        """Arrived payloads (on this engine's devices) or failures, by request id;
-        waits up to `timeout` seconds for the first one. None: the request's KV
-        is still being made (its `kv_timeout_s` starts again)."""
-
-
-@dataclasses.dataclass
-class Export:
-    """A context engine's prefilled request, leaving with its KV."""
-
-    request: Request
-    payload: KVPayload
-    submitted: float
 
 
 def _is_ready(dispatched) -> bool:
@@ -360,15 +337,7 @@ class Engine:
         or None when the payload cannot be for this worker (the request fails)."""
         payload, seq.kv = seq.kv, None
         request = seq.request
-        want = sent_pool_ids(self.spec, self.mode)
-        problem = None
-        if payload.mode != self.mode or tuple(payload.pool_ids) != want:
-            problem = (f"the sender's draft KV mode {payload.mode!r} (pools "
-                       f"{list(payload.pool_ids)}) differs from this worker's {self.mode!r} "
-                       f"(pools {list(want)}); start both with the same mode")
-        elif payload.target_len != len(request.prompt):
-            problem = (f"the sender prefilled {payload.target_len} tokens, the prompt has "
-                       f"{len(request.prompt)}")
+        problem = import_refusal(payload, self.spec, self.mode, len(request.prompt))
         if problem is not None:
             self.scheduler.finish(seq, time.perf_counter(), "error",
                                   f"request {request.request_id!r}: KV import refused: {problem}")

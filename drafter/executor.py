@@ -19,8 +19,7 @@ from drafter.kv_io import KVPayload, export_payload, import_step
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_spec_state
-from pallas_kernels.batch_tables import bucket_width
-from unified_kv import init_state
+from unified_kv import bucket_width, init_state
 
 
 @functools.lru_cache(maxsize=64)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from drafter.request import Request
 from drafter.steps import SpecState, StepConfig, _at_precision, redraft_rows
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
                         live_logical_pages, pow2_at_least, release_slots)
@@ -194,3 +196,40 @@ def export_payload(spec: CacheSpec, state: SpecState, slot: int, target_len: int
     buffers, sums, first = export_step(state, np.int32(slot), logical, tokens,
                                        np.int32(token_index), pool_ids=pool_ids)
     return KVPayload(target_len, draft_ctx_len, first, pool_ids, logical, buffers, sums, mode)
+
+
+# ---------------------------------------------------------------- between engines
+
+class KVSource(Protocol):
+    """Where a generation engine's admitted requests get their KV."""
+
+    def fetch(self, request: Request) -> None:
+        """Start producing `request`'s KV (it is admitted here: room is reserved)."""
+
+    def poll(self, timeout: float) -> list[tuple[str, KVPayload | BaseException | None]]:
+        """Arrived payloads (on this engine's devices) or failures, by request id;
+        waits up to `timeout` seconds for the first one. None: the request's KV
+        is still being made (its `kv_timeout_s` starts again)."""
+
+
+@dataclasses.dataclass
+class Export:
+    """A context engine's prefilled request, leaving with its KV."""
+
+    request: Request
+    payload: KVPayload
+    submitted: float
+
+
+def import_refusal(payload: KVPayload, spec: CacheSpec, mode: str,
+                   prompt_len: int) -> str | None:
+    """Why a worker of `spec` in draft-KV `mode` cannot import `payload` for a prompt of
+    `prompt_len` tokens (None: it can). Checked on the host before the import step."""
+    want = sent_pool_ids(spec, mode)
+    if payload.mode != mode or tuple(payload.pool_ids) != want:
+        return (f"the sender's draft KV mode {payload.mode!r} (pools "
+                f"{list(payload.pool_ids)}) differs from this worker's {mode!r} "
+                f"(pools {list(want)}); start both with the same mode")
+    if payload.target_len != prompt_len:
+        return f"the sender prefilled {payload.target_len} tokens, the prompt has {prompt_len}"
+    return None

@@ -28,7 +28,7 @@ import dataclasses
 import enum
 
 from drafter.request import Request, Result
-from unified_kv import AdmissionController, AdmissionError, CacheSpec, pages_per_request
+from unified_kv import AdmissionController, AdmissionError, CacheSpec, check_fits
 
 
 class Phase(enum.Enum):
@@ -134,11 +134,7 @@ class Scheduler:
                 f"max_new_tokens={request.params.max_new_tokens} + verify and lookahead "
                 f"blocks = {need} exceeds max_seq_len={self.spec.max_seq_len}; shorten the "
                 f"prompt or max_new_tokens, or build a larger cache")
-        for pool, n in zip(self.spec.pools, pages_per_request(self.spec, need)):
-            if n > pool.num_usable_pages:
-                raise AdmissionError(
-                    f"request {request.request_id!r}: needs {n} pages of pool {pool.pool_id} "
-                    f"but it has {pool.num_usable_pages}; raise memory_budget_bytes")
+        check_fits(self.spec, request.request_id, need)  # every pool's pages
 
     def add(self, seq: Sequence) -> None:
         rid = seq.request_id

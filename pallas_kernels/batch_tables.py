@@ -11,7 +11,7 @@ the index the attention kernels read:
 So the cost grows with batch rows x table_width, never with slots x
 max_pages_per_seq.
 
-`table_width` is static (it shapes the output); pick it with `bucket_width`
+`table_width` is static (it shapes the output); pick it with `unified_kv.bucket_width`
 from the host's upper bound on the rows' extents, so recompiles stay few.
 """
 
@@ -24,23 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.pool_layout import BAD_PAGE_INDEX, pow2_at_least
+from pallas_kernels.pool_layout import BAD_PAGE_INDEX
 
 DEFAULT_BLOCK_PAGES = 128
-
-
-def bucket_width(num_pages: int, max_pages_per_seq: int, *,
-                 block_pages: int = DEFAULT_BLOCK_PAGES) -> int:
-    """Static table width for rows whose extents are at most `num_pages`.
-
-    Powers of two of at least one block (log2 many compiled variants), never
-    wider than the page table rounded up to a whole block.
-    """
-    if num_pages < 0:
-        raise ValueError(f"num_pages must be >= 0, got {num_pages=}")
-    width = max(block_pages, pow2_at_least(num_pages))
-    cap = -(-max_pages_per_seq // block_pages) * block_pages
-    return min(width, cap)
 
 
 def _convert(entries, scale: int, offset: int):
@@ -123,7 +109,7 @@ def static_validate_inputs(slot_ids, page_tables, table_width, scales, offsets,
         raise ValueError(f"block_pages must be a power of two, got {block_pages=}")
     if table_width <= 0 or table_width % block_pages:
         raise ValueError(f"table_width must be a positive multiple of {block_pages=}, got "
-                         f"{table_width=}; use bucket_width()")
+                         f"{table_width=}; pick one with unified_kv.bucket_width()")
 
 
 def build_batch_tables_reference(slot_ids, page_tables, *, table_width, scales=None,

@@ -4,8 +4,8 @@ from unified_kv.admission import (AdmissionController, AdmissionError, Reservati
                                   bytes_per_pool, bytes_per_request, check_fits,
                                   pages_per_request)
 from unified_kv.spec import (BAD_PAGE_INDEX, KV_DTYPES, NULL_PAGE, SUPPORTED_PAGE_SIZES, CacheSpec,
-                             CacheSpecError, LayerSpec, PoolSpec, layer_name, max_live_pages,
-                             pow2_at_least)
+                             CacheSpecError, LayerSpec, PoolSpec, bucket_width, layer_name,
+                             max_live_pages, pow2_at_least)
 from unified_kv.state import (KVState, admit_slots, allocate_pages, grow, init_state,
                               live_logical_pages,
                               release_slots, retire_window_pages, row_extent,
@@ -15,7 +15,8 @@ __all__ = [
     "AdmissionController", "AdmissionError", "Reservation", "bytes_per_pool", "bytes_per_request",
     "check_fits",
     "pages_per_request", "BAD_PAGE_INDEX", "KV_DTYPES", "NULL_PAGE", "SUPPORTED_PAGE_SIZES",
-    "CacheSpec", "CacheSpecError", "LayerSpec", "PoolSpec", "layer_name", "max_live_pages",
+    "CacheSpec", "CacheSpecError", "LayerSpec", "PoolSpec", "bucket_width", "layer_name",
+    "max_live_pages",
     "pow2_at_least",
     "KVState", "admit_slots", "allocate_pages", "grow", "init_state", "live_logical_pages", "release_slots",
     "retire_window_pages", "row_extent", "state_shardings", "validate_slot_ids",

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.batch_tables import bucket_width, build_batch_tables
-from unified_kv import (AdmissionController, CacheSpec, LayerSpec, bytes_per_pool, grow,
-                        init_state, layer_name, release_slots, retire_window_pages,
+from pallas_kernels.batch_tables import build_batch_tables
+from unified_kv import (AdmissionController, CacheSpec, LayerSpec, bucket_width, bytes_per_pool,
+                        grow, init_state, layer_name, release_slots, retire_window_pages,
                         row_extent)
 
 

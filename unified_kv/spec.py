@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Page-id constants and rounding live with the kernels (the bottom layer); re-exported here.
+from pallas_kernels.batch_tables import DEFAULT_BLOCK_PAGES
 from pallas_kernels.pool_layout import BAD_PAGE_INDEX, NULL_PAGE, pow2_at_least  # noqa: F401
 
 # Kernels tile keys by whole pages; Triton/Mosaic need power-of-two tiles >= 8.
@@ -332,3 +333,17 @@ def size_pools(spec: CacheSpec, groups) -> tuple[PoolSpec, ...]:
             num_pages=math.floor(num_requests * per_row) + 1,
             max_pages_per_seq=spec.max_pages_per_seq))
     return tuple(pools)
+
+
+def bucket_width(num_pages: int, max_pages_per_seq: int, *,
+                 block_pages: int = DEFAULT_BLOCK_PAGES) -> int:
+    """Static batch-table width (pages) for rows whose extents are at most `num_pages`.
+
+    Powers of two of at least one kernel table block (log2 many compiled
+    variants), never wider than the page table rounded up to a whole block.
+    """
+    if num_pages < 0:
+        raise ValueError(f"num_pages must be >= 0, got {num_pages=}")
+    width = max(block_pages, pow2_at_least(num_pages))
+    cap = -(-max_pages_per_seq // block_pages) * block_pages
+    return min(width, cap)

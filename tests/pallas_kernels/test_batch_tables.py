@@ -2,7 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.batch_tables import (bucket_width, build_batch_tables,
+from pallas_kernels.batch_tables import (build_batch_tables,
                                          build_batch_tables_reference)
 from unified_kv import BAD_PAGE_INDEX
 
@@ -45,14 +45,6 @@ def test_default_block_divides_any_width(interpret):
     got = build_batch_tables(jnp.array([2, 0], jnp.int32), (table,), table_width=48,
                              interpret=interpret)[0]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[[2, 0]])
-
-
-def test_bucket_width():
-    assert bucket_width(0, 4096) == 128
-    assert bucket_width(129, 4096) == 256
-    assert bucket_width(256, 4096) == 256
-    assert bucket_width(3000, 3000) == 3072  # capped at the table rounded to a block
-    assert bucket_width(5, 64, block_pages=16) == 16
 
 
 @pytest.mark.parametrize("kwargs,match", [

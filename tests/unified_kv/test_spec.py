@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from unified_kv import CacheSpec, CacheSpecError, LayerSpec, max_live_pages
+from unified_kv import CacheSpec, CacheSpecError, LayerSpec, bucket_width, max_live_pages
 from unified_kv.spec import size_pools
 
 
@@ -129,3 +129,11 @@ def test_pools_of_one_layer_each_keep_every_layout_and_the_bytes_per_token():
     assert per_token(shared.pools) == per_token(per_layer)
     with pytest.raises(CacheSpecError, match="a pool holds layers alike"):
         size_pools(shared, (shared.layers,))
+
+
+def test_bucket_width():
+    assert bucket_width(0, 4096) == 128
+    assert bucket_width(129, 4096) == 256
+    assert bucket_width(256, 4096) == 256
+    assert bucket_width(3000, 3000) == 3072  # capped at the table rounded to a block
+    assert bucket_width(5, 64, block_pages=16) == 16
