@@ -37,7 +37,7 @@ from benchmarks.cache_layouts import (TwoCacheState, full_rebuild, kv_memory_byt
                                       split_config, split_state, two_cache_decode_step)
 from benchmarks.timing import time_step_loop, write_results
 from drafter.default import default_step_config, load_default
-from drafter.steps import decode_step, init_spec_state
+from drafter.steps import decode_step, init_step_state
 from unified_kv import bucket_width
 from unified_kv import admit_slots, bytes_per_request, grow, init_state, retire_window_pages
 
@@ -74,7 +74,7 @@ def filled_state(cfg, batch: int, context: int):
     keys = jax.random.split(jax.random.key(context), len(kv.pools))
     pools = tuple(jax.random.normal(k, p.shape, jnp.float32).astype(p.dtype)
                   for k, p in zip(keys, kv.pools))
-    state = init_spec_state(cfg, kv.replace(pools=pools))
+    state = init_step_state(cfg, kv.replace(pools=pools))
     rng = np.random.default_rng(batch)
     return state.replace(anchors=jnp.asarray(rng.integers(0, 256, state.anchors.shape),
                                              jnp.int32),

@@ -51,7 +51,7 @@ from benchmarks.timing import write_results
 from disagg.transfer import move_payload, pinned_host_sharding, receiver_shardings
 from drafter.kv_io import (KVPayload, checksum, export_step, import_step, live_logical_pages,
                            padded_pages, sent_pool_ids)
-from drafter.steps import SpecState, StepConfig
+from drafter.steps import StepState, StepConfig
 from unified_kv import NULL_PAGE, CacheSpec, LayerSpec, grow, init_state, layer_name
 
 TARGET_LAYERS, DRAFT_LAYERS, KV_HEADS, HEAD_DIM, PAGE = 36, 2, 8, 128, 16
@@ -150,10 +150,10 @@ def _scatter(pools, pages, buffers):
     return [pool.at[:, p].set(b, mode="drop") for pool, p, b in zip(pools, pages, buffers)]
 
 
-def spec_state(kv):
-    """The step state around a bare cache (export and import take a SpecState)."""
+def step_state(kv):
+    """The step state around a bare cache (export and import take a StepState)."""
     n = kv.target_lens.shape[0]
-    return SpecState(kv=kv, anchors=jnp.zeros((n,), jnp.int32),
+    return StepState(kv=kv, anchors=jnp.zeros((n,), jnp.int32),
                      drafts=jnp.zeros((n, 1), jnp.int32), running=jnp.zeros((n,), bool))
 
 
@@ -227,7 +227,7 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
                     for i in pool_ids)
     src_pages = [np.where(l >= 0, np.asarray(src.page_tables[i][0])[np.maximum(l, 0)],
                           NULL_PAGE).astype(np.int32) for i, l in zip(pool_ids, logical)]
-    src_state = spec_state(src)
+    src_state = step_state(src)
 
     def export():
         return export_step(src_state, np.int32(0), logical, pool_ids=pool_ids)
@@ -247,7 +247,7 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
 
     # import_step donates the cache: thread it through the calls. No drafter: no redraft.
     cfg = StepConfig(target=None, spec=spec)
-    state = {"s": spec_state(dst)}
+    state = {"s": step_state(dst)}
 
     def import_once():
         state["s"], ok = import_step(

@@ -98,7 +98,7 @@ class Engine:
 
     @property
     def state(self):
-        """The device state (SpecState), as the last dispatched call leaves it."""
+        """The device state (StepState), as the last dispatched call leaves it."""
         return self.executor.state
 
     @state.setter

@@ -1,7 +1,7 @@
 """The executor: a worker's device state and the jitted calls that run a step plan.
 
 The engine decides (scheduler) and books results; the executor turns a
-`StepPlan` into device calls and owns what they touch: the `SpecState`
+`StepPlan` into device calls and owns what they touch: the `StepState`
 pytree (donated through every call), the parameters, and the per-slot host
 arrays the calls read (temperatures, seeds, an upper bound of each slot's
 length for table widths). It never reads device outputs itself.
@@ -18,7 +18,7 @@ import numpy as np
 from drafter.kv_io import KVPayload, export_payload, import_step
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
-from drafter.steps import StepConfig, init_spec_state
+from drafter.steps import StepConfig, init_step_state
 from unified_kv import bucket_width, init_state
 
 
@@ -58,7 +58,7 @@ class Executor:
         self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
         self.speculative, self.mode = speculative, mode
         self.params = self._place(params)
-        self.state = self._place_state(init_spec_state(cfg, init_state(cfg.spec, mesh=mesh)))
+        self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(_traced_on_mesh, mesh)
         self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))
         self._export = on_mesh(export_payload)

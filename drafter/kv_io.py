@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.request import Request
-from drafter.steps import SpecState, StepConfig, _at_precision, redraft_rows
+from drafter.steps import StepState, StepConfig, _at_precision, redraft_rows
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
                         live_logical_pages, pow2_at_least, release_slots)
 
@@ -80,7 +80,7 @@ def _physical(row, logical):
 
 
 @functools.partial(jax.jit, static_argnames=("pool_ids",))
-def export_step(state: SpecState, slot, logical_pages, tokens=None, token_index=0, *,
+def export_step(state: StepState, slot, logical_pages, tokens=None, token_index=0, *,
                 pool_ids: tuple[int, ...]):
     """Gather one slot's live pages of each pool in `pool_ids` into contiguous buffers.
 
@@ -108,9 +108,9 @@ def _pages_match(row, logical, num_pages: int):
 
 
 @_at_precision
-def import_step(params, state: SpecState, slot, target_len, draft_ctx_len, first_token,
+def import_step(params, state: StepState, slot, target_len, draft_ctx_len, first_token,
                 logical_pages, buffers, checksums, *, cfg: StepConfig, pool_ids: tuple[int, ...],
-                mode: str, table_width: int) -> tuple[SpecState, jax.Array]:
+                mode: str, table_width: int) -> tuple[StepState, jax.Array]:
     """Receive one request into an empty slot: allocate, verify, scatter, redraft.
 
     Args:
@@ -186,7 +186,7 @@ class KVPayload:
         return sum(b.nbytes for b in self.buffers)
 
 
-def export_payload(spec: CacheSpec, state: SpecState, slot: int, target_len: int,
+def export_payload(spec: CacheSpec, state: StepState, slot: int, target_len: int,
                    draft_ctx_len: int, tokens, token_index: int, *, mode: str) -> KVPayload:
     """Dispatch `export_step` for one prefilled slot whose first token is
     tokens[token_index] (no host sync)."""

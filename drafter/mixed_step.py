@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from drafter.steps import (Sampler, SpecState, StepConfig, _at_precision, decode_rows,
+from drafter.steps import (Sampler, StepState, StepConfig, _at_precision, decode_rows,
                            plain_decode_rows, prefill_rows)
 from unified_kv import release_slots
 
@@ -64,16 +64,16 @@ class StepOutputs:
     decode_ok: jax.Array
 
 
-def reset_slots(cfg: StepConfig, state: SpecState, slot_ids) -> SpecState:
+def reset_slots(cfg: StepConfig, state: StepState, slot_ids) -> StepState:
     """Empty slots: pages back to the free lists, lengths 0, not running."""
     return state.replace(kv=release_slots(cfg.spec, state.kv, slot_ids),
                          running=state.running.at[slot_ids].set(False))
 
 
 @_at_precision
-def mixed_step(params, state: SpecState, batch: StepBatch, *, cfg: StepConfig,
+def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                table_width: int, decode: bool, speculative: bool, greedy: bool,
-               decode_steps: int = 1) -> tuple[SpecState, StepOutputs]:
+               decode_steps: int = 1) -> tuple[StepState, StepOutputs]:
     """Run one `StepBatch`. `decode` False skips decoding (no running rows);
     P = 0 prefill rows skips prefill; `decode_steps` decode steps run back to
     back on the device (one host round trip for several steps). Static:
@@ -175,7 +175,7 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
                        decode_ok=decode[..., block_size + 1].astype(bool))
 
 
-def packed_step(params, state: SpecState, packed, *, cfg: StepConfig, num_prefill: int,
+def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
                 table_width: int, decode: bool, speculative: bool, greedy: bool,
                 decode_steps: int = 1):
     """`mixed_step` on a packed batch, returning packed outputs."""

@@ -1,6 +1,6 @@
 """Jitted prefill / speculative decode / plain decode steps over the unified cache.
 
-Each step is a pure function `(params, SpecState, batch) -> (SpecState, outputs)`
+Each step is a pure function `(params, StepState, batch) -> (StepState, outputs)`
 meant for `jax.jit` with the state donated and `StepConfig` static. Page
 assignment, acceptance and window retirement all happen inside the step, so
 rows accept different counts with no host round trip.
@@ -33,8 +33,11 @@ from unified_kv import CacheSpec, KVState, allocate_pages, grow, retire_window_p
 
 
 @flax.struct.dataclass
-class SpecState:
-    """Attributes:
+class StepState:
+    """The device state every step threads through (donated): the cache and each
+    slot's decode position.
+
+    Attributes:
       kv: the unified cache.
       anchors: i32[num_slots + 1], each slot's last committed token (its KV not
         yet in the cache; the next step's first input).
@@ -102,9 +105,9 @@ def _at_precision(step):
     return traced
 
 
-def init_spec_state(cfg: StepConfig, kv: KVState) -> SpecState:
+def init_step_state(cfg: StepConfig, kv: KVState) -> StepState:
     slots = cfg.spec.num_slots + 1
-    return SpecState(kv=kv, anchors=jnp.zeros((slots,), jnp.int32),
+    return StepState(kv=kv, anchors=jnp.zeros((slots,), jnp.int32),
                      drafts=jnp.zeros((slots, max(cfg.block_size - 1, 1)), jnp.int32),
                      running=jnp.zeros((slots,), bool))
 
@@ -161,11 +164,11 @@ def _draft(params, cfg, kv, tables, anchors, ctx_lens, active):
     return drafts
 
 
-def prefill_rows(params, state: SpecState, slot_ids, tokens, num_tokens, is_last,
+def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last,
                  sampler: Sampler, *, cfg: StepConfig, table_width: int):
     """Prefill one chunk per row: target KV, draft context KV, and on a row's
     last chunk its first token (the anchor) and first draft block; the row then
-    runs (`SpecState.running`).
+    runs (`StepState.running`).
 
     Args:
       slot_ids: i32[B]; tokens: i32[B, T]; num_tokens: i32[B] (0 = padding);
@@ -198,7 +201,7 @@ def prefill_rows(params, state: SpecState, slot_ids, tokens, num_tokens, is_last
         drafts = drafts.at[slot_ids].set(jnp.where(done[:, None], new, drafts[slot_ids]))
     kv = retire_window_pages(spec, kv, slot_ids)
     running = state.running.at[slot_ids].set(done | state.running[slot_ids])
-    return (SpecState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running)),
+    return (StepState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running)),
             first, ok)
 
 
@@ -207,7 +210,7 @@ def _idle_dummy(cfg: StepConfig, running):
 
 
 @_at_precision
-def prefill_step(params, state: SpecState, slot_ids, tokens, num_tokens, is_last, key, *,
+def prefill_step(params, state: StepState, slot_ids, tokens, num_tokens, is_last, key, *,
                  cfg: StepConfig, table_width: int, temperature: float = 0.0):
     """`prefill_rows` with every row at one temperature (keys split from `key`)."""
     sampler = Sampler.uniform(slot_ids.shape[0], temperature, key)
@@ -258,7 +261,7 @@ def emitted_tokens(tokens, accepted, bonus):
     return jnp.where(cols == accepted[:, None], bonus[:, None], out)
 
 
-def decode_rows(params, state: SpecState, slot_ids, sampler: Sampler, *, cfg: StepConfig,
+def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: StepConfig,
                 table_width: int):
     """One speculative step: verify, accept, commit, extend draft context, draft.
     Rows whose slot is not running (padding, reset, failed import) do nothing.
@@ -300,7 +303,7 @@ def decode_rows(params, state: SpecState, slot_ids, sampler: Sampler, *, cfg: St
     return state, out_tokens, num_out, ok | ~active
 
 
-def plain_decode_rows(params, state: SpecState, slot_ids, sampler: Sampler, *,
+def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
                       cfg: StepConfig, table_width: int):
     """Non-speculative decode: the anchor goes in, one new token comes out.
 
@@ -330,7 +333,7 @@ def _uniform_running(cfg, state, slot_ids):
 
 
 @_at_precision
-def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, table_width: int,
+def decode_step(params, state: StepState, slot_ids, key, *, cfg: StepConfig, table_width: int,
                 temperature: float = 0.0):
     """`decode_rows` for every real row of `slot_ids`, at one temperature."""
     state = _uniform_running(cfg, state, slot_ids)
@@ -340,7 +343,7 @@ def decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig, tab
 
 
 @_at_precision
-def plain_decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfig,
+def plain_decode_step(params, state: StepState, slot_ids, key, *, cfg: StepConfig,
                       table_width: int, temperature: float = 0.0):
     """`plain_decode_rows` for every real row of `slot_ids`, at one temperature."""
     state = _uniform_running(cfg, state, slot_ids)
@@ -349,7 +352,7 @@ def plain_decode_step(params, state: SpecState, slot_ids, key, *, cfg: StepConfi
                              table_width=table_width)
 
 
-def redraft_rows(params, state: SpecState, slot_ids, *, cfg: StepConfig, table_width: int,
+def redraft_rows(params, state: StepState, slot_ids, *, cfg: StepConfig, table_width: int,
                  active=None):
     """Draft a fresh block after each row's anchor from the cache as it stands
     (after a request's KV was imported)."""

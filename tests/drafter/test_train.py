@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.dflash import draft_block
-from drafter.steps import init_spec_state, prefill_step
+from drafter.steps import init_step_state, prefill_step
 from drafter.train import block_logits, target_features, train_drafter
 from tests.drafter.tiny import tiny_pair
 from unified_kv import admit_slots, init_state
@@ -18,7 +18,7 @@ def test_dense_training_block_matches_paged_draft_block():
     for anchor in (5, 17, 33):  # context shorter than, around and past the windows
         dense = block_logits(params["draft"], cfg.draft, params["target"], cfg.target,
                              jnp.asarray(tokens), feats, jnp.array([[anchor]]))
-        state = init_spec_state(cfg, init_state(cfg.spec))
+        state = init_step_state(cfg, init_state(cfg.spec))
         ids = jnp.array([0], jnp.int32)
         state = state.replace(kv=admit_slots(cfg.spec, state.kv, ids))
         chunk = cfg.spec.max_step_tokens
