@@ -76,12 +76,19 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4,
         dcfg, draft_params = load_dflash(drafter)
         params = {"target": target_params, "draft": draft_params}
         name = Path(target).resolve().name
-    try:
-        tokenizer = load_tokenizer(target, model_vocab_size=tcfg.vocab_size)
-    except TokenizerError as e:
-        raise SystemExit(f"--target {target}: {e}") from None
+    tokenizer = checkpoint_tokenizer(target, tcfg.vocab_size)
     cfg = default_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len)
     return ModelPair(params, cfg, tokenizer, name)
+
+
+def checkpoint_tokenizer(target_dir, model_vocab_size: int, *, flag: str = "--target"):
+    """The tokenizer of the target checkpoint in `target_dir` (None: the embedded
+    pair's bytes); its `eos_token_ids` end requests. SystemExit naming `flag` and
+    the directory when it cannot be read or does not fit the model."""
+    try:
+        return load_tokenizer(target_dir, model_vocab_size=model_vocab_size)
+    except TokenizerError as e:
+        raise SystemExit(f"{flag} {target_dir}: {e}") from None
 
 
 def split_meshes():

@@ -94,7 +94,7 @@ def _check_target_only_context(context: Layout, generation: Layout) -> None:
             f"the context worker has no drafter, so it cannot send the draft KV that a "
             f"{generation.mode}-mode generation worker reads; start the generation worker "
             f"with --draft-kv private (its drafter then starts without the prompt), or "
-            f"load the drafter on the context worker")
+            f"start the context worker with its drafter (without --no-drafter)")
     for field, fix in (("page_size", _FIXES["page_size"]),
                        ("num_target_layers", _FIXES["num_target_layers"]),
                        ("target_layers", _FIXES["layers"])):

@@ -13,6 +13,8 @@ Rules:
     once, in order, with the text those tokens made final;
   * a sink runs on the owning thread and must not block (hand the Event to a
     queue); a sink that raises loses its own request (cancelled), never the loop;
+  * an unexpected exception at a request's submit (a bug) is logged and ends
+    that request with an internal error, never the loop;
   * committed tokens are final: a running request's token list only grows,
     and the loop reads it only between steps;
   * close(): submit() refuses from then on; run() returns once every accepted
@@ -34,6 +36,14 @@ from drafter.request import Request, RequestError, Result
 from unified_kv import AdmissionError
 
 log = logging.getLogger(__name__)
+
+
+def internal_error(request_id: str, e: BaseException) -> str:
+    """The error a request gets for an unexpected exception (a bug, logged with its
+    traceback): names the request and the exception."""
+    return (f"internal error: {type(e).__name__}: {e} (request {request_id!r} failed "
+            f"alone; the server keeps serving; the server log has the traceback, "
+            f"please report it)")
 
 
 class ServingClosed(RuntimeError):
@@ -165,6 +175,11 @@ class ServingLoop:
             self.engine.submit(sub.request)
         except (AdmissionError, RequestError) as e:
             self._send(sub, Event(rid, [], "", "error", error=f"{type(e).__name__}: {e}"))
+            return
+        except Exception as e:  # a bug: this request fails alone, the loop keeps serving
+            log.exception("request %r: unexpected failure at submit", rid)
+            self.engine.cancel(rid)
+            self._send(sub, Event(rid, [], "", "error", error=internal_error(rid, e)))
             return
         self._open[rid] = _Open(sub, TextStream(self.tokenizer, sub.stop), submitted)
 

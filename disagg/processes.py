@@ -9,7 +9,12 @@ By hand on one host (CPU shown; each process sizes its own devices):
 The context prints `context worker listening on HOST:PORT ...` on stdout (its
 only stdout line; logs go to stderr). The generation side reads JSON lines
 {"id", "prompt": text | "tokens": [ids], "max_new_tokens"} and writes one JSON
-line per request. `ContextProcess` starts the context side from Python.
+line per request; text goes through the target's tokenizer, whose end-of-sequence
+ids end requests, as in `serve`. `ContextProcess` starts the context side from Python.
+
+A context with --no-drafter loads the target alone: it pairs with generation
+workers started with --draft-kv private (their drafters start without the
+prompt's draft KV); a shared-mode generation worker is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ class PairSource:
     num_slots: int = 4
     max_seq_len: int = 9216
     kv_memory_mib: int = 1024
+    drafter: bool = True          # False: the target alone (a context worker only)
 
     def load(self):
-        """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV)."""
+        """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV;
+        without the drafter, target KV only)."""
         from drafter.default import default_step_config, load_default
         from drafter.checkpoint import load_dflash
         from models.checkpoint import load_qwen3
@@ -49,15 +56,26 @@ class PairSource:
             params, tcfg, dcfg = load_default()
         else:
             tcfg, target = load_qwen3(Path(self.pair_dir) / "target")
-            dcfg, draft = load_dflash(Path(self.pair_dir) / "draft")
-            params = {"target": target, "draft": draft}
+            params, dcfg = {"target": target}, None
+            if self.drafter:
+                dcfg, params["draft"] = load_dflash(Path(self.pair_dir) / "draft")
+        if not self.drafter:
+            params, dcfg = {"target": params["target"]}, None
         return params, default_step_config(tcfg, dcfg, num_slots=self.num_slots,
                                            max_seq_len=self.max_seq_len,
                                            memory_budget_bytes=self.kv_memory_mib << 20)
 
+    def tokenizer(self, model_vocab_size: int):
+        """The target's tokenizer (its tokenizer.json; the embedded pair: bytes), as
+        `serve` loads it; SystemExit naming --pair when it cannot be read."""
+        from disagg.frontend import checkpoint_tokenizer
+        target = Path(self.pair_dir) / "target" if self.pair_dir else None
+        return checkpoint_tokenizer(target, model_vocab_size, flag="--pair")
+
     def cli_args(self) -> list[str]:
         args = ["--num-slots", str(self.num_slots), "--max-seq-len", str(self.max_seq_len),
                 "--kv-memory-mib", str(self.kv_memory_mib)]
+        args += [] if self.drafter else ["--no-drafter"]
         return args + (["--pair", str(self.pair_dir)] if self.pair_dir else [])
 
 
@@ -73,7 +91,11 @@ def add_parser(sub) -> None:
     p.add_argument("--num-slots", type=int, default=4)
     p.add_argument("--max-seq-len", type=int, default=9216)
     p.add_argument("--kv-memory-mib", type=int, default=1024)
-    p.add_argument("--draft-kv", default="shared", choices=("shared", "private"))
+    p.add_argument("--draft-kv", default=None, choices=("shared", "private"),
+                   help="shared (default) or private; a context with --no-drafter is private")
+    p.add_argument("--no-drafter", action="store_true",
+                   help="context: serve the target alone (no drafter loaded); only "
+                        "generation workers with --draft-kv private can pair with it")
     p.add_argument("--tp", type=int, default=1, help="devices in this worker's mesh")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds any wait for the peer may take")
@@ -116,7 +138,6 @@ def run(args) -> None:
     from disagg.remote import RemoteSource
     from disagg.serving import serve_json_lines
     from disagg.sources import ContextWorker
-    from drafter.corpus import ByteTokenizer
     from drafter.engine import Engine
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -125,11 +146,13 @@ def run(args) -> None:
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0 seconds, "
                              f"got {getattr(args, flag)}")
-    source = PairSource(args.pair, args.num_slots, args.max_seq_len, args.kv_memory_mib)
+    mode = draft_kv_mode(args)
+    source = PairSource(args.pair, args.num_slots, args.max_seq_len, args.kv_memory_mib,
+                        drafter=not args.no_drafter)
     params, cfg = source.load()
     mesh = local_mesh(args.tp)
     if args.role == "context":
-        server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=args.draft_kv),
+        server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=mode),
                                address=args.address, transfer_host=args.transfer_host,
                                timeout=args.timeout, idle_timeout=args.idle_timeout,
                                corrupt_request_ids=args.corrupt_request)
@@ -139,22 +162,35 @@ def run(args) -> None:
             server.warm_up()
         return server.serve(args.max_connections)
     from disagg.layout import Layout
-    remote = RemoteSource(args.address, Layout.of(cfg.spec, args.draft_kv), mesh=mesh,
+    tokenizer = source.tokenizer(cfg.target.vocab_size)
+    remote = RemoteSource(args.address, Layout.of(cfg.spec, mode), mesh=mesh,
                           weights=Weights.of(params), transfer_host=args.transfer_host,
                           timeout=args.timeout)
-    engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=args.draft_kv,
-                    speculative=cfg.draft is not None, kv_timeout_s=args.timeout)
+    engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=mode,
+                    speculative=cfg.draft is not None, kv_timeout_s=args.timeout,
+                    eos_token_ids=tuple(tokenizer.eos_token_ids))
     if args.http is not None:
         from disagg.frontend import DEFAULT_MODEL_NAME, ModelPair, serve_http
-        from drafter.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(Path(args.pair) / "target" if args.pair else None,
-                                   model_vocab_size=cfg.target.vocab_size)
         name = Path(args.pair).resolve().name if args.pair else DEFAULT_MODEL_NAME
         serve_http(engine, ModelPair(params, cfg, tokenizer, name), *args.http,
-                   mode=f"{args.draft_kv}, context at {args.address}")
+                   mode=f"{mode}, context at {args.address}")
     else:
-        serve_json_lines(engine, args.input, ByteTokenizer())
+        serve_json_lines(engine, args.input, tokenizer)
     logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())
+
+
+def draft_kv_mode(args) -> str:
+    """The worker's draft-KV mode: --draft-kv, or private for a context with --no-drafter."""
+    if not args.no_drafter:
+        return args.draft_kv or "shared"
+    if args.role != "context":
+        raise SystemExit("--no-drafter is for --role context only: the generation worker "
+                         "drafts, so it loads the drafter (give it --draft-kv private to "
+                         "pair with a context that has none)")
+    if args.draft_kv == "shared":
+        raise SystemExit("--no-drafter with --draft-kv shared: a context without a drafter "
+                         "has no draft KV to share; leave out --draft-kv (or give private)")
+    return "private"
 
 
 def child_env(num_devices: int) -> dict:
@@ -172,12 +208,13 @@ class ContextProcess:
     Its stderr goes to `log_path`. Use as a context manager, or call `stop()`.
     """
 
-    def __init__(self, source: PairSource, log_path, *, draft_kv: str = "shared", tp: int = 1,
+    def __init__(self, source: PairSource, log_path, *, draft_kv: str | None = None, tp: int = 1,
                  timeout: float = 30.0, extra_args=(), extra_env=None,
                  start_timeout: float = 120.0, address: str = "127.0.0.1:0"):
         cmd = [sys.executable, "-m", "disagg", "serve-remote", "--role", "context",
-               "--address", address, "--draft-kv", draft_kv, "--tp", str(tp),
-               "--timeout", str(timeout), *source.cli_args(), *extra_args]
+               "--address", address, "--tp", str(tp), "--timeout", str(timeout),
+               *(["--draft-kv", draft_kv] if draft_kv else []), *source.cli_args(),
+               *extra_args]
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,

@@ -6,7 +6,9 @@
 
 One line in, exactly one line out, carrying the request's id (its line
 number when it has none). A bad line gets an error line naming the problem;
-it never stops the server or touches another request. SIGINT or SIGTERM
+it never stops the server or touches another request, an unexpected
+exception while reading it (a bug) included: that is logged with its
+traceback and answered as an internal error. SIGINT or SIGTERM
 stops the reading: every line already read is served to its end, then the
 server returns. The line schema is `disagg.schema.parse_line`'s.
 """
@@ -14,17 +16,19 @@ server returns. The line schema is `disagg.schema.parse_line`'s.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
 import threading
 
-from disagg.loop import Event, ServingClosed, ServingLoop, Submission
+from disagg.loop import Event, ServingClosed, ServingLoop, Submission, internal_error
 from disagg.schema import parse_line, request_id_of
 from drafter.engine import Engine
 from drafter.request import RequestError
 from unified_kv import AdmissionError
 
 __all__ = ["serve_json_lines", "answer_of", "install_drain_handlers"]
+log = logging.getLogger(__name__)
 
 
 def answer_of(event: Event, text: str) -> dict:
@@ -99,6 +103,9 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
                     write({"id": rid, "error": f"{type(e).__name__}: {e}"})
                 except ServingClosed:
                     return
+                except Exception as e:  # a bug: this line fails alone, the next is served
+                    log.exception("request %r: unexpected failure reading its line", rid)
+                    write({"id": rid, "error": internal_error(rid, e)})
         except (OSError, ValueError):
             if not stop.is_set():  # the source closed under a stopping server: done
                 raise

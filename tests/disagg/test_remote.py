@@ -2,10 +2,12 @@
 jax.experimental.transfer, metadata through the control channel, a timeout on
 every wait, every failure scoped to its request, pages conserved on both sides."""
 
+import dataclasses
 import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -111,19 +113,53 @@ def test_corrupted_buffer_fails_that_request_only(context, pair, mesh):
 
 
 def test_generation_cli_serves_json_lines_through_a_context_process(context, pair, mesh,
-                                                                   tmp_path, capsys):
+                                                                   tmp_path, capsys,
+                                                                   monkeypatch, caplog):
+    """Token lines equal aggregated greedy output ended by the tokenizer's
+    end-of-sequence id; a line whose reading raises unexpectedly (a bug) and a
+    request whose submit does are answered by id and logged, and the lines after
+    them are served."""
+    import disagg.frontend
+    import disagg.serving
+    from drafter.corpus import ByteTokenizer
     params, cfg = pair
     prompts = periodic_prompts(n=2, length=28, seed=4)
+    agg = Engine(params, cfg, mesh=mesh).generate(prompts, 8)
+    eos = agg[0].tokens[3]   # generation must stop there, on this prompt at least
+    tokenizer = ByteTokenizer()
+    tokenizer.eos_token_ids = (eos,)
+    asked = []   # the pair has no tokenizer.json (no `tokenizers` needed): a stand-in
+    monkeypatch.setattr(disagg.frontend, "load_tokenizer",
+                        lambda path, **kw: asked.append(path) or tokenizer)
+
+    def parse_line(obj, *args):   # a bug on the line with id "boom"
+        if obj.get("id") == "boom":
+            raise ZeroDivisionError("boom on purpose")
+        return real_parse(obj, *args)
+    real_parse = disagg.serving.parse_line
+    monkeypatch.setattr(disagg.serving, "parse_line", parse_line)
+    real_submit = Engine.submit
+    monkeypatch.setattr(Engine, "submit", lambda self, request: (
+        real_submit(self, request) if request.request_id != "bang" else 1 / 0))
+    lines = [{"id": "q0", "tokens": prompts[0], "max_new_tokens": 8}, {"id": "boom"},
+             {"id": "bang", "tokens": prompts[0], "max_new_tokens": 8},
+             {"id": "q1", "tokens": prompts[1], "max_new_tokens": 8}]
     requests = tmp_path / "requests.jsonl"
-    requests.write_text("\n".join(json.dumps({"id": f"q{i}", "tokens": p, "max_new_tokens": 8})
-                                  for i, p in enumerate(prompts)) + "\nnot json\n")
+    requests.write_text("\n".join(map(json.dumps, lines)) + "\nnot json\n")
     main(["serve-remote", "--role", "generation", "--address", context.address,
           *SOURCE.cli_args(), str(requests)])
     out = {o["id"]: o for o in (json.loads(l) for l in
-                                capsys.readouterr().out.strip().splitlines()[-3:])}
-    agg = Engine(params, cfg, mesh=mesh).generate(prompts, 8)
-    assert [out[f"q{i}"]["tokens"] for i in range(2)] == [r.tokens for r in agg]
-    assert "not JSON" in out["line-3"]["error"]
+                                capsys.readouterr().out.strip().splitlines()[-5:])}
+    assert asked == [Path(SOURCE.pair_dir) / "target"]
+    expected = [r.tokens[:r.tokens.index(eos) + 1] if eos in r.tokens else r.tokens
+                for r in agg]   # the engine keeps the stop id and ends there
+    assert [out[f"q{i}"]["tokens"] for i in range(2)] == expected
+    assert len(out["q0"]["tokens"]) <= 4 and out["q0"]["finish_reason"] == "stop"
+    assert "internal error: ZeroDivisionError: boom on purpose" in out["boom"]["error"]
+    assert "internal error: ZeroDivisionError" in out["bang"]["error"]
+    assert "not JSON" in out["line-5"]["error"]
+    logged = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert any("'boom'" in m for m in logged) and any("'bang'" in m for m in logged)
 
 
 def test_layout_is_checked_again_on_every_handoff(context, pair, mesh, monkeypatch):
@@ -151,6 +187,37 @@ def test_layout_mismatch_fails_within_a_second_on_both_sides(tmp_path, pair, wei
         assert ctx.proc.wait(timeout=10) == 0   # served its one peer and exited
         assert ("LayoutMismatch: layout mismatch in mode: context worker has 'private', "
                 "generation worker has 'shared'") in ctx.log_text()
+
+
+def test_no_drafter_context_process_serves_private_and_refuses_shared(tmp_path, pair, weights,
+                                                                       mesh, child_env):
+    """`serve-remote --role context --no-drafter`: a private-mode generation worker's
+    tokens equal aggregated greedy output; a shared-mode one is refused within a
+    second, on both sides, naming the two fixes."""
+    params, cfg = pair
+    with ContextProcess(dataclasses.replace(SOURCE, drafter=False), tmp_path / "context.log",
+                        extra_env=child_env) as ctx:
+        start = time.monotonic()
+        with pytest.raises(LayoutMismatch, match="no drafter.*--draft-kv private.*--no-drafter"):
+            RemoteSource(ctx.address, Layout.of(cfg.spec, "shared"), weights=weights,
+                         timeout=10.0)
+        assert time.monotonic() - start < 1.0
+        prompts = periodic_prompts(n=3, length=40, seed=11)
+        engine = remote_engine(ctx.address, cfg, params, mesh, mode="private")
+        results = engine.generate(prompts, 16)
+        agg = Engine(params, cfg, mesh=mesh).generate(prompts, 16)
+        assert [r.tokens for r in results] == [r.tokens for r in agg]
+        assert_all_free(engine)
+        assert_context_all_free(engine.kv_source.close())
+        assert "LayoutMismatch: the context worker has no drafter" in ctx.log_text()
+
+
+def test_no_drafter_flag_is_refused_where_it_cannot_work():
+    for argv, match in ((["--role", "generation", "--no-drafter"], "--role context only"),
+                        (["--role", "context", "--no-drafter", "--draft-kv", "shared"],
+                         "no draft KV to share")):
+        with pytest.raises(SystemExit, match=match):
+            main(["serve-remote", *argv])
 
 
 def test_hung_killed_and_restarted_peers(tmp_path, pair, child_env, mesh):
