@@ -162,10 +162,11 @@ def test_cancel_frees_the_slot_and_its_pages(pair):
     assert_all_free(engine)
 
 
-def test_engine_runs_the_pallas_kernel_path_in_interpret_mode():
+def test_engine_runs_the_pallas_kernel_path_in_interpret_mode(pair):
     """The GPU path (Pallas batch tables + attention) wired through the engine."""
     params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, max_seq_len=64, impl="interpret")
-    ref_params, ref_cfg, _ = tiny_pair(num_slots=2, max_seq_len=64, impl="reference")
+    ref_params, ref_cfg, _ = pair  # the same pair on the reference path (its steps compiled)
+    assert ref_cfg.impl == "reference" and ref_cfg.spec == spec_cfg.spec
     prompt = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
     got = Engine(params, spec_cfg).generate(prompt, 5)[0]
     want = Engine(ref_params, ref_cfg).generate(prompt, 5)[0]
