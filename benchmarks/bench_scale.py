@@ -35,6 +35,7 @@ from benchmarks.timing import report_goals
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
+from models.layers import stack_params
 from drafter.steps import StepConfig
 from unified_kv import CacheSpec
 
@@ -156,7 +157,7 @@ def main(argv=None) -> dict:
                 else (copy_bandwidth(), matmul_peak()))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s",
           flush=True)
-    params = random_params(tcfg, dcfg)
+    params = stack_params(random_params(tcfg, dcfg))  # once: engines take them as they are
     report = {"device": jax.devices()[0].device_kind, "target_layers": args.layers,
               "weight_bytes": {"target": param_bytes(params["target"]),
                                "draft": param_bytes(params["draft"])},

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import attend_draft_block, write_layer_kv
+from models.layers import layer_runs, scan_layers, stacked_layers, unstack_layers
 from models.qwen3 import (ParamInit, Qwen3Config, decoder_layer, lm_head_weight, qkv,
                           rms_norm)
 from models.rope import RopeScaling
@@ -124,24 +125,28 @@ def init_params(cfg: DFlashConfig, key: jax.Array, dtype=jnp.float32) -> dict:
 def context_kv(params, cfg: DFlashConfig, features, positions):
     """Per draft layer, (K, V) [B, T, Hkv, D] of context positions from target features."""
     c = rms_norm(features @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
-    out = []
-    for p in params["layers"]:
-        _, k, v = qkv(p, c, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.rope_theta, cfg.rms_norm_eps, cfg.rope_scaling)
-        out.append((k, v))
-    return out
+    return [qkv(p, c, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta,
+                cfg.rms_norm_eps, cfg.rope_scaling)[1:] for p in unstack_layers(params["layers"])]
 
 
 def write_context(params, cfg: DFlashConfig, spec: CacheSpec, pools, tables, features, starts,
                   num_tokens):
-    """Store draft context KV for positions starts .. starts + num_tokens - 1."""
-    pools = list(pools)
+    """Store draft context KV for positions starts .. starts + num_tokens - 1
+    (`context_kv`, one layer per scan iteration)."""
     positions = starts[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None]
-    for i, (k, v) in enumerate(context_kv(params, cfg, features, positions)):
-        layer, pool_id, offset = spec.find_layer("draft", i)
+    c = rms_norm(features @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
+
+    def layer_fn(p, c, pools, layer, pool_id, offset):
+        _, k, v = qkv(p, c, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.rope_theta, cfg.rms_norm_eps, cfg.rope_scaling)
+        pools = list(pools)
         pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts, num_tokens,
                                         k, v, layer, offset)
-    return tuple(pools)
+        return c, tuple(pools)
+
+    _, pools, _ = scan_layers(layer_fn, stacked_layers(params["layers"]),
+                              layer_runs(spec, "draft", cfg.num_layers), c, tuple(pools))
+    return pools
 
 
 def draft_block(params, cfg: DFlashConfig, target_params, target_cfg: Qwen3Config,
@@ -158,16 +163,18 @@ def draft_block(params, cfg: DFlashConfig, target_params, target_cfg: Qwen3Confi
     ids = jnp.full((batch, block), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchors)
     positions = ctx_lens[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
     block_lens = jnp.where(active, block, 0).astype(jnp.int32)
-    x = target_params["embed"][ids]
-    for i, p in enumerate(params["layers"]):
-        layer, pool_id, offset = spec.find_layer("draft", i)
 
+    def layer_fn(p, x, _, layer, pool_id, offset):  # reads the pools, writes none
         def paged_block(q, k, v):  # context pages + the block's own K/V
+            causal = cfg.causal_in_sliding_block and layer.sliding_window is not None
             return attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens,
-                                      k, v, layer, offset, causal_in_block=cfg.causal(i),
-                                      impl=impl)
+                                      k, v, layer, offset, causal_in_block=causal, impl=impl)
 
-        x = decoder_layer(p, x, positions, cfg, paged_block)
+        return decoder_layer(p, x, positions, cfg, paged_block), ()
+
+    x, _, _ = scan_layers(layer_fn, stacked_layers(params["layers"]),
+                          layer_runs(spec, "draft", cfg.num_layers),
+                          target_params["embed"][ids], ())
     logits = block_logits_from_hidden(params, cfg, target_params, target_cfg, x)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 

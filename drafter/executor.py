@@ -19,6 +19,7 @@ from drafter.kv_io import KVPayload, export_payload, import_step
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
+from models.layers import stack_params
 from unified_kv import bucket_width, init_state
 
 
@@ -57,7 +58,7 @@ class Executor:
     def __init__(self, params, cfg: StepConfig, *, mesh, speculative: bool, mode: str):
         self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
         self.speculative, self.mode = speculative, mode
-        self.params = self._place(params)
+        self.params = self._place(stack_params(params))  # once: steps scan stacked layers
         self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(_traced_on_mesh, mesh)
         self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))

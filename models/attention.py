@@ -18,11 +18,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import attention as kernels
 from pallas_kernels.attention import IMPLS, resolve_impl  # noqa: F401  (re-exported)
 from pallas_kernels.kv_store import write_kv
+from pallas_kernels.pool_layout import BAD_PAGE_INDEX
 from unified_kv import LayerSpec
 
 
@@ -31,9 +33,24 @@ def _layer_args(layer: LayerSpec, offset: int) -> dict:
                 k_scale=layer.k_scale, v_scale=layer.v_scale)
 
 
-def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offset: int):
-    """Store new K/V of one layer; returns the pool. Rows the step could not
-    allocate for were already reported by `allocate_pages`; their writes drop."""
+def _kernel_offset(table, offset, impl: str):
+    """(table, layer_offset) for the kernel call of the layer at pool `offset`.
+
+    `offset` is a Python int, or a traced i32 when layers run as a scan. The
+    kernels take a static offset, and read kernel page `entry + 2 * layer_offset`;
+    for a traced one they get the table with 2 * offset added to its live entries
+    and layer_offset 0, which reads the same pages. The jnp reference indexes the
+    pool's layer axis and takes either form as is.
+    """
+    if isinstance(offset, int) or impl == "reference":
+        return table, offset
+    return jnp.where(table == BAD_PAGE_INDEX, table, table + 2 * offset), 0
+
+
+def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offset):
+    """Store new K/V of one layer (at pool `offset`: int or traced i32); returns the pool.
+    Rows the step could not allocate for were already reported by `allocate_pages`;
+    their writes drop."""
     pool, _ = write_kv(pool, table, starts, num_tokens, k, v, layer_offset=offset,
                        k_scale=layer.k_scale, v_scale=layer.v_scale)
     return pool
@@ -53,9 +70,11 @@ def _per_kv_head_shard(kernel, num_heads_args: int, num_other_args: int):
                          out_specs=P(None, None, axis), check_vma=False)
 
 
-def attend(q, pool, table, kv_lens, q_lens, layer: LayerSpec, offset: int, *, impl: str):
-    """Decode / verify / prefill attention of one layer (queries' K/V already stored)."""
+def attend(q, pool, table, kv_lens, q_lens, layer: LayerSpec, offset, *, impl: str):
+    """Decode / verify / prefill attention of one layer (queries' K/V already stored),
+    at pool `offset` (int or traced i32)."""
     impl = resolve_impl(impl)
+    table, offset = _kernel_offset(table, offset, impl)
     kernel = functools.partial(kernels.attend, impl=impl, **_layer_args(layer, offset))
     if impl == "reference":  # plain jnp: XLA partitions it itself
         return kernel(q, pool, table, kv_lens, q_lens)
@@ -63,9 +82,10 @@ def attend(q, pool, table, kv_lens, q_lens, layer: LayerSpec, offset: int, *, im
 
 
 def attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k, block_v, layer: LayerSpec,
-                       offset: int, *, causal_in_block: bool, impl: str):
-    """DFlash draft-block attention of one draft layer."""
+                       offset, *, causal_in_block: bool, impl: str):
+    """DFlash draft-block attention of one draft layer, at pool `offset` (int or traced)."""
     impl = resolve_impl(impl)
+    table, offset = _kernel_offset(table, offset, impl)
     args = dict(_layer_args(layer, offset), causal_in_block=causal_in_block, impl=impl)
     if impl == "reference":
         return kernels.attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k,

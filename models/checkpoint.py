@@ -89,8 +89,7 @@ def _mix32(words, seed: int):
     return h ^ (h >> 16)
 
 
-@jax.jit
-def _leaf_digest(a):
+def _digest(a):
     """u32[4] of one array: four seeded sums of mixed 32-bit words."""
     if jnp.issubdtype(a.dtype, jnp.floating):
         a = a.astype(jnp.float32)  # the values served, whatever the storage dtype
@@ -100,6 +99,10 @@ def _leaf_digest(a):
     # sums mod 2^32 are exact, so any device, reduction order or sharding agrees
     return jnp.stack([jnp.sum(_mix32(words, s), dtype=jnp.uint32)
                       for s in (0x1B873593, 0xE6546B64, 0x68E31DA4, 0x27D4EB2F)])
+
+
+_leaf_digest = jax.jit(_digest)
+_stacked_digest = jax.jit(jax.vmap(_digest))  # u32[num_layers, 4]: one per layer slice
 
 
 def fingerprint(params) -> str:
@@ -115,12 +118,34 @@ def fingerprint(params) -> str:
     if not flat:
         return hashlib.sha256(b"empty").hexdigest()[:32]
     # one call per leaf, on the leaf's own device(s): target and drafter may sit apart
-    digests = jax.device_get([_leaf_digest(leaf) for _, leaf in flat])
-    h = hashlib.sha256()
+    digests = jax.device_get([_stacked_digest(leaf) if _stacked_at(path) is not None
+                              else _leaf_digest(leaf) for path, leaf in flat])
+    entries = []
     for (path, leaf), d in zip(flat, digests):
-        h.update(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:".encode())
+        j = _stacked_at(path)
+        if j is None:
+            entries.append((path, leaf.shape, d))
+        else:  # a stacked layer leaf counts as its per-layer slices
+            entries += [(path[:j] + (jax.tree_util.SequenceKey(i),) + path[j:], leaf.shape[1:],
+                         d[i]) for i in range(leaf.shape[0])]
+    if len(entries) != len(flat):  # the list form's order: by path, layer index included
+        entries.sort(key=lambda e: tuple(getattr(k, "key", getattr(k, "idx", None))
+                                         for k in e[0]))
+    h = hashlib.sha256()
+    for path, shape, d in entries:
+        h.update(f"{jax.tree_util.keystr(path)}:{tuple(shape)}:".encode())
         h.update(np.asarray(d, np.uint32).tobytes())
     return h.hexdigest()[:32]
+
+
+def _stacked_at(path) -> int | None:
+    """Where a leaf of stacked layers (`models.layers.stack_layers`: params["layers"] a
+    dict of [num_layers, ...] arrays) would have its layer index; None for other leaves."""
+    for j in range(1, len(path)):
+        if (getattr(path[j - 1], "key", None) == "layers"
+                and isinstance(path[j], jax.tree_util.DictKey)):
+            return j
+    return None
 
 
 def write_manifest(path, arrays: dict[str, np.ndarray], params_fingerprint: str | None = None,

@@ -11,7 +11,8 @@ with params as an argument and the cache state donated.
 Attention per layer: q/k/v projections, per-head RMSNorm on q and k, NeoX
 RoPE, new K/V stored into the layer's pool pages (`write_kv`), then paged
 attention over the row's pages (`paged_attention`), windowed for
-"sliding_attention" layers.
+"sliding_attention" layers. `forward` runs the layers as scans over runs of alike
+layers (models/layers.py), so its compile time does not grow with depth.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from unified_kv import CacheSpec, LayerSpec, layer_name
 from models.attention import attend, write_layer_kv
+from models.layers import layer_runs, scan_layers, stacked_layers, unstack_layers
 from models.rope import RopeScaling, rope_frequencies
 
 
@@ -200,6 +202,9 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
             num_tokens, *, feature_layers: tuple[int, ...] = (), impl: str = "auto"):
     """Run `tokens` through the target, storing their K/V into the cache.
 
+    Layers run as scans over runs of alike layers (models/layers.py); params["layers"]
+    is best stacked once ahead (`models.layers.stack_params`).
+
     Args:
       pools: KVState.pools; tables: per pool, batch tables i32[B, W] (page * 2L).
       tokens: i32[B, T]; starts: i32[B] position of tokens[:, 0] (= cached
@@ -208,12 +213,10 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
       (logits f32[B, T, vocab], pools, features [B, T, len(feature_layers) * H]):
       features are the residual stream after each requested layer.
     """
-    pools = list(pools)
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    x = params["embed"][tokens]
-    features = []
-    for i, p in enumerate(params["layers"]):
-        layer, pool_id, offset = spec.find_layer("target", i)
+
+    def layer_fn(p, x, pools, layer, pool_id, offset):
+        pools = list(pools)
 
         def paged(q, k, v):  # store the new K/V, then attend over the row's pages
             pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts,
@@ -221,11 +224,13 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
             return attend(q, pools[pool_id], tables[pool_id], starts + num_tokens, num_tokens,
                           layer, offset, impl=impl)
 
-        x = decoder_layer(p, x, positions, cfg, paged)
-        features.append(x)
-    feats = (jnp.concatenate([features[i] for i in feature_layers], axis=-1)
-             if feature_layers else None)
-    return lm_head(params, cfg, x), tuple(pools), feats
+        return decoder_layer(p, x, positions, cfg, paged), tuple(pools)
+
+    x, pools, features = scan_layers(
+        layer_fn, stacked_layers(params["layers"]), layer_runs(spec, "target", cfg.num_layers),
+        params["embed"][tokens], tuple(pools), taps=tuple(feature_layers))
+    feats = jnp.concatenate(features, axis=-1) if feature_layers else None
+    return lm_head(params, cfg, x), pools, feats
 
 
 def dense_attention(q, k, v, allowed):
@@ -257,7 +262,7 @@ def dense_forward(params, cfg: Qwen3Config, tokens):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
     x = params["embed"][tokens]
     hidden = []
-    for i, p in enumerate(params["layers"]):
+    for i, p in enumerate(unstack_layers(params["layers"])):
         mask = causal_mask(t, cfg.window(i))
         x = decoder_layer(p, x, positions, cfg, lambda q, k, v: dense_attention(q, k, v, mask))
         hidden.append(x)

@@ -37,8 +37,6 @@ def quantize(x: jax.Array, scale: float, dtype) -> jax.Array:
     return y.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layer_offset", "k_scale", "v_scale"),
-                   donate_argnames=("pool",))
 def write_kv(
     pool: jax.Array,         # [num_kv_heads, num_pages, num_layers, 2, page_size, head_dim]
     batch_table: jax.Array,  # i32[batch, table_width]: page * 2 * num_layers, BAD = -1
@@ -47,12 +45,14 @@ def write_kv(
     k: jax.Array,            # [batch, max_tokens, num_kv_heads, head_dim]
     v: jax.Array,            # [batch, max_tokens, num_kv_heads, head_dim]
     *,
-    layer_offset: int,
+    layer_offset,            # int, or a traced i32[] (layers run as a scan)
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (pool, ok: bool[batch]); ok is False for a row that had a token
-    to write into a BAD page (nothing of that token was written)."""
+    to write into a BAD page (nothing of that token was written). A Python int
+    `layer_offset` is checked against the pool; a traced one is the caller's to keep
+    in range (the models take it from the cache spec)."""
     num_kv_heads, num_pages, num_layers, _, page_size, head_dim = pool.shape
     batch, max_tokens = k.shape[:2]
     if k.shape != (batch, max_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
@@ -61,8 +61,16 @@ def write_kv(
     if batch_table.shape[0] != batch or starts.shape != (batch,) or num_tokens.shape != (batch,):
         raise ValueError(f"batch_table, starts, num_tokens need batch={batch}: "
                          f"{batch_table.shape=} {starts.shape=} {num_tokens.shape=}")
-    if not 0 <= layer_offset < num_layers:
+    if isinstance(layer_offset, int) and not 0 <= layer_offset < num_layers:
         raise ValueError(f"layer_offset={layer_offset} outside the pool's {num_layers} layers")
+    return _write_kv(pool, batch_table, starts, num_tokens, k, v,
+                     jnp.asarray(layer_offset, jnp.int32), k_scale=k_scale, v_scale=v_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("k_scale", "v_scale"), donate_argnames=("pool",))
+def _write_kv(pool, batch_table, starts, num_tokens, k, v, layer_offset, *, k_scale, v_scale):
+    num_kv_heads, num_pages, num_layers, _, page_size, head_dim = pool.shape
+    max_tokens = k.shape[1]
     pos = starts[:, None] + jnp.arange(max_tokens, dtype=jnp.int32)[None]   # [B, T]
     live = jnp.arange(max_tokens)[None] < num_tokens[:, None]
     col = jnp.clip(pos // page_size, 0, batch_table.shape[1] - 1)

@@ -1,0 +1,159 @@
+"""A model's layers as a scan: one compiled layer body per run of alike layers.
+
+Storage and steps hold layers differently:
+
+    checkpoints, training    params["layers"] = [layer 0 dict, layer 1 dict, ...]
+    steps (stacked once)     params["layers"] = {name: [num_layers, ...] array}
+
+`stack_params` turns the first into the second; executors call it once at load,
+since stacking copies every weight. `stacked_layers` stacks a list inside a step
+only for models small enough that the per-call copy does not matter.
+
+A layer's static needs are its pool, window, KV dtype and fp8 scales (its *kind*);
+its offset inside the pool is data. `layer_runs` cuts a role's layers into runs
+whose kinds repeat with a short period:
+
+    kinds  A A A ... A          -> one run, period 1, repeats L
+    kinds  S F S F ... S F      -> one run, period 2 (body: S then F), repeats L/2
+    kinds  F F F S S S          -> two runs, period 1
+
+and `scan_layers` runs each as `lax.scan` over its repeats: the body holds
+`period` layers whatever the depth, which is what keeps compile time flat.
+Layer weights are read by index from the stacked arrays; the pool offset comes in
+as a traced i32 (models/attention.py takes either form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from unified_kv import CacheSpec, LayerSpec
+
+MAX_PERIOD = 4  # longest repeating pattern of layer kinds one scan body holds
+STACK_IN_STEP_LIMIT = 1 << 30  # layer bytes past which a list must be stacked ahead
+
+
+def stack_layers(layers) -> dict:
+    """Per-layer dicts -> one dict of [num_layers, ...] arrays (already stacked: as is)."""
+    if isinstance(layers, dict):
+        return layers
+    return jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+
+
+def unstack_layers(layers) -> list[dict]:
+    """The inverse of `stack_layers`: a list of per-layer dicts."""
+    if not isinstance(layers, dict):
+        return list(layers)
+    num = len(next(iter(jax.tree.leaves(layers))))
+    return [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(num)]
+
+
+def stack_params(params: dict) -> dict:
+    """Step params ({"target": ..., "draft": ...}) with every model's layers stacked."""
+    return {name: dict(model, layers=stack_layers(model["layers"]))
+            if isinstance(model, dict) and "layers" in model else model
+            for name, model in params.items()}
+
+
+def stacked_layers(layers) -> dict:
+    """The layers a step scans over. A list is stacked here, inside the step (a copy of
+    every layer per call): allowed only below STACK_IN_STEP_LIMIT bytes."""
+    if isinstance(layers, dict):
+        return layers
+    nbytes = sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(layers))
+    if nbytes > STACK_IN_STEP_LIMIT:
+        raise ValueError(f"the step got {len(layers)} layers ({nbytes / 2**30:.1f} GiB) as a "
+                         "list, which it would copy into a stack on every call; stack them "
+                         "once with models.layers.stack_params(params) (the Executor does)")
+    return stack_layers(layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Layers first .. first + period * repeats - 1 of one role, as `repeats` scan
+    iterations of a body of `period` layers: body position j of iteration k is layer
+    first + k * period + j.
+
+    Attributes:
+      kinds: per body position, (a LayerSpec of that kind, its pool id); every layer
+        at that position has the same pool, window, KV dtype and scales.
+      offsets: [repeats][period] each layer's offset in its pool.
+    """
+
+    first: int
+    period: int
+    repeats: int
+    kinds: tuple[tuple[LayerSpec, int], ...]
+    offsets: tuple[tuple[int, ...], ...]
+
+    def layer_ids(self) -> np.ndarray:
+        """i32[repeats, period]: the model's index of each layer of the run."""
+        return (self.first + np.arange(self.repeats * self.period, dtype=np.int32)
+                ).reshape(self.repeats, self.period)
+
+
+@functools.lru_cache(maxsize=256)
+def layer_runs(spec: CacheSpec, role: str, num_layers: int) -> tuple[LayerRun, ...]:
+    """`role`'s layers 0 .. num_layers - 1 cut into runs, greedily from the first layer:
+    at each start, the period (<= MAX_PERIOD) whose repeats cover the most layers
+    (the shorter period on a tie; a lone layer is a run of one)."""
+    found = [spec.find_layer(role, i) for i in range(num_layers)]
+    kind = [(pool_id, layer.k_scale, layer.v_scale) for layer, pool_id, _ in found]
+    runs, start = [], 0
+    while start < num_layers:
+        period, repeats = 1, 1
+        for p in range(1, MAX_PERIOD + 1):
+            r = 1
+            while (start + (r + 1) * p <= num_layers
+                   and kind[start + r * p:start + (r + 1) * p] == kind[start:start + p]):
+                r += 1
+            if r > 1 and p * r > period * repeats:
+                period, repeats = p, r
+        ids = range(start, start + period * repeats)
+        runs.append(LayerRun(
+            first=start, period=period, repeats=repeats,
+            kinds=tuple((found[i][0], found[i][1]) for i in ids[:period]),
+            offsets=tuple(tuple(found[i][2] for i in ids[k * period:(k + 1) * period])
+                          for k in range(repeats))))
+        start += period * repeats
+    return tuple(runs)
+
+
+def scan_layers(layer_fn, layers: dict, runs: tuple[LayerRun, ...], x, pools, *,
+                taps: tuple[int, ...] = ()):
+    """Run every layer of `runs` in order.
+
+    `layer_fn(p, x, pools, layer: LayerSpec, pool_id: int, offset: i32[]) -> (x, pools)`
+    is one layer, with `p` its weights (one slice of the stacked `layers`).
+    Returns (x, pools, taps_out): taps_out[i] is x after layer taps[i] (None without
+    taps). A tap buffer rides in the carry; layers that are no tap write its spare slot.
+    """
+    tapped = sorted(set(taps))
+    slot_of = {layer: i for i, layer in enumerate(tapped)}
+    feats = jnp.zeros((len(tapped) + 1, *x.shape), x.dtype) if taps else None
+    for run in runs:
+        ids = run.layer_ids()
+        slots = np.vectorize(lambda i: slot_of.get(int(i), len(tapped)), otypes=[np.int32])(ids)
+
+        def body(carry, xs, run=run):
+            x, pools, feats = carry
+            layer_ids, offsets, tap_slots = xs
+            for j, (layer, pool_id) in enumerate(run.kinds):
+                p = jax.tree.map(
+                    lambda w: jax.lax.dynamic_index_in_dim(w, layer_ids[j], keepdims=False),
+                    layers)
+                x, pools = layer_fn(p, x, pools, layer, pool_id, offsets[j])
+                if feats is not None:
+                    feats = jax.lax.dynamic_update_index_in_dim(feats, x, tap_slots[j], 0)
+            return (x, pools, feats), None
+
+        (x, pools, feats), _ = jax.lax.scan(
+            body, (x, pools, feats), (ids, np.asarray(run.offsets, np.int32), slots))
+    if not taps:
+        return x, pools, None
+    return x, pools, [feats[slot_of[layer]] for layer in taps]

@@ -1,0 +1,58 @@
+"""Layers as scans: runs of alike layers, the stacked form, and one fingerprint for both forms."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models.checkpoint import fingerprint
+from models.layers import layer_runs, stack_params, stacked_layers, unstack_layers
+from models.qwen3 import Qwen3Config, init_params
+from unified_kv import CacheSpec
+
+
+def _spec(layer_types, kv_dtype="bf16"):
+    cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+                      num_layers=len(layer_types), num_heads=2, num_kv_heads=1, head_dim=8,
+                      layer_types=layer_types, sliding_window=16)
+    return cfg, CacheSpec(8, tuple(cfg.layer_specs(kv_dtype)), 2, 64, 1 << 24)
+
+
+def _shape(runs):
+    return [(r.first, r.period, r.repeats) for r in runs]
+
+
+def test_runs_follow_repeating_layer_kinds():
+    full, slide = "full_attention", "sliding_attention"
+    cfg, spec = _spec((full,) * 6)
+    (run,) = layer_runs(spec, "target", 6)
+    assert _shape([run]) == [(0, 1, 6)] and run.offsets == tuple((i,) for i in range(6))
+    cfg, spec = _spec((slide, full) * 3)
+    (run,) = layer_runs(spec, "target", 6)
+    assert _shape([run]) == [(0, 2, 3)]
+    assert [pool for _, pool in run.kinds] == [0, 1]
+    assert run.offsets == ((0, 0), (1, 1), (2, 2))  # each kind counts in its own pool
+    cfg, spec = _spec((full,) * 3 + (slide,) * 3)
+    assert _shape(layer_runs(spec, "target", 6)) == [(0, 1, 3), (3, 1, 3)]
+    cfg, spec = _spec((full, slide, slide, full))
+    assert sum(r.period * r.repeats for r in layer_runs(spec, "target", 4)) == 4
+
+
+def test_stacked_and_listed_layers_are_the_same_weights():
+    cfg, _ = _spec(("full_attention",) * 3)
+    params = {"target": init_params(cfg, jax.random.key(0))}
+    stacked = stack_params(params)
+    assert stacked["target"]["layers"]["q"].shape == (3, 16, 16)
+    assert stack_params(stacked)["target"]["layers"] is stacked["target"]["layers"]
+    back = unstack_layers(stacked["target"]["layers"])
+    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(back),
+                                                     jax.tree.leaves(params["target"]["layers"])))
+    assert fingerprint(stacked) == fingerprint(params)
+    changed = jax.tree.map(lambda x: x, stacked)
+    changed["target"]["layers"]["q"] = changed["target"]["layers"]["q"].at[2, 0, 0].add(1e-3)
+    assert fingerprint(changed) != fingerprint(params)
+
+
+def test_a_large_list_is_refused_inside_a_step():
+    big = [{"w": jax.ShapeDtypeStruct((1 << 28,), jnp.float32)}] * 2  # 2 GiB, never allocated
+    with pytest.raises(ValueError, match="stack_params"):
+        stacked_layers(big)
