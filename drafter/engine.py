@@ -27,6 +27,7 @@ from collections import deque
 
 import jax
 
+from drafter.arrivals import Arrivals
 from drafter.executor import Executor
 from drafter.kv_io import Export, KVSource, import_refusal
 from drafter.request import Request, RequestError, Result, SamplingParams
@@ -91,7 +92,7 @@ class Engine:
                                  mode=mode)
         self._inflight: deque = deque()  # dispatched steps not yet read, oldest first
         self._exports: list[Export] = []
-        self._awaiting_since: dict[str, float] = {}
+        self.arrivals = Arrivals(self.scheduler)
         # (dispatch, wait) seconds per step: the host's time to plan and dispatch
         # a step, then its wait for the previous step's outputs.
         self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)
@@ -178,8 +179,7 @@ class Engine:
         results = self._take_arrivals(0.0)
         plan = self.scheduler.schedule()
         for seq in plan.fetch:
-            self._awaiting_since[seq.request_id] = start
-            self.kv_source.fetch(seq.request)
+            self.arrivals.fetch(self.kv_source, seq, start)
         dispatched = self._dispatch(plan) if plan.runs_device_work else None
         issued = time.perf_counter()
         if dispatched is not None:
@@ -187,7 +187,7 @@ class Engine:
         results += self._read_outputs(idle=dispatched is None)
         if dispatched is not None:
             self.step_times.append((issued - start, time.perf_counter() - issued))
-        elif not self._inflight and self._awaiting_since:
+        elif not self._inflight and self.arrivals.awaiting:
             results += self._take_arrivals(0.02)  # nothing to run: wait a little for KV
         return results
 
@@ -280,34 +280,10 @@ class Engine:
     def _table_width(self, max_len: int) -> int:
         return self.executor.table_width(max_len)
 
-    def _take_arrivals(self, timeout: float) -> list[Result]:
+    def _take_arrivals(self, wait_s: float) -> list[Result]:
         if self.kv_source is None:
             return []
-        now = time.perf_counter()
-        results = []
-        for request_id, item in self.kv_source.poll(timeout):
-            seq = self.scheduler.active.get(request_id)
-            if seq is None or seq.phase is not Phase.AWAITING_KV:
-                continue  # cancelled or failed meanwhile
-            if item is None:  # progress: the wait starts again
-                self._awaiting_since[request_id] = now
-                continue
-            self._awaiting_since.pop(request_id, None)
-            if isinstance(item, BaseException):
-                results.append(self.scheduler.finish(seq, now, "error", f"request "
-                               f"{request_id!r}: {type(item).__name__}: {item}"))
-            else:
-                self.scheduler.kv_arrived(seq, item)
-        for request_id, since in list(self._awaiting_since.items()):
-            seq = self.scheduler.active.get(request_id)
-            if seq is None or seq.phase is not Phase.AWAITING_KV:
-                self._awaiting_since.pop(request_id)
-            elif seq.kv is None and now - since > self.kv_timeout_s:
-                self._awaiting_since.pop(request_id)
-                results.append(self.scheduler.finish(seq, now, "error", f"request "
-                               f"{request_id!r}: its KV did not arrive within "
-                               f"{self.kv_timeout_s:.1f}s"))
-        return results
+        return self.arrivals.take(self.kv_source, wait_s, self.kv_timeout_s)
 
     def _prefill_rows(self, n: int) -> int:
         """Rows of a prefill call: 1, else the most a step can hold (two shapes
@@ -364,7 +340,7 @@ class Engine:
                     f"request {seq.request_id!r}: KV import failed: a buffer's checksum or "
                     f"its page ranges did not match (corrupted in transit, or the two caches "
                     f"disagree on windows or page size)")))
-            else:
+            elif not seq.tokens:  # not booked on arrival
                 book(seq, [int(first)], False)
         for i, chunk in enumerate(plan.prefill):
             seq = chunk.seq

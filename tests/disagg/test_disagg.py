@@ -192,6 +192,30 @@ def test_a_corrupted_buffer_fails_that_request_alone(which, pair, aggregated):
     assert_pair_free(engine)
 
 
+def test_the_first_token_is_booked_on_arrival_before_any_import(pair, aggregated):
+    """The first token is the context's: booked as soon as it is computed, while the KV
+    still waits to be imported; the rest of the output is unchanged."""
+    params, cfg = pair
+    engine = split_engine(params, cfg)
+    arrived = {}
+
+    def ready(request_id, item):
+        if hasattr(item, "first_token"):
+            arrived[request_id] = int(jax.block_until_ready(item.first_token))
+        return item
+
+    engine.kv_source = Tampered(engine.kv_source, ready)
+    engine.submit(engine.make_request("r0", PROMPTS[0], max_new_tokens=MAX_NEW))
+    results = []
+    while "r0" not in arrived:
+        results += engine.step()
+    # the step that received the KV has not read an import (at most dispatched one)
+    assert engine.scheduler.active["r0"].tokens == [arrived["r0"]] == aggregated[0].tokens[:1]
+    results += engine.run()
+    assert [r.tokens for r in results] == [aggregated[0].tokens]
+    assert_pair_free(engine)
+
+
 def test_a_lost_request_times_out_alone_and_frees_its_pages(pair):
     params, cfg = pair
     engine = split_engine(params, cfg, kv_timeout_s=0.5)

@@ -1,0 +1,77 @@
+"""A generation engine's side of its KV source: requests awaiting KV, and what arrives.
+
+    admitted ──fetch──> KVSource ──poll──> payload: handed to the scheduler (imported
+                                           next step); its first token booked as soon
+                                           as the sender's prefill has computed it
+                                  failure / silence past the timeout: the request ends
+
+The first token is the sender's (its prefill sampled it), so booking it needs
+no import: time to first token does not wait for the move, the import or the
+generation worker's step. Nothing here waits on the device.
+"""
+
+from __future__ import annotations
+
+import time
+
+from drafter.kv_io import KVSource
+from drafter.request import Result
+from drafter.scheduler import Phase, Scheduler, Sequence
+
+
+class Arrivals:
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self._since: dict[str, float] = {}          # awaiting KV: last progress time
+        self._first: dict[str, tuple[Sequence, object]] = {}  # arrived, first token unbooked
+
+    @property
+    def awaiting(self) -> bool:
+        return bool(self._since)
+
+    def fetch(self, source: KVSource, seq: Sequence, now: float) -> None:
+        self._since[seq.request_id] = now
+        source.fetch(seq.request)
+
+    def take(self, source: KVSource, wait_s: float, timeout_s: float) -> list[Result]:
+        """Poll `source` (waiting up to `wait_s` for a first arrival), end requests
+        whose KV failed or showed no progress for `timeout_s`, book ready first tokens.
+        Returns the requests that ended."""
+        now = time.perf_counter()
+        results = []
+        for request_id, item in source.poll(wait_s):
+            seq = self.scheduler.active.get(request_id)
+            if seq is None or seq.phase is not Phase.AWAITING_KV:
+                continue  # cancelled or failed meanwhile
+            if item is None:  # progress: the wait starts again
+                self._since[request_id] = now
+                continue
+            self._since.pop(request_id, None)
+            if isinstance(item, BaseException):
+                results.append(self.scheduler.finish(seq, now, "error", f"request "
+                               f"{request_id!r}: {type(item).__name__}: {item}"))
+            else:
+                self.scheduler.kv_arrived(seq, item)
+                self._first[request_id] = (seq, item.first_token)
+        for request_id, since in list(self._since.items()):
+            seq = self.scheduler.active.get(request_id)
+            if seq is None or seq.phase is not Phase.AWAITING_KV:
+                self._since.pop(request_id)
+            elif seq.kv is None and now - since > timeout_s:
+                self._since.pop(request_id)
+                results.append(self.scheduler.finish(seq, now, "error", f"request "
+                               f"{request_id!r}: its KV did not arrive within "
+                               f"{timeout_s:.1f}s"))
+        return results + self._book_first_tokens(now)
+
+    def _book_first_tokens(self, now: float) -> list[Result]:
+        """Book arrived first tokens the device has computed; never waits for one."""
+        results = []
+        for request_id, (seq, token) in list(self._first.items()):
+            if seq.phase is Phase.DONE or seq.tokens:  # ended, or booked by the import
+                del self._first[request_id]
+            elif not hasattr(token, "is_ready") or token.is_ready():
+                del self._first[request_id]
+                if (r := self.scheduler.emit(seq, [int(token)], now, decode_step=False)):
+                    results.append(r)
+        return results
