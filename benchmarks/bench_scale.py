@@ -68,32 +68,34 @@ def _timed(fn) -> float:
 
 
 def step_config(tcfg, dcfg, batch: int, context: int) -> StepConfig:
-    layers = tcfg.layer_specs("fp8_e4m3") + (dcfg.layer_specs("bf16") if dcfg else [])
+    layers = layer_specs(tcfg, dcfg)
     max_len = context + 1024
-    per_token = sum(2 * l.num_kv_heads * l.head_dim * (1 if l.kv_dtype == "fp8_e4m3" else 2)
-                    for l in layers)
-    budget = int(1.3 * (batch + 1) * (max_len + 256) * per_token) + (64 << 20)
+    budget = int(1.3 * (batch + 1) * (max_len + 256) * kv_bytes_per_token(layers)) + (64 << 20)
     spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=batch + 1,
                      max_seq_len=max_len, memory_budget_bytes=budget, max_step_tokens=256)
     return StepConfig(tcfg, spec, dcfg)
 
 
-def kv_bytes_read(tcfg, dcfg, batch: int, context: int) -> int:
-    target = batch * context * tcfg.num_layers * 2 * tcfg.num_kv_heads * tcfg.head_dim
-    draft = 0 if dcfg is None else (batch * context * dcfg.num_layers * 2
-                                     * dcfg.num_kv_heads * dcfg.head_dim * 2)
-    return target + draft
+def layer_specs(tcfg, dcfg) -> list:
+    """fp8 target KV, bf16 draft KV (none without a drafter)."""
+    return tcfg.layer_specs("fp8_e4m3") + (dcfg.layer_specs("bf16") if dcfg else [])
+
+
+def kv_bytes_per_token(layers) -> int:
+    """K and V of one token in every layer."""
+    return sum(2 * l.num_kv_heads * l.head_dim * jnp.dtype(l.dtype).itemsize for l in layers)
 
 
 def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
             peak: float) -> dict:
     rng = np.random.default_rng(batch)
-    prompts = [rng.integers(0, min(150_000, tcfg.vocab_size - 1), context).tolist() for _ in range(batch + 1)]
+    prompts = [rng.integers(0, min(150_000, tcfg.vocab_size - 1), context).tolist()
+               for _ in range(batch + 1)]
     out = {"batch": batch, "context": context}
     weights_t = param_bytes(params["target"]) - param_bytes(params["target"]["embed"])
     weights_d = param_bytes(params["draft"]) + param_bytes(params["target"]["lm_head"])
-    flops_t = 2 * weights_t // 2  # bf16: 2 bytes per parameter, 2 FLOPs per MAC
-    flops_d = 2 * weights_d // 2
+    # FLOPs per token through a set of bf16 weights: 2 per parameter, 2 bytes each
+    flops_t, flops_d = weights_t, weights_d
     for name, speculative in (("plain", False), ("spec", True)):
         cfg = step_config(tcfg, dcfg if speculative else None, batch, context)
         eng = Engine(params if speculative else {"target": params["target"]}, cfg,
@@ -112,7 +114,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
         dev = device_rate(eng, steps, 3)
         timed = time.perf_counter() - start
         compile_decode = timed - dev["device_step_ms"] * 1e-3 * steps * 4
-        kv = kv_bytes_read(tcfg, dcfg if speculative else None, batch, context)
+        kv = batch * context * kv_bytes_per_token(cfg.spec.layers)
         roof = (weights_t + (weights_d if speculative else 0) + kv) / bw
         row = {**dev, "prefill_cold_s": cold, "prefill_one_warm_s": warm_one,
                "prefill_tokens_per_s": context / warm_one,
@@ -132,7 +134,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
               f"{row['prefill_tokens_per_s']:.0f} tok/s, cold prefill {cold:.1f} s, decode "
               f"compile ~{compile_decode:.1f} s", flush=True)
         del eng
-    flops_prefill = 2 * weights_t // 2 * context + 4 * tcfg.num_layers * tcfg.num_heads * \
+    flops_prefill = flops_t * context + 4 * tcfg.num_layers * tcfg.num_heads * \
         tcfg.head_dim * context * context // 2
     out["prefill_utilisation"] = flops_prefill / out["plain"]["prefill_one_warm_s"] / peak
     out["compile_s"] = (out["plain"]["prefill_cold_s"] - batch * out["plain"]["prefill_one_warm_s"]
