@@ -7,7 +7,7 @@ Every argument is an abstract `jax.ShapeDtypeStruct` (params via `jax.eval_shape
 so nothing is allocated: the figures are `jit(step).lower(...)` (trace) and
 `.compile()` (XLA) on the default backend. Steps: the prefill of one chunk per row,
 the speculative decode step and the plain decode step (`drafter.steps`), with the
-params stacked as the executor holds them (`models.layers.stack_params`).
+params in the form the executor holds them for `--layer-loop` (stacked for a scan).
 Cold figures need the persistent compilation cache off (JAX_COMPILATION_CACHE_DIR unset).
 """
 
@@ -23,12 +23,12 @@ import jax.numpy as jnp
 
 from drafter.shapes import qwen3_8b_pair, random_params
 from drafter.steps import StepConfig, decode_step, init_step_state, plain_decode_step, prefill_step
-from models.layers import stack_params
+from models.layers import stack_params, unstack_params
 from unified_kv import CacheSpec, bucket_width, init_state
 
 
 def step_config(tcfg, dcfg, *, batch: int, context: int, chunk: int, impl: str,
-                target_kv: str, draft_kv: str) -> StepConfig:
+                target_kv: str, draft_kv: str, layer_loop: str = "auto") -> StepConfig:
     layers = tcfg.layer_specs(target_kv) + (dcfg.layer_specs(draft_kv) if dcfg else [])
     per_token = sum(2 * l.num_kv_heads * l.head_dim * (1 if l.kv_dtype == "fp8_e4m3" else 2)
                     for l in layers)
@@ -36,12 +36,14 @@ def step_config(tcfg, dcfg, *, batch: int, context: int, chunk: int, impl: str,
     spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=batch + 1,
                      max_seq_len=max_len, max_step_tokens=chunk,
                      memory_budget_bytes=int(1.3 * (batch + 1) * (max_len + chunk) * per_token))
-    return StepConfig(tcfg, spec, dcfg, impl=impl, matmul_precision="auto")
+    return StepConfig(tcfg, spec, dcfg, impl=impl, matmul_precision="auto",
+                      layer_loop=layer_loop)
 
 
 def abstract_args(cfg: StepConfig, batch: int, chunk: int):
     """(params, state, slot_ids, tokens, lens, is_last, key) as ShapeDtypeStructs."""
-    params = jax.eval_shape(lambda: stack_params(random_params(cfg.target, cfg.draft)))
+    form = stack_params if cfg.scans_layers else unstack_params
+    params = jax.eval_shape(lambda: form(random_params(cfg.target, cfg.draft)))
     state = jax.eval_shape(lambda: init_step_state(cfg, init_state(cfg.spec)))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -71,6 +73,7 @@ def main():
     ap.add_argument("--target-kv", default="fp8_e4m3")
     ap.add_argument("--draft-kv", default="bf16")
     ap.add_argument("--steps", default="prefill,decode,plain")
+    ap.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unrolled"))
     args = ap.parse_args()
 
     pair = dict(num_target_layers=args.target_layers, num_draft_layers=args.draft_layers,
@@ -79,10 +82,11 @@ def main():
         pair["vocab_size"] = args.vocab
     tcfg, dcfg = qwen3_8b_pair(**pair)
     cfg = step_config(tcfg, dcfg, batch=args.batch, context=args.context, chunk=args.chunk,
-                      impl=args.impl, target_kv=args.target_kv, draft_kv=args.draft_kv)
+                      impl=args.impl, target_kv=args.target_kv, draft_kv=args.draft_kv,
+                      layer_loop=args.layer_loop)
     plain_cfg = step_config(tcfg, None, batch=args.batch, context=args.context,
                             chunk=args.chunk, impl=args.impl, target_kv=args.target_kv,
-                            draft_kv=args.draft_kv)
+                            draft_kv=args.draft_kv, layer_loop=args.layer_loop)
     width = bucket_width(-(-(args.context + args.chunk) // 16), cfg.spec.max_pages_per_seq)
     report = {"backend": jax.default_backend(), "args": vars(args), "steps": {}}
     for name in args.steps.split(","):

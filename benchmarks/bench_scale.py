@@ -35,7 +35,7 @@ from benchmarks.timing import report_goals
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
-from models.layers import stack_params
+from models.layers import stack_params, unstack_params
 from drafter.steps import StepConfig
 from unified_kv import CacheSpec
 
@@ -67,13 +67,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def step_config(tcfg, dcfg, batch: int, context: int) -> StepConfig:
+def step_config(tcfg, dcfg, batch: int, context: int, layer_loop: str = "auto") -> StepConfig:
     layers = layer_specs(tcfg, dcfg)
     max_len = context + 1024
     budget = int(1.3 * (batch + 1) * (max_len + 256) * kv_bytes_per_token(layers)) + (64 << 20)
     spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=batch + 1,
                      max_seq_len=max_len, memory_budget_bytes=budget, max_step_tokens=256)
-    return StepConfig(tcfg, spec, dcfg)
+    return StepConfig(tcfg, spec, dcfg, layer_loop=layer_loop)
 
 
 def layer_specs(tcfg, dcfg) -> list:
@@ -87,7 +87,7 @@ def kv_bytes_per_token(layers) -> int:
 
 
 def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
-            peak: float) -> dict:
+            peak: float, layer_loop: str = "auto") -> dict:
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, min(150_000, tcfg.vocab_size - 1), context).tolist()
                for _ in range(batch + 1)]
@@ -97,27 +97,31 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
     # FLOPs per token through a set of bf16 weights: 2 per parameter, 2 bytes each
     flops_t, flops_d = weights_t, weights_d
     for name, speculative in (("plain", False), ("spec", True)):
-        cfg = step_config(tcfg, dcfg if speculative else None, batch, context)
+        cfg = step_config(tcfg, dcfg if speculative else None, batch, context, layer_loop)
         eng = Engine(params if speculative else {"target": params["target"]}, cfg,
                      speculative=speculative)
-        start = time.perf_counter()
-        for i in range(batch):
-            eng.add_request(f"r{i}", prompts[i], 768)
-        eng.prefill_submitted()
-        cold = time.perf_counter() - start
-        # the same prefill warm: one more prompt of the same length into the spare slot
-        start = time.perf_counter()
-        eng.add_request("warm", prompts[batch], 1)
-        eng.prefill_submitted()
-        warm_one = time.perf_counter() - start
+        # Cold: the batch's prompts prefilled (every prefill and decode variant they
+        # use compiles), then cancelled. Warm: the same prompts again, compiled.
+        times = []
+        for round_ in ("cold", "warm"):
+            start = time.perf_counter()
+            for i in range(batch):
+                eng.add_request(f"{round_}{i}", prompts[i], 768)
+            eng.prefill_submitted()
+            times.append(time.perf_counter() - start)
+            if round_ == "cold":
+                for i in range(batch):
+                    eng.cancel(f"cold{i}")
+                eng.run()
+        cold, warm = times
         start = time.perf_counter()
         dev = device_rate(eng, steps, 3)
         timed = time.perf_counter() - start
         compile_decode = timed - dev["device_step_ms"] * 1e-3 * steps * 4
         kv = batch * context * kv_bytes_per_token(cfg.spec.layers)
         roof = (weights_t + (weights_d if speculative else 0) + kv) / bw
-        row = {**dev, "prefill_cold_s": cold, "prefill_one_warm_s": warm_one,
-               "prefill_tokens_per_s": context / warm_one,
+        row = {**dev, "prefill_cold_s": cold, "prefill_warm_s": warm,
+               "prefill_tokens_per_s": batch * context / warm,
                "compile_decode_s": compile_decode, "roofline_ms": roof * 1e3,
                "over_roofline": dev["device_step_ms"] * 1e-3 / roof}
         if speculative:
@@ -136,8 +140,8 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
         del eng
     flops_prefill = flops_t * context + 4 * tcfg.num_layers * tcfg.num_heads * \
         tcfg.head_dim * context * context // 2
-    out["prefill_utilisation"] = flops_prefill / out["plain"]["prefill_one_warm_s"] / peak
-    out["compile_s"] = (out["plain"]["prefill_cold_s"] - batch * out["plain"]["prefill_one_warm_s"]
+    out["prefill_utilisation"] = batch * flops_prefill / out["plain"]["prefill_warm_s"] / peak
+    out["compile_s"] = (out["plain"]["prefill_cold_s"] - out["plain"]["prefill_warm_s"]
                         + out["plain"]["compile_decode_s"] + out["spec"]["compile_decode_s"])
     return out
 
@@ -149,6 +153,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
     ap.add_argument("--layers", type=int, default=36, help="target layers (36: Qwen3-8B)")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unrolled"),
+                    help="how steps run the layers (StepConfig.layer_loop)")
     ap.add_argument("--quick", action="store_true",
                     help="small probes and a 4K vocabulary: a smoke test on CPU")
     args = ap.parse_args(argv)
@@ -159,15 +165,19 @@ def main(argv=None) -> dict:
                 else (copy_bandwidth(), matmul_peak()))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s",
           flush=True)
-    params = stack_params(random_params(tcfg, dcfg))  # once: engines take them as they are
+    # once, in the form the steps run (the engines then take them as they are)
+    probe = step_config(tcfg, dcfg, 1, 1024, args.layer_loop)
+    params = random_params(tcfg, dcfg)
+    params = stack_params(params) if probe.scans_layers else unstack_params(params)
     report = {"device": jax.devices()[0].device_kind, "target_layers": args.layers,
+              "layer_loop": "scan" if probe.scans_layers else "unrolled",
               "weight_bytes": {"target": param_bytes(params["target"]),
                                "draft": param_bytes(params["draft"])},
               "copy_bandwidth_bytes_per_s": bw, "bf16_matmul_flops_per_s": peak, "runs": []}
     for context in args.contexts:
         for batch in args.batches:
             report["runs"].append(measure(params, tcfg, dcfg, batch, context, args.steps,
-                                          bw, peak))
+                                          bw, peak, args.layer_loop))
     stats = jax.devices()[0].memory_stats() or {}
     report["peak_memory_bytes"] = stats.get("peak_bytes_in_use")
     by = {(r["batch"], r["context"]): r for r in report["runs"]}

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import attend_draft_block, write_layer_kv
-from models.layers import layer_runs, scan_layers, stacked_layers, unstack_layers
+from models.layers import layer_runs, scan_layers, unstack_layers
 from models.qwen3 import (ParamInit, Qwen3Config, decoder_layer, lm_head_weight, qkv,
                           rms_norm)
 from models.rope import RopeScaling
@@ -144,7 +144,7 @@ def write_context(params, cfg: DFlashConfig, spec: CacheSpec, pools, tables, fea
                                         k, v, layer, offset)
         return c, tuple(pools)
 
-    _, pools, _ = scan_layers(layer_fn, stacked_layers(params["layers"]),
+    _, pools, _ = scan_layers(layer_fn, params["layers"],
                               layer_runs(spec, "draft", cfg.num_layers), c, tuple(pools))
     return pools
 
@@ -172,7 +172,7 @@ def draft_block(params, cfg: DFlashConfig, target_params, target_cfg: Qwen3Confi
 
         return decoder_layer(p, x, positions, cfg, paged_block), ()
 
-    x, _, _ = scan_layers(layer_fn, stacked_layers(params["layers"]),
+    x, _, _ = scan_layers(layer_fn, params["layers"],
                           layer_runs(spec, "draft", cfg.num_layers),
                           target_params["embed"][ids], ())
     logits = block_logits_from_hidden(params, cfg, target_params, target_cfg, x)

@@ -19,7 +19,7 @@ from drafter.kv_io import KVPayload, export_payload, import_step
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
-from models.layers import stack_params
+from models.layers import stack_params, unstack_params
 from unified_kv import bucket_width, init_state
 
 
@@ -58,7 +58,10 @@ class Executor:
     def __init__(self, params, cfg: StepConfig, *, mesh, speculative: bool, mode: str):
         self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
         self.speculative, self.mode = speculative, mode
-        self.params = self._place(stack_params(params))  # once: steps scan stacked layers
+        # Layers as the steps run them: stacked once for a scan (stacking copies), else
+        # one dict of arrays per layer.
+        self.params = self._place(stack_params(params) if cfg.scans_layers
+                                  else unstack_params(params))
         self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(_traced_on_mesh, mesh)
         self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))

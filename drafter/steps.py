@@ -69,6 +69,21 @@ class StepConfig:
     # runs bf16 weights at the default precision; it is not the default because
     # greedy equality under it is not established on the GPU.
     matmul_precision: str = "highest"
+    # How a step runs a model's layers (models/layers.py): "scan" compiles one
+    # body per run of alike layers, over stacked weights read by a traced index;
+    # "unrolled" traces every layer over its own weight arrays. "auto": unrolled
+    # on GPUs, where XLA copies a scanned layer's weight slice before its matmuls
+    # (reading the weights three times), scan elsewhere.
+    layer_loop: str = "auto"
+
+    @property
+    def scans_layers(self) -> bool:
+        if self.layer_loop not in ("auto", "scan", "unrolled"):
+            raise ValueError(f"layer_loop {self.layer_loop!r} is unknown; use 'auto', 'scan' "
+                             "or 'unrolled'")
+        if self.layer_loop == "auto":
+            return jax.default_backend() != "gpu"
+        return self.layer_loop == "scan"
 
     @property
     def block_size(self) -> int:

@@ -1,13 +1,14 @@
-"""A model's layers as a scan: one compiled layer body per run of alike layers.
+"""A model's layers in a step: a scan (one compiled body per run of alike layers) or
+unrolled.
 
-Storage and steps hold layers differently:
+Layers are held in one of two forms, and the form picks how a step runs them:
 
-    checkpoints, training    params["layers"] = [layer 0 dict, layer 1 dict, ...]
-    steps (stacked once)     params["layers"] = {name: [num_layers, ...] array}
+    per layer (unrolled)   params["layers"] = [layer 0 dict, layer 1 dict, ...]
+    stacked (scan)         params["layers"] = {name: [num_layers, ...] array}
 
-`stack_params` turns the first into the second; executors call it once at load,
-since stacking copies every weight. `stacked_layers` stacks a list inside a step
-only for models small enough that the per-call copy does not matter.
+Checkpoints and training hold the first. `stack_params` / `unstack_params` turn
+one into the other; executors call one of them once at load (StepConfig.layer_loop),
+since stacking copies every weight.
 
 A layer's static needs are its pool, window, KV dtype and fp8 scales (its *kind*);
 its offset inside the pool is data. `layer_runs` cuts a role's layers into runs
@@ -20,7 +21,9 @@ whose kinds repeat with a short period:
 and `scan_layers` runs each as `lax.scan` over its repeats: the body holds
 `period` layers whatever the depth, which is what keeps compile time flat.
 Layer weights are read by index from the stacked arrays; the pool offset comes in
-as a traced i32 (models/attention.py takes either form).
+as a traced i32 (models/attention.py takes either form). Unrolled, every layer is
+traced with its own arrays and a static offset: compile time grows with depth,
+and no weight is sliced.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ import numpy as np
 from unified_kv import CacheSpec, LayerSpec
 
 MAX_PERIOD = 4  # longest repeating pattern of layer kinds one scan body holds
-STACK_IN_STEP_LIMIT = 1 << 30  # layer bytes past which a list must be stacked ahead
 
 
 def stack_layers(layers) -> dict:
@@ -60,17 +62,11 @@ def stack_params(params: dict) -> dict:
             for name, model in params.items()}
 
 
-def stacked_layers(layers) -> dict:
-    """The layers a step scans over. A list is stacked here, inside the step (a copy of
-    every layer per call): allowed only below STACK_IN_STEP_LIMIT bytes."""
-    if isinstance(layers, dict):
-        return layers
-    nbytes = sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(layers))
-    if nbytes > STACK_IN_STEP_LIMIT:
-        raise ValueError(f"the step got {len(layers)} layers ({nbytes / 2**30:.1f} GiB) as a "
-                         "list, which it would copy into a stack on every call; stack them "
-                         "once with models.layers.stack_params(params) (the Executor does)")
-    return stack_layers(layers)
+def unstack_params(params: dict) -> dict:
+    """Step params with every model's layers as a list of per-layer dicts."""
+    return {name: dict(model, layers=unstack_layers(model["layers"]))
+            if isinstance(model, dict) and "layers" in model else model
+            for name, model in params.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,17 +120,23 @@ def layer_runs(spec: CacheSpec, role: str, num_layers: int) -> tuple[LayerRun, .
     return tuple(runs)
 
 
-def scan_layers(layer_fn, layers: dict, runs: tuple[LayerRun, ...], x, pools, *,
+def scan_layers(layer_fn, layers, runs: tuple[LayerRun, ...], x, pools, *,
                 taps: tuple[int, ...] = ()):
     """Run every layer of `runs` in order.
 
-    `layer_fn(p, x, pools, layer: LayerSpec, pool_id: int, offset: i32[]) -> (x, pools)`
-    is one layer, with `p` its weights (one slice of the stacked `layers`).
+    `layer_fn(p, x, pools, layer: LayerSpec, pool_id: int, offset) -> (x, pools)`
+    is one layer, with `p` its weights. Stacked `layers` (a dict of [num_layers, ...]
+    arrays) run as one `lax.scan` per run: `p` is a slice read by a traced index and
+    `offset` a traced i32. A list of per-layer dicts runs unrolled: `p` is the layer's
+    own arrays (nothing sliced or copied) and `offset` a Python int.
     Returns (x, pools, taps_out): taps_out[i] is x after layer taps[i] (None without
-    taps). A tap buffer rides in the carry; layers that are no tap write its spare slot.
+    taps).
     """
+    if not isinstance(layers, dict):
+        return _unrolled(layer_fn, list(layers), runs, x, pools, taps)
     tapped = sorted(set(taps))
     slot_of = {layer: i for i, layer in enumerate(tapped)}
+    # A tap buffer rides in the carry; layers that are no tap write its spare slot.
     feats = jnp.zeros((len(tapped) + 1, *x.shape), x.dtype) if taps else None
     for run in runs:
         ids = run.layer_ids()
@@ -157,3 +159,14 @@ def scan_layers(layer_fn, layers: dict, runs: tuple[LayerRun, ...], x, pools, *,
     if not taps:
         return x, pools, None
     return x, pools, [feats[slot_of[layer]] for layer in taps]
+
+
+def _unrolled(layer_fn, layers: list, runs, x, pools, taps):
+    after = {}
+    for run in runs:
+        for k, ids in enumerate(run.layer_ids()):
+            for j, (layer, pool_id) in enumerate(run.kinds):
+                i = int(ids[j])
+                x, pools = layer_fn(layers[i], x, pools, layer, pool_id, run.offsets[k][j])
+                after[i] = x
+    return x, pools, ([after[i] for i in taps] if taps else None)

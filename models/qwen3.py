@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from unified_kv import CacheSpec, LayerSpec, layer_name
 from models.attention import attend, write_layer_kv
-from models.layers import layer_runs, scan_layers, stacked_layers, unstack_layers
+from models.layers import layer_runs, scan_layers, unstack_layers
 from models.rope import RopeScaling, rope_frequencies
 
 
@@ -202,8 +202,8 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
             num_tokens, *, feature_layers: tuple[int, ...] = (), impl: str = "auto"):
     """Run `tokens` through the target, storing their K/V into the cache.
 
-    Layers run as scans over runs of alike layers (models/layers.py); params["layers"]
-    is best stacked once ahead (`models.layers.stack_params`).
+    Stacked params["layers"] run as scans over runs of alike layers, a list of
+    per-layer dicts unrolled (models/layers.py).
 
     Args:
       pools: KVState.pools; tables: per pool, batch tables i32[B, W] (page * 2L).
@@ -227,7 +227,7 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
         return decoder_layer(p, x, positions, cfg, paged), tuple(pools)
 
     x, pools, features = scan_layers(
-        layer_fn, stacked_layers(params["layers"]), layer_runs(spec, "target", cfg.num_layers),
+        layer_fn, params["layers"], layer_runs(spec, "target", cfg.num_layers),
         params["embed"][tokens], tuple(pools), taps=tuple(feature_layers))
     feats = jnp.concatenate(features, axis=-1) if feature_layers else None
     return lm_head(params, cfg, x), pools, feats
