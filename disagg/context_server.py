@@ -6,19 +6,22 @@
                                                  peer's requests; export_step
     p_k <── handoff {lengths, first token, pages, checksums, uuid} (KV offered for pull)
     p_k <── refused {request, error}       that request fails, alone
-    p_k <── progress {request ids}         every keepalive_s while its requests are here
+    p_k <── progress {request ids}         a heartbeat every keepalive_s: its requests here
 
 One thread runs the engine and every peer's channel (select over all of
-them); a keep-alive thread tells each peer which of its requests are still
-queued or prefilling, so a generation worker bounds its wait for a request's
-KV by "no progress for `timeout`", never by the prefill's total time, and a
-stopped or hung context (no keep-alives) is still found within `timeout`.
+them; each ready channel is read until empty before the next step). A
+keep-alive thread sends every greeted peer a heartbeat listing its requests
+still queued or prefilling here, so a generation worker bounds its wait by
+"nothing heard for `timeout`", never by the prefill's total time, and a
+stopped or hung context (no heartbeats) is still found within `timeout`.
 Requests of different peers may share ids: inside the engine each is named
 "<peer>/<id>". A peer that closes, times out or misbehaves is dropped alone:
 its requests are cancelled and their pages freed; the others keep running.
 At most `max_peers` peers are served at once; one more is refused at its
 handshake with an error naming the limit. Every wait has a timeout; an offer
-nobody pulls expires after `timeout`.
+nobody pulls expires after the peer's pull deadline (its hello's
+`transfer_timeout_s`) plus `timeout`, so a peer whose pulls queue up still
+finds each offer while its own deadline runs.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _Peer:
         self.requests: set[str] = set()   # engine ids ("<key>/<id>") not yet answered
         self.greeted = False
         self.keepalive_s = 1.0
+        self.offer_s = 1.0   # an offer's life: the peer's pull deadline plus `timeout`
         self.last_heard = now
 
     def send(self, message: dict, timeout: float) -> None:
@@ -71,8 +75,7 @@ class ContextServer:
     Args:
       worker: the context worker (its engine is stepped by `serve`'s thread only).
       address: where to listen ("host:0" picks a port).
-      timeout: seconds any single wait on a peer may take (a handshake, a send,
-        an offer's life).
+      timeout: seconds any single wait on a peer may take (a handshake, a send).
       idle_timeout: a peer with nothing here that sends nothing for this long
         is dropped.
       max_peers: peers served at once; one more is refused at its handshake.
@@ -148,18 +151,25 @@ class ContextServer:
             if fd not in peers:
                 self._accept()
                 continue
-            peer = peers[fd]
-            try:
+            self._read_peer(peers[fd])
+
+    def _read_peer(self, peer: _Peer) -> None:
+        """Act on every message waiting on the peer's channel."""
+        try:
+            while True:
                 message = peer.channel.recv(self.timeout)
                 peer.last_heard = time.monotonic()
                 if not peer.greeted:
                     self._greet(peer, message)
                 elif not self._handle(peer, message):
                     self._drop_peer(peer, None)
-            except PeerClosed:
-                self._drop_peer(peer, None)   # the peer is done
-            except PEER_FAULTS as e:
-                self._drop_peer(peer, f"{type(e).__name__}: {e}")
+                    return
+                if not peer.channel.poll(0):
+                    return
+        except PeerClosed:
+            self._drop_peer(peer, None)   # the peer is done
+        except PEER_FAULTS as e:
+            self._drop_peer(peer, f"{type(e).__name__}: {e}")
 
     def _accept(self) -> None:
         channel = self.listener.accept(self.timeout)
@@ -185,6 +195,8 @@ class ContextServer:
         check_pair(mine, theirs)
         peer.keepalive_s = min(max(float(message.get("keepalive_s", self.timeout / 4)), 0.05),
                                self.timeout)
+        peer.offer_s = min(max(float(message.get("transfer_timeout_s", self.timeout)), 0.0),
+                           3600.0) + self.timeout
         peer.greeted = True
         log.info("generation peer %s connected (%s)", peer.channel.peer, peer.key)
 
@@ -256,7 +268,7 @@ class ContextServer:
         if request_id in self.corrupt_request_ids:
             pieces[0] = corrupt(pieces[0])
         # The offer expires, so a vanished peer leaves nothing behind.
-        expiry = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout)
+        expiry = datetime.datetime.now() + datetime.timedelta(seconds=peer.offer_s)
         self.transfer.await_pull(uuid, pieces, timeout=expiry)
         peer.send({"op": "handoff", "request_id": request_id,
                    "target_len": payload.target_len, "draft_ctx_len": payload.draft_ctx_len,
@@ -289,7 +301,8 @@ class ContextServer:
                                 f"no request within {self.idle_timeout:.0f}s; dropped")
 
     def _keepalive_loop(self) -> None:
-        """Tell each peer which of its requests are still here (queued or prefilling)."""
+        """A heartbeat to each greeted peer: which of its requests are still here
+        (queued or prefilling), possibly none."""
         last: dict[str, float] = {}
         while not self._stop.wait(0.05):
             now = time.monotonic()
@@ -299,7 +312,7 @@ class ContextServer:
                 last[peer.key] = now
                 with peer.lock:
                     ids = [i.partition("/")[2] for i in peer.requests]
-                    if not ids or peer.channel.broken:
+                    if not peer.greeted or peer.channel.broken:
                         continue
                     try:
                         peer.channel.send({"op": "progress", "request_ids": ids},

@@ -167,7 +167,7 @@ def run(args) -> None:
                           weights=Weights.of(params), transfer_host=args.transfer_host,
                           timeout=args.timeout)
     engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=mode,
-                    speculative=cfg.draft is not None, kv_timeout_s=args.timeout,
+                    speculative=cfg.draft is not None, kv_timeout_s=remote.engine_timeout_s,
                     eos_token_ids=tuple(tokenizer.eos_token_ids))
     if args.http is not None:
         from disagg.frontend import DEFAULT_MODEL_NAME, ModelPair, serve_http

@@ -8,30 +8,44 @@
                 <---- prefill {request} (as admitted) -----  fetch: room already reserved here
       batched, chunked prefill; export_step;
       await_pull(uuid, shards)
-                ----- progress {request ids} --------->  each id's wait starts again
-                ----- handoff {lengths, first token, ----->  reader thread: pull(uuid) ->
+                ----- progress {request ids} --------->  heartbeat: the listed ids wait on
+                ----- handoff {lengths, first token, ----->  pull thread: pull(uuid) ->
                        logical pages, checksums, uuid}        KVPayload -> poll() -> import_step
                 ===== KV shards: jax.experimental.transfer =>
                 ----- refused {request, error} ----------->  that request fails, alone
 
 The control channel (disagg.control) carries metadata only. Requests from
 the stream are pipelined: the generation side sends each admitted request at
-once, the context batches whatever is waiting into its prefill steps, and the
-reader thread pulls each handoff while the generation engine keeps decoding.
+once, the context batches whatever is waiting into its prefill steps; a
+reader thread reads the channel and a pull thread pulls each handoff in turn,
+while the generation engine keeps decoding.
 The context frees a request's pages as soon as its export is dispatched (the
 offered buffers are copies), so no page is held across the wire; an offer
 nobody pulls expires after `timeout`.
 
-Deadlines: the engine fails a request whose KV shows no progress for
-`timeout` seconds (`Engine.kv_timeout_s`). The context sends progress for
-each request it holds every `timeout / 4` seconds, so a long prefill never
-times out while a stopped context does; a pull has its own `timeout` from
-its handoff. A dropped channel fails the requests in flight on it, by name;
-the next request reconnects.
+Deadlines (every wait has one):
+  - the context sends each peer a heartbeat every timeout / 4 seconds listing
+    that peer's requests it holds (queued or prefilling), so a long prefill
+    never times out. A channel silent for `timeout` while a request waits on it
+    (counted from the later of its last message and the request's send; pulls
+    included) means the context is stopped or hung: the channel is dropped,
+    every request on it fails naming the peer, and the next request reconnects.
+  - a request the heartbeats listed and then stopped listing, with neither a
+    handoff nor a refusal within `timeout`, fails naming the peer.
+  - a pull not finished `transfer_timeout` after its handoff arrived while the
+    peer keeps sending heartbeats (a stuck transfer) fails naming the transfer
+    server. The context keeps each offer that long plus `timeout` (the hello
+    tells it), so pulls queued behind others still find their offers.
+  - a dropped channel (the peer died or closed) fails the requests on it whose
+    KV is not all here, by name; the next request reconnects, and one that
+    cannot within `timeout` fails naming the address to restart.
+The engine's own deadline (`engine_timeout_s`, given to `Engine.kv_timeout_s`)
+lies past these, a backstop: the source names every fault first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -54,6 +68,19 @@ from unified_kv import AdmissionError
 log = logging.getLogger("disagg.remote")
 
 
+class PeerHung(TransferTimeout):
+    """The context worker sent nothing for `timeout` while requests waited on it."""
+
+
+@dataclasses.dataclass
+class _Wait:
+    """A request sent to the context and not yet answered."""
+
+    sent: float                   # when it was sent
+    listed: float | None = None   # when a heartbeat last listed it
+    pulling: bool = False         # its handoff arrived
+
+
 class RemoteSource:
     """A generation engine's KV source: a context worker in another process.
 
@@ -64,33 +91,41 @@ class RemoteSource:
         context's must match as the layout's mode needs (disagg.handshake).
       mesh: the generation engine's mesh; KV is pulled onto its first device
         and resharded onto it.
-      timeout: seconds any single wait (connect, send, a pull) may take; the
-        context reports progress every timeout / 4 seconds.
+      timeout: seconds any single wait (connect, send, a reply, the peer's
+        silence) may take; the context sends a heartbeat every timeout / 4 seconds.
+      transfer_timeout: seconds from a handoff to the end of its pull while the
+        peer stays alive (default 4 * timeout).
     """
 
     def __init__(self, address: str, layout: Layout, *, weights: Weights, mesh=None,
-                 transfer_host: str = "127.0.0.1", timeout: float = 30.0):
+                 transfer_host: str = "127.0.0.1", timeout: float = 30.0,
+                 transfer_timeout: float | None = None):
         self.address, self.layout, self.mesh, self.timeout = address, layout, mesh, timeout
+        self.transfer_timeout = transfer_timeout or 4 * timeout
         self.weights = weights
         self.pull_device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         self.transfer = start_transfer_server(transfer_host)
         self.bytes_pulled, self.pull_seconds = 0, 0.0
         self._arrivals: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
-        self._outstanding: set[str] = set()
+        self._handoffs: queue.Queue = queue.Queue()   # (channel, message), pulled in turn
+        self._outstanding: dict[str, _Wait] = {}
+        self._heard = time.monotonic()   # when the channel last carried a message
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.channel = None
         self._connect()
-        self._reader = threading.Thread(target=self._read_loop, name="remote-source",
-                                        daemon=True)
-        self._reader.start()
+        self._threads = [threading.Thread(target=loop, name=name, daemon=True) for loop, name
+                         in ((self._read_loop, "remote-reader"), (self._pull_loop, "remote-pulls"))]
+        for thread in self._threads:
+            thread.start()
 
     def _connect(self) -> None:
         channel = ControlChannel.connect(self.address, self.timeout)
         try:
             channel.send(hello("generation", self.layout, self.weights,
-                               self.transfer.address(), keepalive_s=self.timeout / 4),
+                               self.transfer.address(), keepalive_s=self.timeout / 4,
+                               transfer_timeout_s=self.transfer_timeout),
                          self.timeout)
             reply = channel.recv(self.timeout)
             check_pair(read_hello(reply, "context"), (self.layout, self.weights))
@@ -99,7 +134,14 @@ class RemoteSource:
             raise
         self.peer_transfer_address = reply["transfer_address"]
         self._pulls = self.transfer.connect(self.peer_transfer_address)
+        self._heard = time.monotonic()
         self.channel = channel
+
+    @property
+    def engine_timeout_s(self) -> float:
+        """The deadline to give the engine (`Engine.kv_timeout_s`): a backstop past
+        this source's own, so the source's errors (naming the peer) come first."""
+        return 2 * self.timeout + 1.0
 
     # ------------------------------------------------------------ KVSource
 
@@ -108,10 +150,14 @@ class RemoteSource:
             if self.channel is None or self.channel.broken:
                 self._connect()  # the peer may have restarted
             with self._lock:
-                self._outstanding.add(request.request_id)
+                self._outstanding[request.request_id] = _Wait(time.monotonic())
             self.channel.send({"op": "prefill", **request_to_wire(request)}, self.timeout)
-        except (TransferError, LayoutMismatch) as e:
+        except LayoutMismatch as e:
             self._fail(request.request_id, e)
+        except TransferError as e:
+            self._fail(request.request_id, type(e)(
+                f"the context worker at {self.address} cannot be reached ({e}); start it "
+                f"there again: each later request reconnects"))
 
     def poll(self, timeout: float) -> list:
         out = []
@@ -126,7 +172,12 @@ class RemoteSource:
     # ------------------------------------------------------------ control
 
     def stats(self) -> dict:
-        """The context worker's page counts and failures."""
+        """The context worker's page counts and failures (reconnecting if the channel
+        was dropped)."""
+        if self.channel is None or self.channel.broken:
+            self._connect()
+        while not self._replies.empty():   # a late answer to an earlier call
+            self._replies.get_nowait()
         self.channel.send({"op": "stats"}, self.timeout)
         return self._reply()
 
@@ -140,7 +191,8 @@ class RemoteSource:
             return None
         finally:
             self._stop.set()
-            self._reader.join(self.timeout)
+            for thread in self._threads:
+                thread.join(self.timeout)
             if self.channel is not None:
                 self.channel.close()
 
@@ -155,40 +207,76 @@ class RemoteSource:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         with self._lock:
-            self._outstanding.discard(request_id)
+            self._outstanding.pop(request_id, None)
         self._arrivals.put((request_id, error))
+
+    def _claim(self, request_id: str) -> bool:
+        """Its KV is all here: no fault of the peer can end it now (False: it ended)."""
+        with self._lock:
+            return self._outstanding.pop(request_id, None) is not None
+
+    def _lose_channel(self, channel, error: BaseException) -> None:
+        """Drop `channel` (the peer sees EOF and cancels what it holds of ours) and
+        fail every request waiting on it."""
+        channel.close()
+        with self._lock:
+            lost, self._outstanding = list(self._outstanding), {}
+        for request_id in lost:
+            self._arrivals.put((request_id, error))
+
+    def _check_silence(self, channel) -> None:
+        """Fail what the peer has left waiting for `timeout` (see Deadlines)."""
+        now = time.monotonic()
+        with self._lock:
+            waiting = list(self._outstanding.items())
+        if any(now - max(self._heard, w.sent) > self.timeout for _, w in waiting):
+            self._lose_channel(channel, PeerHung(
+                f"the context worker at {self.address} sent nothing within "
+                f"{self.timeout:.1f}s (no heartbeat): it is stopped or hung; check or "
+                f"restart that process (the connection is dropped, the next request "
+                f"reconnects)"))
+            return
+        for request_id, wait in waiting:
+            if not wait.pulling and wait.listed is not None and now - wait.listed > self.timeout:
+                self._fail(request_id, TransferTimeout(
+                    f"the context worker at {self.address} stopped listing it as in "
+                    f"progress and sent neither its handoff nor a refusal within "
+                    f"{self.timeout:.1f}s: it dropped the request (see that worker's log)"))
 
     def _read_loop(self) -> None:
         while not self._stop.is_set():
             channel = self.channel
+            if channel is None or channel.broken:
+                time.sleep(0.01)
+                continue
             try:
-                if channel is None or channel.broken or not channel.poll(0.05):
-                    time.sleep(0.01 if channel is None or channel.broken else 0)
+                if not channel.poll(0.05):
+                    self._check_silence(channel)
                     continue
                 message = channel.recv(self.timeout)
             except TransferError as e:
-                with self._lock:
-                    lost, self._outstanding = self._outstanding, set()
-                for request_id in lost:
-                    self._arrivals.put((request_id, PeerClosed(
-                        f"the context worker at {self.address} was lost: {e}")))
+                self._lose_channel(channel, PeerClosed(
+                    f"the context worker at {self.address} was lost ({e}); if it died, "
+                    f"start it again: the next request reconnects"))
                 continue
+            now = self._heard = time.monotonic()
             op, request_id = message.get("op"), message.get("request_id")
-            if op == "progress":
+            if op == "progress":   # a heartbeat: every request it does not end waits on
+                ids = set(message.get("request_ids", ()))
                 with self._lock:
-                    held = [r for r in message.get("request_ids", ()) if r in self._outstanding]
-                for request_id in held:
+                    alive = [r for r, w in self._outstanding.items()
+                             if r in ids or w.pulling or w.listed is None]  # None: unread
+                    for request_id in ids.intersection(alive):
+                        self._outstanding[request_id].listed = now
+                for request_id in alive:
                     self._arrivals.put((request_id, None))
             elif op == "handoff":
-                self._arrivals.put((request_id, None))  # the pull's own deadline starts
-                try:
-                    payload = self._pull(message)
-                except Exception as e:  # noqa: BLE001 - any failure is this request's alone
-                    self._fail(request_id, e)
-                    continue
                 with self._lock:
-                    self._outstanding.discard(request_id)
-                self._arrivals.put((request_id, payload))
+                    if request_id not in self._outstanding:
+                        continue   # failed meanwhile: its offer expires over there
+                    self._outstanding[request_id].pulling = True
+                self._arrivals.put((request_id, None))
+                self._handoffs.put((channel, message, now + self.transfer_timeout))
             elif op == "refused":
                 error = {"AdmissionError": AdmissionError,
                          "RequestError": RequestError}.get(message.get("error_type"),
@@ -198,8 +286,27 @@ class RemoteSource:
             elif op == "stats":
                 self._replies.put(message)
 
-    def _pull(self, message: dict) -> KVPayload:
-        """Pull a handoff's KV shards onto `pull_device`, then onto the mesh."""
+    def _pull_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                channel, message, deadline = self._handoffs.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            request_id = message["request_id"]
+            with self._lock:
+                if request_id not in self._outstanding:
+                    continue   # its peer was lost meanwhile
+            try:
+                payload = self._pull(message, channel, deadline)
+            except Exception as e:  # noqa: BLE001 - any failure is this request's alone
+                self._fail(request_id, e)
+                continue
+            if payload is not None:
+                self._arrivals.put((request_id, payload))
+
+    def _pull(self, message: dict, channel, deadline: float) -> KVPayload | None:
+        """Pull a handoff's KV shards onto `pull_device`, then onto the mesh (None:
+        the request ended meanwhile)."""
         request_id = message["request_id"]
         check_layouts(layout_from_wire(message["layout"]), self.layout)
         local = jax.sharding.SingleDeviceSharding(self.pull_device)
@@ -208,7 +315,9 @@ class RemoteSource:
                  for pool in message["pools"] for box in pool["shards"]]
         start = time.perf_counter()
         pieces = self._pulls.pull(message["uuid"], avals)
-        self._await(pieces, request_id)
+        self._await(pieces, request_id, channel, deadline)
+        if not self._claim(request_id):
+            return None
         self.pull_seconds += time.perf_counter() - start
         self.bytes_pulled += sum(p.nbytes for p in pieces)
         buffers = []
@@ -226,24 +335,32 @@ class RemoteSource:
             mode=message["mode"])
         return move_payload(received(payload, self.layout.mode), self.mesh)
 
-    def _await(self, pieces, request_id: str) -> None:
+    def _await(self, pieces, request_id: str, channel, deadline: float) -> None:
         # The pull's own `timeout` argument is not honoured on CPU in jax 0.11.2 (a pull of
         # an unoffered uuid waits until the peer dies), so poll readiness against a deadline.
-        deadline, delay = time.monotonic() + self.timeout, 1e-4
+        delay = 1e-4
+        where = (f"the KV pull from the context worker at {self.address} (transfer server "
+                 f"{self.peer_transfer_address})")
         while not all(p.is_ready() for p in pieces):
+            if channel.broken:   # the reader lost the peer and failed the request
+                self._reset_pulls()
+                raise PeerClosed(f"{where} was abandoned: the context worker was lost")
             if time.monotonic() > deadline:
                 self._reset_pulls()
-                raise TransferTimeout(f"request {request_id!r}: the KV pull from "
-                                      f"{self.peer_transfer_address} did not finish within "
-                                      f"{self.timeout:.1f}s")
+                raise TransferTimeout(f"{where} did not finish within "
+                                      f"{self.transfer_timeout:.1f}s of its handoff while "
+                                      f"the context sent heartbeats: the transfer is stuck; "
+                                      f"check that its transfer server is reachable from "
+                                      f"here (later requests pull afresh)")
             time.sleep(delay)
             delay = min(2 * delay, 0.01)
         try:
             jax.block_until_ready(pieces)
         except jax.errors.JaxRuntimeError as e:
             self._reset_pulls()
-            raise TransferError(f"request {request_id!r}: the KV pull from "
-                                f"{self.peer_transfer_address} failed: {e}") from None
+            raise TransferError(f"{where} failed: the context died or dropped the offer; "
+                                f"if it died, start it again (the next request "
+                                f"reconnects): {e}") from None
 
     def _reset_pulls(self) -> None:
         # Poisoning fails the connection's pending pulls (else they wait on a dead

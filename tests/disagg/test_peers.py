@@ -77,7 +77,8 @@ def generation(address, pair, mesh, *, mode="shared", timeout=30.0, weights=None
     params, cfg, mine = pair
     source = RemoteSource(address, Layout.of(cfg.spec, mode), weights=weights or mine,
                           mesh=mesh, timeout=timeout)
-    return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode, kv_timeout_s=timeout)
+    return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,
+                  kv_timeout_s=source.engine_timeout_s)
 
 
 def perturbed(tree):
