@@ -230,7 +230,8 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     src_state = step_state(src)
 
     def export():
-        return export_step(src_state, np.int32(0), logical, pool_ids=pool_ids)
+        return export_step(src_state, np.zeros(1, np.int32), tuple(l[None] for l in logical),
+                           pool_ids=pool_ids)[0]
 
     buffers, sums, _ = export()
     row["moved_bytes"] = moved_bytes = sum(b.nbytes for b in buffers)
@@ -251,9 +252,10 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
 
     def import_once():
         state["s"], ok = import_step(
-            {}, state["s"], np.int32(0), np.int32(tokens), np.int32(tokens), moved.first_token,
-            moved.logical_pages, moved.buffers, moved.checksums, cfg=cfg, pool_ids=pool_ids,
-            mode="shared", table_width=1)
+            {}, state["s"], np.zeros(1, np.int32), np.full(1, tokens, np.int32),
+            np.full(1, tokens, np.int32), (moved.first_token,),
+            tuple(l[None] for l in moved.logical_pages), (moved.buffers,), (moved.checksums,),
+            cfg=cfg, pool_ids=pool_ids, mode="shared", table_width=1)
         return state["s"].kv.pools
 
     row["import_ms"] = 1e3 * median_seconds(import_once, chained=True)

@@ -30,7 +30,7 @@ import time
 
 from disagg.handshake import Weights
 from disagg.layout import Layout, check_layouts
-from disagg.transfer import Handoff, TransferError, assemble_heads, move_payload, split_heads
+from disagg.transfer import Handoff, TransferError, assemble_heads, move_payloads, split_heads
 from drafter.engine import Engine
 from drafter.kv_io import KVPayload
 from drafter.request import Request
@@ -133,17 +133,19 @@ class InProcessSource:
                 for ctx in self.contexts:
                     if ctx.busy:
                         self._send(*ctx.pump())
+            drained = []
             while True:
                 try:
-                    out.extend(self._arrived(self._arrivals.get_nowait()))
+                    drained.append(self._arrivals.get_nowait())
                 except queue.Empty:
                     break
+            out.extend(self._arrived(drained))
             left = deadline - time.monotonic()
             if out or left <= 0:
                 return out
             if self.threaded or not any(ctx.busy for ctx in self.contexts):
                 try:  # nothing to step here: wait for a thread's arrival
-                    out.extend(self._arrived(self._arrivals.get(timeout=left)))
+                    out.extend(self._arrived([self._arrivals.get(timeout=left)]))
                 except queue.Empty:
                     return out
 
@@ -163,26 +165,35 @@ class InProcessSource:
             for part in (split_heads(h) if self.head_slices else [h]):
                 self._arrivals.put(part)
 
-    def _arrived(self, item) -> list:
-        if isinstance(item, tuple):
-            return [item]
-        handoff = item
-        if handoff.num_slices > 1:
-            parts = self._slices[handoff.request_id]
-            parts.append(handoff)
-            if len(parts) < handoff.num_slices:
-                return []
-            del self._slices[handoff.request_id]
-            device = self.mesh.devices.flat[0] if self.mesh is not None else None
-            try:
-                handoff = assemble_heads(parts, device or _default_device(),
-                                         path=self.move_path)
-            except TransferError as e:
-                return [(handoff.request_id, e)]
-        payload = move_payload(received(handoff.payload, self.mode), self.mesh,
-                               path=self.move_path)
-        self.bytes_moved += payload.nbytes
-        return [(handoff.request_id, payload)]
+    def _arrived(self, items: list) -> list:
+        """Failures as they are; handoffs (head slices joined once all are in) moved to
+        the generation mesh together."""
+        out, whole = [], []
+        for item in items:
+            if isinstance(item, tuple):
+                out.append(item)
+                continue
+            handoff = item
+            if handoff.num_slices > 1:
+                parts = self._slices[handoff.request_id]
+                parts.append(handoff)
+                if len(parts) < handoff.num_slices:
+                    continue
+                del self._slices[handoff.request_id]
+                device = self.mesh.devices.flat[0] if self.mesh is not None else None
+                try:
+                    handoff = assemble_heads(parts, device or _default_device(),
+                                             path=self.move_path)
+                except TransferError as e:
+                    out.append((handoff.request_id, e))
+                    continue
+            whole.append(handoff)
+        moved = move_payloads([received(h.payload, self.mode) for h in whole], self.mesh,
+                              path=self.move_path)
+        for handoff, payload in zip(whole, moved):
+            self.bytes_moved += payload.nbytes
+            out.append((handoff.request_id, payload))
+        return out
 
     def _context_loop(self, ctx: ContextWorker) -> None:
         while not self._stop.is_set():

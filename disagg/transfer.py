@@ -108,6 +108,19 @@ def move_payload(payload: KVPayload, mesh, *, path: str = "coalesced",
         checksums=jax.device_put(payload.checksums, replicated))
 
 
+def move_payloads(payloads: list[KVPayload], mesh, *, path: str = "coalesced",
+                  kv_head_axis: str | None = None) -> list[KVPayload]:
+    """`move_payload` for several payloads; "coalesced" moves them all in one device_put."""
+    if path != "coalesced" or len(payloads) <= 1:
+        return [move_payload(p, mesh, path=path, kv_head_axis=kv_head_axis) for p in payloads]
+    sharding, replicated = receiver_shardings(mesh, kv_head_axis)
+    tree = [(p.buffers, p.first_token, p.checksums) for p in payloads]
+    where = [(tuple(sharding for _ in p.buffers), replicated, replicated) for p in payloads]
+    moved = jax.device_put(tree, where)
+    return [dataclasses.replace(p, buffers=tuple(b), first_token=f, checksums=c)
+            for p, (b, f, c) in zip(payloads, moved)]
+
+
 def receiver_shardings(mesh, kv_head_axis: str | None = None):
     """(the buffers' sharding: split along kv heads over `kv_head_axis`, default the
     mesh's first axis; the scalars' sharding: replicated) on the receiver's mesh, or on

@@ -1,8 +1,8 @@
 """The engine: one request lifecycle over the jitted steps, for every serving role.
 
-    submit(request) ─> Scheduler.schedule() ─> StepPlan ─> dispatch: import_step per arrived
-         ^                                                 KV, one mixed_step (reset, prefill
-         │                                                 chunks, decode rows), export_step
+    submit(request) ─> Scheduler.schedule() ─> StepPlan ─> dispatch: one import_step for the
+         ^                                                 arrived KV, mixed_step (reset, prefill
+         │                                                 chunks, decode rows), one export_step
          └─ Results <── Scheduler.emit / finish <── read step N's outputs (after N+1 is
                                                     dispatched: the host runs one step ahead)
 
@@ -294,32 +294,40 @@ class Engine:
         return max(n, most)
 
     def _dispatch(self, plan):
-        imported = [self._import_one(seq) for seq in plan.imports]
+        imported = self._import_arrived(plan.imports)
         steady = not (plan.prefill or plan.imports or plan.reset_slots or plan.fetch
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
         outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
                                     decode_steps=self.decode_steps if steady else 1)
-        for i, chunk in enumerate(plan.prefill):
-            if chunk.seq in plan.exports:
-                seq = chunk.seq
-                payload = self.executor.export(seq.slot, len(seq.request.prompt),
-                                               outputs[0][0], i)
+        leaving = [(i, chunk.seq) for i, chunk in enumerate(plan.prefill)
+                   if chunk.seq in plan.exports]
+        if leaving:
+            payloads = self.executor.export(
+                [(seq.slot, len(seq.request.prompt), i) for i, seq in leaving], outputs[0][0])
+            for (_, seq), payload in zip(leaving, payloads):
                 self._exports.append(Export(seq.request, payload, seq.submitted))
                 self.scheduler.release_exported(seq)
         return plan, outputs, imported
 
-    def _import_one(self, seq: Sequence):
-        """Dispatch the import of one arrived payload; (ok, first token) on the device,
-        or None when the payload cannot be for this worker (the request fails)."""
-        payload, seq.kv = seq.kv, None
-        request = seq.request
-        problem = import_refusal(payload, self.spec, self.mode, len(request.prompt))
-        if problem is not None:
-            self.scheduler.finish(seq, time.perf_counter(), "error",
-                                  f"request {request.request_id!r}: KV import refused: {problem}")
-            return None
-        return self.executor.import_payload(seq.slot, payload, request.params), \
-            payload.first_token
+    def _import_arrived(self, seqs) -> list:
+        """Dispatch the imports of arrived payloads (one call per buffer shape); per
+        request (ok vector, row, first token) on the device, or None when its payload
+        cannot be for this worker (the request fails)."""
+        accepted, out = [], [None] * len(seqs)
+        for k, seq in enumerate(seqs):
+            payload, seq.kv = seq.kv, None
+            request = seq.request
+            problem = import_refusal(payload, self.spec, self.mode, len(request.prompt))
+            if problem is not None:
+                self.scheduler.finish(seq, time.perf_counter(), "error", f"request "
+                                      f"{request.request_id!r}: KV import refused: {problem}")
+            else:
+                accepted.append((k, seq, payload))
+        done = self.executor.import_payloads([(seq.slot, payload, seq.request.params)
+                                              for _, seq, payload in accepted])
+        for (k, _, payload), (ok, row) in zip(accepted, done):
+            out[k] = (ok, row, payload.first_token)
+        return out
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
         outputs, imported = jax.device_get((outputs, imported))
@@ -334,8 +342,8 @@ class Engine:
         for seq, got in zip(plan.imports, imported):
             if got is None or seq.phase is Phase.DONE:
                 continue
-            ok, first = got
-            if not ok:
+            oks, row, first = got
+            if not oks[row]:
                 results.append(scheduler.finish(seq, now, "error", (
                     f"request {seq.request_id!r}: KV import failed: a buffer's checksum or "
                     f"its page ranges did not match (corrupted in transit, or the two caches "

@@ -15,12 +15,12 @@ import functools
 import jax
 import numpy as np
 
-from drafter.kv_io import KVPayload, export_payload, import_step
+from drafter.kv_io import KVPayload, export_payloads, import_step, pow2_rows
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
 from models.layers import stack_params, unstack_params
-from unified_kv import bucket_width, init_state
+from unified_kv import BAD_PAGE_INDEX, bucket_width, init_state
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,7 +65,7 @@ class Executor:
         self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(_traced_on_mesh, mesh)
         self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))
-        self._export = on_mesh(export_payload)
+        self._export = on_mesh(export_payloads)
         self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
                                 if mesh is None else jax.sharding.NamedSharding(
                                     mesh, jax.sharding.PartitionSpec()))
@@ -105,7 +105,7 @@ class Executor:
 
     def run(self, plan: StepPlan, *, prefill_rows: int, decode_steps: int) -> list:
         """Dispatch a plan's prefill chunks and decode rows (imports first, by
-        `import_payload`). Returns [(packed outputs, decode steps)] per call."""
+        `import_payloads`). Returns [(packed outputs, decode steps)] per call."""
         block = self.cfg.block_size
         for slot in plan.reset_slots:
             self.len_bound[slot] = 0
@@ -201,23 +201,48 @@ class Executor:
 
     # ------------------------------------------------------------ KV in and out
 
-    def import_payload(self, slot: int, payload: KVPayload, params):
-        """Dispatch `import_step` for one payload into `slot`; ok (bool[]) on the device."""
-        self.set_sampling(slot, params)
-        self.len_bound[slot] = payload.target_len
-        self.state, ok = self._import(
-            self.params, self.state, np.int32(slot), np.int32(payload.target_len),
-            np.int32(payload.draft_ctx_len), payload.first_token, payload.logical_pages,
-            payload.buffers, payload.checksums, pool_ids=tuple(payload.pool_ids),
-            mode=self.mode,
-            table_width=self.table_width(payload.target_len + self.cfg.block_size))
-        self.bytes_imported += payload.nbytes
-        return ok
+    def import_payloads(self, arrivals) -> list[tuple[jax.Array, int]]:
+        """Dispatch `import_step` for arrived payloads, one call per buffer shape.
 
-    def export(self, slot: int, prompt_len: int, first_call_outputs, prefill_row: int):
-        """Dispatch `export_step` for a slot whose prefill just ended in row
-        `prefill_row` of the step's first call."""
-        index = self.spec.num_slots * (self.cfg.block_size + 2) + 2 * prefill_row
-        return self._export(self.spec, self.state, slot, prompt_len,
-                            prompt_len if self.cfg.draft is not None else 0,
-                            first_call_outputs, index, mode=self.mode)
+        arrivals: (slot, payload, SamplingParams) per request. Returns per request
+        (ok: bool[R] on the device, its row in it), in order.
+        """
+        groups: dict[tuple, list[int]] = {}
+        for k, (_, payload, _) in enumerate(arrivals):
+            key = (tuple(payload.pool_ids), tuple(b.shape for b in payload.buffers))
+            groups.setdefault(key, []).append(k)
+        out: list = [None] * len(arrivals)
+        for (pool_ids, _), members in groups.items():
+            n = pow2_rows(len(members))
+            rows = [arrivals[k] for k in members]
+            for slot, payload, params in rows:
+                self.set_sampling(slot, params)
+                self.len_bound[slot] = payload.target_len
+                self.bytes_imported += payload.nbytes
+            pad = n - len(rows)
+            first = rows[0][1]
+            ints = lambda f, fill: np.array([f(r) for r in rows] + [fill] * pad, np.int32)
+            logical = tuple(np.stack([r[1].logical_pages[k] for r in rows] + [
+                np.full_like(first.logical_pages[k], BAD_PAGE_INDEX)] * pad)
+                for k in range(len(pool_ids)))
+            longest = max(r[1].target_len for r in rows)
+            self.state, ok = self._import(
+                self.params, self.state, ints(lambda r: r[0], self.spec.dummy_slot),
+                ints(lambda r: r[1].target_len, 0), ints(lambda r: r[1].draft_ctx_len, 0),
+                tuple(r[1].first_token for r in rows) + (np.int32(0),) * pad, logical,
+                tuple(r[1].buffers for r in rows) + (first.buffers,) * pad,
+                tuple(r[1].checksums for r in rows) + (first.checksums,) * pad,
+                pool_ids=pool_ids, mode=self.mode,
+                table_width=self.table_width(longest + self.cfg.block_size))
+            for row, k in enumerate(members):
+                out[k] = (ok, row)
+        return out
+
+    def export(self, rows, first_call_outputs) -> list[KVPayload]:
+        """Dispatch `export_step` for slots whose prefill just ended in the step's
+        first call. rows: (slot, prompt_len, prefill row) per request."""
+        base = self.spec.num_slots * (self.cfg.block_size + 2)
+        with_draft = self.cfg.draft is not None
+        return self._export(self.spec, self.state, [
+            (slot, n, n if with_draft else 0, base + 2 * row) for slot, n, row in rows],
+            first_call_outputs, mode=self.mode)

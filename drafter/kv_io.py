@@ -1,12 +1,16 @@
 """A request's KV out of one cache and into another: jitted export and import steps.
 
     sender (context)                               receiver (generation)
-    export_step(state, slot, logical pages)        import_step(state, slot, lengths, first token,
-      gather the row's live pages of every pool      logical pages, buffers, checksums)
-      -> one buffer per pool [H, n, L, 2, ps, D]     allocate pages for the lengths, check the
-      -> u32 checksum per buffer                     page ranges and checksums, scatter, zero the
+    export_step(state, slots, logical pages)       import_step(state, slots, lengths, first
+      gather each row's live pages of every pool     tokens, logical pages, buffers, checksums)
+      -> per row, one buffer per pool                allocate pages for the lengths, check the
+         [H, n, L, 2, ps, D] + u32 checksums         page ranges and checksums, scatter, zero the
                                                      draft layers in private mode, redraft
-                                                     -> (state, ok)
+                                                     -> (state, ok per row)
+
+Each is one call for every request a step sends or receives (rows padded to a
+power of two, one call per buffer shape), so a burst costs the host one launch
+a side, not one per request.
 
 Both run on the device with no host sync: the live logical pages of a row
 follow from its lengths and the pool's window (`live_logical_pages`), so the
@@ -80,23 +84,26 @@ def _physical(row, logical):
 
 
 @functools.partial(jax.jit, static_argnames=("pool_ids",))
-def export_step(state: StepState, slot, logical_pages, tokens=None, token_index=0, *,
+def export_step(state: StepState, slots, logical_pages, tokens=None, token_indices=None, *,
                 pool_ids: tuple[int, ...]):
-    """Gather one slot's live pages of each pool in `pool_ids` into contiguous buffers.
+    """Gather the live pages of each pool in `pool_ids` of R slots into contiguous buffers.
 
     Args:
-      slot: i32[]; logical_pages: per sent pool, i32[n_bucket] (BAD pads).
-      tokens, token_index: the request's first token is tokens[token_index] (a
+      slots: i32[R] (the dummy slot pads: its row gathers the null page);
+      logical_pages: per sent pool, i32[R, n_bucket] (BAD pads).
+      tokens, token_indices: row r's first token is tokens[token_indices[r]] (a
         step's output vector, read here rather than by a separate device op).
     Returns:
-      (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding gathers
-       the all-zero null page), checksums: u32[len(pool_ids)], first token i32[]).
+      per row: (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding
+      gathers the all-zero null page), checksums: u32[len(pool_ids)], first token i32[]).
     """
-    kv = state.kv
-    buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slot], logical), axis=1)
-                    for i, logical in zip(pool_ids, logical_pages))
-    first = jnp.int32(0) if tokens is None else tokens[token_index]
-    return buffers, jnp.stack([checksum_of(b) for b in buffers]), first
+    kv, rows = state.kv, []
+    for r in range(slots.shape[0]):
+        buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slots[r]], logical[r]),
+                                 axis=1) for i, logical in zip(pool_ids, logical_pages))
+        first = jnp.int32(0) if tokens is None else tokens[token_indices[r]]
+        rows.append((buffers, jnp.stack([checksum_of(b) for b in buffers]), first))
+    return tuple(rows)
 
 
 def _pages_match(row, logical, num_pages: int):
@@ -108,54 +115,61 @@ def _pages_match(row, logical, num_pages: int):
 
 
 @_at_precision
-def import_step(params, state: StepState, slot, target_len, draft_ctx_len, first_token,
+def import_step(params, state: StepState, slots, target_lens, draft_ctx_lens, first_tokens,
                 logical_pages, buffers, checksums, *, cfg: StepConfig, pool_ids: tuple[int, ...],
                 mode: str, table_width: int) -> tuple[StepState, jax.Array]:
-    """Receive one request into an empty slot: allocate, verify, scatter, redraft.
+    """Receive R requests into empty slots: allocate, verify, scatter, redraft.
 
     Args:
-      slot, target_len, draft_ctx_len, first_token: i32[] each.
-      logical_pages, buffers: per pool in `pool_ids`, as `export_step` made them
-        (BAD-padded logical pages pad with entries that are dropped).
-      checksums: u32[len(pool_ids)], the sender's.
+      slots, target_lens, draft_ctx_lens: i32[R] (the dummy slot pads a row);
+      first_tokens: per row i32[] (a sender's device scalar or an int).
+      logical_pages: per pool in `pool_ids`, i32[R, n_bucket] (BAD pads are dropped);
+      buffers: per row, per pool, as `export_step` made them (one shape for all rows);
+      checksums: per row u32[len(pool_ids)], the sender's.
     Returns:
-      (state, ok bool[]). With ok, the slot holds the request's KV, its anchor is
-      `first_token` with a fresh draft block, and it runs. Without, the slot is
-      empty (pages returned) and nothing else changed.
+      (state, ok bool[R]). With ok, the row's slot holds its request's KV, its anchor
+      is its first token with a fresh draft block, and it runs. Without (and for a
+      padding row), the slot is empty (pages returned); no other row is affected.
     """
     spec, kv = cfg.spec, state.kv
-    ids = slot[None]
+    ids = slots
+    real = ids != spec.dummy_slot
+    firsts = jnp.stack([jnp.asarray(t, jnp.int32) for t in first_tokens])
     # Lengths first, so a windowed pool allocates only its in-window tail.
-    kv = kv.replace(target_lens=kv.target_lens.at[ids].set(target_len),
-                    draft_ctx_lens=kv.draft_ctx_lens.at[ids].set(draft_ctx_len))
-    kv, ok = allocate_pages(spec, kv, ids, target_len[None], draft_ctx_len[None])
-    ok = ok[0]
-    for i, logical, buf, sent in zip(pool_ids, logical_pages, buffers, checksums):
-        ok &= _pages_match(kv.page_tables[i][slot], logical, spec.pools[i].max_pages_per_seq)
-        ok &= checksum_of(buf) == sent
+    kv = kv.replace(target_lens=kv.target_lens.at[ids].set(target_lens),
+                    draft_ctx_lens=kv.draft_ctx_lens.at[ids].set(draft_ctx_lens))
+    kv, ok = allocate_pages(spec, kv, ids, target_lens, draft_ctx_lens)
+    ok &= real
+    for k, (i, logical) in enumerate(zip(pool_ids, logical_pages)):
+        rows = kv.page_tables[i][ids]
+        ok &= jax.vmap(_pages_match, (0, 0, None))(rows, logical,
+                                                   spec.pools[i].max_pages_per_seq)
+        ok &= jnp.stack([checksum_of(bufs[k]) == sums[k]
+                         for bufs, sums in zip(buffers, checksums)])
     pools = list(kv.pools)
     for pool in spec.pools:
         i = pool.pool_id
-        row = kv.page_tables[i][slot]
+        rows = kv.page_tables[i][ids]                                  # [R, max_pages]
         if i in pool_ids:
-            logical = logical_pages[pool_ids.index(i)]
-            pages = jnp.where((logical >= 0) & ok, _physical(row, logical), pool.num_pages)
-            buf = buffers[pool_ids.index(i)]
-            pools[i] = pools[i].at[:, pages].set(buf.astype(pools[i].dtype), mode="drop")
+            k = pool_ids.index(i)
+            logical = logical_pages[k]
+            pages = jnp.where((logical >= 0) & ok[:, None],
+                              jax.vmap(_physical)(rows, logical), pool.num_pages)
+            buf = jnp.concatenate([bufs[k] for bufs in buffers], axis=1)  # [H, R*n, ...]
+            pools[i] = pools[i].at[:, pages.reshape(-1)].set(buf.astype(pools[i].dtype),
+                                                             mode="drop")
         draft_offsets = [o for o, name in enumerate(pool.layer_names)
                          if spec.layer(name).role == "draft"]
         if mode == "private" and draft_offsets:  # the drafter starts without the prompt
-            pages = jnp.where((row != BAD_PAGE_INDEX) & ok, row, pool.num_pages)
+            pages = jnp.where((rows != BAD_PAGE_INDEX) & ok[:, None], rows, pool.num_pages)
             for o in draft_offsets:
-                pools[i] = pools[i].at[:, pages, o].set(0, mode="drop")
-    kv = release_slots(spec, kv.replace(pools=tuple(pools)),
-                       jnp.where(ok, spec.dummy_slot, slot)[None])
-    state = state.replace(kv=kv, anchors=state.anchors.at[slot].set(
-                              jnp.where(ok, first_token, state.anchors[slot])),
-                          running=state.running.at[slot].set(ok))
+                pools[i] = pools[i].at[:, pages.reshape(-1), o].set(0, mode="drop")
+    kv = release_slots(spec, kv.replace(pools=tuple(pools)), jnp.where(ok, spec.dummy_slot, ids))
+    state = state.replace(kv=kv, anchors=state.anchors.at[ids].set(
+                              jnp.where(ok, firsts, state.anchors[ids])),
+                          running=state.running.at[ids].set(ok | state.running[ids] & ~real))
     if cfg.draft is not None:
-        state = redraft_rows(params, state, ids, cfg=cfg, table_width=table_width,
-                             active=ok[None])
+        state = redraft_rows(params, state, ids, cfg=cfg, table_width=table_width, active=ok)
     return state, ok
 
 
@@ -186,16 +200,38 @@ class KVPayload:
         return sum(b.nbytes for b in self.buffers)
 
 
-def export_payload(spec: CacheSpec, state: StepState, slot: int, target_len: int,
-                   draft_ctx_len: int, tokens, token_index: int, *, mode: str) -> KVPayload:
-    """Dispatch `export_step` for one prefilled slot whose first token is
-    tokens[token_index] (no host sync)."""
+def pow2_rows(n: int) -> int:
+    """Rows of an export or import call for n requests: a power of two (few shapes)."""
+    return pow2_at_least(max(n, 1))
+
+
+def export_payloads(spec: CacheSpec, state: StepState, rows, tokens, *,
+                    mode: str) -> list[KVPayload]:
+    """Dispatch `export_step` for prefilled slots, one call per page bucket (no host sync).
+
+    rows: (slot, target_len, draft_ctx_len, token_index) per request, whose first
+    token is tokens[token_index]. Returns their payloads in order.
+    """
     pool_ids = sent_pool_ids(spec, mode)
-    logical = tuple(padded_pages(live_logical_pages(spec, spec.pools[i], target_len,
-                                                    draft_ctx_len)) for i in pool_ids)
-    buffers, sums, first = export_step(state, np.int32(slot), logical, tokens,
-                                       np.int32(token_index), pool_ids=pool_ids)
-    return KVPayload(target_len, draft_ctx_len, first, pool_ids, logical, buffers, sums, mode)
+    logical = [tuple(padded_pages(live_logical_pages(spec, spec.pools[i], t, d))
+                     for i in pool_ids) for _, t, d, _ in rows]
+    groups: dict[tuple, list[int]] = {}
+    for r, pages in enumerate(logical):
+        groups.setdefault(tuple(len(p) for p in pages), []).append(r)
+    out: list[KVPayload | None] = [None] * len(rows)
+    for members in groups.values():
+        n = pow2_rows(len(members))
+        pad = n - len(members)
+        slots = np.array([rows[r][0] for r in members] + [spec.dummy_slot] * pad, np.int32)
+        index = np.array([rows[r][3] for r in members] + [0] * pad, np.int32)
+        stacked = tuple(np.stack([logical[r][k] for r in members]
+                                 + [np.full_like(logical[members[0]][k], BAD_PAGE_INDEX)] * pad)
+                        for k in range(len(pool_ids)))
+        exported = export_step(state, slots, stacked, tokens, index, pool_ids=pool_ids)
+        for r, (buffers, sums, first) in zip(members, exported):
+            slot, t, d, _ = rows[r]
+            out[r] = KVPayload(t, d, first, pool_ids, logical[r], buffers, sums, mode)
+    return out
 
 
 # ---------------------------------------------------------------- between engines

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from drafter.engine import Engine
+from drafter import kv_io
 from drafter.kv_io import live_logical_pages, page_bucket
 from tests.drafter.tiny import tiny_pair
 from unified_kv import BAD_PAGE_INDEX
@@ -41,6 +42,66 @@ def test_live_pages_from_lengths_equal_the_tables_after_chunked_prefill(pair):
         engine.run()
 
 
+class OneShot:
+    """Delivers given payloads for the requests it was asked for (after admission), all
+    in one poll."""
+
+    def __init__(self, items):
+        self.items, self.asked = dict(items), []
+
+    def fetch(self, request):
+        self.asked.append(request.request_id)
+
+    def poll(self, timeout):
+        ready = [(rid, self.items.pop(rid)) for rid in self.asked if rid in self.items]
+        return ready
+
+
+def _exports(sender, n):
+    out = []
+    while len(out) < n:
+        sender.step()
+        out += sender.take_exports()
+    return out
+
+
+def test_a_burst_moves_in_one_export_and_one_import_and_a_bad_row_fails_alone(pair,
+                                                                               monkeypatch):
+    """Three prompts of one page bucket leave in one export call and arrive in one
+    import call; the row whose checksum is wrong fails, the others generate what
+    aggregated serving does, and every page comes back."""
+    params, cfg, _ = pair
+    prompts = {f"r{i}": [(7 * i + j) % 60 + 1 for j in range(n)]
+               for i, n in enumerate((17, 20, 22))}
+    sender = Engine(params, cfg, export=True, speculative=False)
+    calls = {"export": 0, "import": 0}
+
+    real_export = kv_io.export_step
+    monkeypatch.setattr(kv_io, "export_step", lambda *a, **k: (
+        calls.__setitem__("export", calls["export"] + 1), real_export(*a, **k))[1])
+    for rid, prompt in prompts.items():
+        sender.add_request(rid, prompt, 4)
+    exports = _exports(sender, 3)
+    assert calls["export"] == 1 and len(exports) == 3
+    payloads = {e.request.request_id: e.payload for e in exports}
+    payloads["r1"] = dataclasses.replace(
+        payloads["r1"], checksums=np.asarray(payloads["r1"].checksums) + np.uint32(1))
+    receiver = Engine(params, cfg, kv_source=OneShot(payloads))
+    real_import = receiver.executor._import
+    receiver.executor._import = lambda *a, **k: (calls.__setitem__("import", calls["import"] + 1),
+                                                 real_import(*a, **k))[1]
+    for rid, prompt in prompts.items():
+        receiver.add_request(rid, prompt, 6)
+    results = {r.request_id: r for r in receiver.run()}
+    assert calls["import"] == 1
+    assert not results["r1"].ok and "checksum" in results["r1"].error
+    alone = Engine(params, cfg).generate([prompts["r0"], prompts["r2"]], 6)
+    assert [results["r0"].tokens, results["r2"].tokens] == [r.tokens for r in alone]
+    assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
+                                                               for p in cfg.spec.pools]
+    assert not np.asarray(receiver.state.running).any()
+
+
 def test_a_payload_for_other_lengths_is_refused_in_the_step(pair):
     params, cfg, _ = pair
     sender = Engine(params, cfg, export=True, speculative=False)
@@ -51,25 +112,10 @@ def test_a_payload_for_other_lengths_is_refused_in_the_step(pair):
         exports = sender.take_exports()
     payload = exports[0].payload
 
-    class OneShot:
-        """Delivers one payload for the request it was asked for (after admission)."""
-
-        def __init__(self, item):
-            self.item, self.asked = item, []
-
-        def fetch(self, request):
-            self.asked.append(request.request_id)
-
-        def poll(self, timeout):
-            if not self.asked or self.item is None:
-                return []
-            item, self.item = self.item, None
-            return [(self.asked[0], item)]
-
     # The receiver believes the prompt is 29 tokens but is told its pages start later.
     shifted = tuple(np.where(l >= 0, l + 1, l) for l in payload.logical_pages)
     bad = dataclasses.replace(payload, logical_pages=shifted)
-    receiver = Engine(params, cfg, kv_source=OneShot(bad))
+    receiver = Engine(params, cfg, kv_source=OneShot({"b": bad}))
     receiver.add_request("b", list(range(1, 30)), 4)
     [result] = receiver.run()
     assert not result.ok and "page ranges" in result.error
