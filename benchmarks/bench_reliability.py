@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import write_results
@@ -53,7 +54,6 @@ from disagg.layout import Layout
 from disagg.processes import REPO_ROOT, ContextProcess, PairSource
 from disagg.remote import RemoteSource
 from disagg.transfer import TransferError
-from disagg.wire import corrupt
 from drafter.engine import Engine
 
 PAIR_DIR = REPO_ROOT / "tests" / "fixtures" / "copy_pair"
@@ -87,6 +87,12 @@ class FaultySource(RemoteSource):
         if (hook := self.after_pull.pop(request_id, None)) is not None and payload is not None:
             payload = hook(payload)
         return payload
+
+
+def corrupt(buffer: jax.Array) -> jax.Array:
+    """One value changed (to 1 if it was 0, else 0), its checksum untouched."""
+    first = (0,) * buffer.ndim
+    return buffer.at[first].set(jnp.where(buffer[first] == 0, 1, 0).astype(buffer.dtype))
 
 
 def leaked_pages(engine) -> int:
@@ -250,10 +256,10 @@ class Campaign:
         self.signal(signal.SIGCONT)
         self.check_context()
 
-        def corrupted(payload):
+        def corrupted(payload):   # the fault's time: once the bad buffer exists
+            bad = jax.block_until_ready(corrupt(payload.buffers[0]))
             times[f"c{k}"] = time.perf_counter()
-            return dataclasses.replace(
-                payload, buffers=(corrupt(payload.buffers[0]), *payload.buffers[1:]))
+            return dataclasses.replace(payload, buffers=(bad, *payload.buffers[1:]))
         source.after_pull[f"c{k}"] = corrupted
         self.serve([f"c{k}", f"b{k}"], fault="corrupted_buffer", faulted={f"c{k}"},
                    fault_at=times)

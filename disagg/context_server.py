@@ -41,8 +41,7 @@ from disagg.handshake import check_pair, hello, read_hello
 from disagg.layout import LayoutMismatch
 from disagg.sources import ContextWorker
 from disagg.transfer import TransferError
-from disagg.wire import (corrupt, layout_to_wire, request_from_wire, split_shards,
-                         start_transfer_server)
+from disagg.wire import layout_to_wire, request_from_wire, split_shards, start_transfer_server
 from drafter.request import RequestError
 from unified_kv import AdmissionError
 
@@ -83,10 +82,9 @@ class ContextServer:
 
     def __init__(self, worker: ContextWorker, *, address: str = "127.0.0.1:0",
                  transfer_host: str = "127.0.0.1", timeout: float = 30.0,
-                 idle_timeout: float = 3600.0, max_peers: int = 16, corrupt_request_ids=()):
+                 idle_timeout: float = 3600.0, max_peers: int = 16):
         self.worker, self.timeout, self.idle_timeout = worker, timeout, idle_timeout
         self.max_peers = max_peers
-        self.corrupt_request_ids = frozenset(corrupt_request_ids)  # tests: a bad wire
         self.weights = worker.weights   # fingerprinted once, before anyone may connect
         self.transfer = start_transfer_server(transfer_host)
         self.listener = Listener(address)
@@ -265,8 +263,6 @@ class ContextServer:
                           "logical_pages": payload.logical_pages[k].tolist(),
                           "checksum": int(sums[k]), "shape": list(payload.buffers[k].shape),
                           "dtype": str(payload.buffers[k].dtype), "shards": boxes})
-        if request_id in self.corrupt_request_ids:
-            pieces[0] = corrupt(pieces[0])
         # The offer expires, so a vanished peer leaves nothing behind.
         expiry = datetime.datetime.now() + datetime.timedelta(seconds=peer.offer_s)
         self.transfer.await_pull(uuid, pieces, timeout=expiry)

@@ -109,7 +109,6 @@ def add_parser(sub) -> None:
                    help="context: compile prefill before serving (peers queue meanwhile)")
     p.add_argument("--http", type=host_port, default=None, metavar="HOST:PORT",
                    help="generation: serve OpenAI-compatible HTTP here instead of JSON lines")
-    p.add_argument("--corrupt-request", action="append", default=[], help=argparse.SUPPRESS)
 
 
 def host_port(text: str) -> tuple[str, int]:
@@ -154,8 +153,7 @@ def run(args) -> None:
     if args.role == "context":
         server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=mode),
                                address=args.address, transfer_host=args.transfer_host,
-                               timeout=args.timeout, idle_timeout=args.idle_timeout,
-                               corrupt_request_ids=args.corrupt_request)
+                               timeout=args.timeout, idle_timeout=args.idle_timeout)
         print(f"context worker listening on {server.address} "
               f"(transfer server {server.transfer.address()})", flush=True)
         if args.warmup:

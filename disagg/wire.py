@@ -54,12 +54,6 @@ def assemble(shape, dtype, boxes, pieces) -> jax.Array:
     return _assemble(tuple(shape), jnp.dtype(dtype), boxes, *pieces)
 
 
-def corrupt(piece: jax.Array) -> jax.Array:
-    """Fault injection: change one value (to 1 if it was 0, else 0), checksum untouched."""
-    first = (0,) * piece.ndim
-    return piece.at[first].set(jnp.where(piece[first] == 0, 1, 0).astype(piece.dtype))
-
-
 def start_transfer_server(host: str):
     """A transfer server on `host` with an explicit transport address (DESIGN: Transfers)."""
     return jax_transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0",

@@ -168,7 +168,7 @@ def test_500_hostile_and_good_lines_through_serve(jsonl_server, greedy):
     assert report["conserved"] and len(report["contexts"]) == 1, report
 
 
-HTTP_REQUESTS, HTTP_GOOD = 120, 20
+HTTP_REQUESTS, HTTP_GOOD = 500, 20
 HTTP_BAD = [
     (b"not json {", "not JSON"), (b"[1, 2]", "must be a JSON object"), (b"null", "JSON object"),
     (b"\xff\xfe{}", "not JSON"), (b"[" * 50000, "not JSON"),
