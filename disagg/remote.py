@@ -3,7 +3,8 @@
     context process                                    generation process
     ContextServer (disagg.context_server)              Engine + RemoteSource (KV source)
       listener  <-- hello {layout, weights, transfer --  connect (reconnects after a drop)
-                         address, keepalive_s}
+                         address, keepalive_s,
+                         transfer_timeout_s}
       check     --- hello {layout, weights, ...} ----->  check (disagg.handshake)
                 <---- prefill {request} (as admitted) -----  fetch: room already reserved here
       batched, chunked prefill; export_step;
@@ -21,7 +22,7 @@ reader thread reads the channel and a pull thread pulls each handoff in turn,
 while the generation engine keeps decoding.
 The context frees a request's pages as soon as its export is dispatched (the
 offered buffers are copies), so no page is held across the wire; an offer
-nobody pulls expires after `timeout`.
+nobody pulls expires (see Deadlines).
 
 Deadlines (every wait has one):
   - the context sends each peer a heartbeat every timeout / 4 seconds listing
@@ -108,7 +109,7 @@ class RemoteSource:
         self.bytes_pulled, self.pull_seconds = 0, 0.0
         self._arrivals: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
-        self._handoffs: queue.Queue = queue.Queue()   # (channel, message), pulled in turn
+        self._handoffs: queue.Queue = queue.Queue()   # (channel, message, deadline)
         self._outstanding: dict[str, _Wait] = {}
         self._heard = time.monotonic()   # when the channel last carried a message
         self._lock = threading.Lock()
