@@ -289,10 +289,11 @@ class Campaign:
 
 
 def named(event: dict, address: str) -> bool:
-    """A faulted request's error names it, and a peer fault names the context."""
+    """A faulted request's error names it, and a peer fault or a corrupted buffer names
+    the context."""
     error = event["error"] or ""
     return f"'{event['request_id']}'" in error and (
-        event["fault"] not in PEER_FAULTS or address in error)
+        event["fault"] not in PEER_FAULTS + ("corrupted_buffer",) or address in error)
 
 
 def is_lost(event: dict, reference) -> bool:

@@ -333,7 +333,7 @@ class RemoteSource:
                                 for p in message["pools"]),
             buffers=tuple(buffers),
             checksums=np.asarray([p["checksum"] for p in message["pools"]], np.uint32),
-            mode=message["mode"])
+            mode=message["mode"], origin=f"the context worker at {self.address}")
         return move_payload(received(payload, self.layout.mode), self.mesh)
 
     def _await(self, pieces, request_id: str, channel, deadline: float) -> None:

@@ -41,11 +41,11 @@ class ContextWorker:
     """Prefills requests on its own mesh and hands their KV over; never decodes."""
 
     def __init__(self, params, cfg: StepConfig, *, mesh=None, mode: str = "shared",
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, name: str = "a context worker"):
         self.engine = Engine(params, cfg, mesh=mesh, export=True, mode=mode,
                              speculative=False, max_num_batched_tokens=max_num_batched_tokens)
         self.layout = Layout.of(cfg.spec, mode)
-        self.mesh, self.mode = mesh, mode
+        self.mesh, self.mode, self.name = mesh, mode, name
         self.num_prefilled = 0
 
     @functools.cached_property
@@ -70,8 +70,8 @@ class ContextWorker:
         """One engine step: (handoffs of requests whose prefill was dispatched,
         Results of requests that failed here)."""
         failed = self.engine.step()
-        handoffs = [Handoff(e.request, e.payload, self.layout, e.submitted)
-                    for e in self.engine.take_exports()]
+        handoffs = [Handoff(e.request, dataclasses.replace(e.payload, origin=self.name),
+                            self.layout, e.submitted) for e in self.engine.take_exports()]
         self.num_prefilled += len(handoffs)
         return handoffs, failed
 
@@ -240,7 +240,8 @@ def disaggregated_engine(params, cfg: StepConfig, *, mode: str = "shared", conte
                          mesh=None, move_path: str = "coalesced", threaded: bool = False,
                          head_slices: bool = False, **engine_kwargs) -> Engine:
     """A generation Engine fed by context workers on `context_meshes` (one each)."""
-    contexts = [ContextWorker(params, cfg, mesh=m, mode=mode) for m in context_meshes]
+    contexts = [ContextWorker(params, cfg, mesh=m, mode=mode, name=f"context worker {k}")
+                for k, m in enumerate(context_meshes)]
     source = InProcessSource(contexts, mesh=mesh, layout=Layout.of(cfg.spec, mode),
                              move_path=move_path, threaded=threaded, head_slices=head_slices)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,

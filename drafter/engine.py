@@ -326,7 +326,7 @@ class Engine:
         done = self.executor.import_payloads([(seq.slot, payload, seq.request.params)
                                               for _, seq, payload in accepted])
         for (k, _, payload), (ok, row) in zip(accepted, done):
-            out[k] = (ok, row, payload.first_token)
+            out[k] = (ok, row, payload.first_token, payload.origin)
         return out
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
@@ -342,12 +342,14 @@ class Engine:
         for seq, got in zip(plan.imports, imported):
             if got is None or seq.phase is Phase.DONE:
                 continue
-            oks, row, first = got
+            oks, row, first, origin = got
             if not oks[row]:
+                sender = f" from {origin}" if origin else ""
                 results.append(scheduler.finish(seq, now, "error", (
-                    f"request {seq.request_id!r}: KV import failed: a buffer's checksum or "
-                    f"its page ranges did not match (corrupted in transit, or the two caches "
-                    f"disagree on windows or page size)")))
+                    f"request {seq.request_id!r}: KV import{sender} failed: a buffer's "
+                    f"checksum or its page ranges did not match (corrupted in transit, or "
+                    f"the two caches disagree on windows or page size); retry the request, "
+                    f"and if it recurs check that link and both workers' cache settings")))
             elif not seq.tokens:  # not booked on arrival
                 book(seq, [int(first)], False)
         for i, chunk in enumerate(plan.prefill):

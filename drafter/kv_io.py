@@ -184,6 +184,7 @@ class KVPayload:
         i32[n_bucket] BAD-padded; buffers: per pool [H, n_bucket, L, 2, ps, D];
         checksums: u32[len(pool_ids)] (a device array or numpy).
       mode: "shared" or "private".
+      origin: who sent it, as errors about it name the sender ("" : unnamed).
     """
 
     target_len: int
@@ -194,6 +195,7 @@ class KVPayload:
     buffers: tuple[jax.Array, ...]
     checksums: object
     mode: str
+    origin: str = ""
 
     @property
     def nbytes(self) -> int:

@@ -186,6 +186,7 @@ def test_a_corrupted_buffer_fails_that_request_alone(which, pair, aggregated):
     assert len(results) == len(prompts)
     bad = results.pop(victim["id"])
     assert bad.finish_reason == "error" and "checksum" in bad.error and victim["id"] in bad.error
+    assert "from context worker 0" in bad.error
     for i, r in enumerate(requests):
         if r.request_id in results:
             assert results[r.request_id].tokens == agg[i].tokens
