@@ -47,15 +47,17 @@ class ControlChannel:
         self._broken = False
 
     @classmethod
-    def connect(cls, address: str, timeout: float) -> "ControlChannel":
-        """Connect, retrying a refusal until `timeout` (the peer may still be starting)."""
+    def connect(cls, address: str, timeout: float, *,
+                retry_refused: bool = True) -> "ControlChannel":
+        """Connect, retrying a refusal until `timeout` (the peer may still be starting);
+        with retry_refused False a refusal fails at once (a peer that was up is gone)."""
         host_port, deadline = parse_address(address), time.monotonic() + timeout
         while True:
             try:
                 sock = socket.create_connection(host_port, timeout=timeout)
                 return cls(sock, address)
             except ConnectionRefusedError as e:
-                if time.monotonic() + 0.1 > deadline:
+                if not retry_refused or time.monotonic() + 0.1 > deadline:
                     raise PeerClosed(f"could not connect to {address} within "
                                      f"{timeout:.1f}s: {e}") from None
                 time.sleep(0.1)

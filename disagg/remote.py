@@ -122,7 +122,10 @@ class RemoteSource:
             thread.start()
 
     def _connect(self) -> None:
-        channel = ControlChannel.connect(self.address, self.timeout)
+        # A first connection waits for a peer still starting; a reconnection runs on
+        # the engine's thread, so a refusal there (the peer is gone) fails at once.
+        channel = ControlChannel.connect(self.address, self.timeout,
+                                         retry_refused=self.channel is None)
         try:
             channel.send(hello("generation", self.layout, self.weights,
                                self.transfer.address(), keepalive_s=self.timeout / 4,

@@ -229,6 +229,10 @@ def test_control_channel_every_wait_times_out():
     with pytest.raises(PeerClosed, match="within 0.3s"):
         ControlChannel.connect(listener.address, timeout=0.3)
     assert 0.2 < time.monotonic() - start < 1.0
+    start = time.monotonic()   # a reconnection to a peer that is gone: refused at once
+    with pytest.raises(PeerClosed, match="could not connect"):
+        ControlChannel.connect(listener.address, timeout=5.0, retry_refused=False)
+    assert time.monotonic() - start < 0.5
 
 
 def test_layout_and_shards_survive_the_wire(pair):
