@@ -1,9 +1,13 @@
 """OpenAI-compatible HTTP front end over a ServingLoop (starlette + uvicorn, Prometheus).
 
-    POST /v1/completions   OpenAI completions; "stream": true answers with server-sent events
-    GET  /v1/models        the one model served
-    GET  /health           200 {"status": "ready"} once compiled; 503 {"status": "starting"}
-    GET  /metrics          Prometheus text format (disagg/metrics.py)
+    POST /v1/completions        OpenAI completions; "stream": true answers with server-sent
+                                events
+    POST /v1/chat/completions   OpenAI chat completions, the messages rendered by the
+                                checkpoint's chat template (none: 400, never an invented one);
+                                streamed likewise
+    GET  /v1/models             the one model served
+    GET  /health                200 {"status": "ready"} once compiled; 503 {"status": "starting"}
+    GET  /metrics               Prometheus text format (disagg/metrics.py)
 
 Rules:
   * the HTTP server runs on its own thread and asyncio loop and never touches
@@ -17,7 +21,9 @@ Rules:
     (then the request is cancelled: 504, or an error event when streaming);
   * the response's `usage` counts prompt and completion tokens; extensions:
     "acceptance_length" (tokens kept per decode step, 1..block size; higher is
-    better) and each choice's "token_ids".
+    better) and each choice's "token_ids";
+  * a streamed answer ends with `data: [DONE]`; a chat stream's first chunk
+    carries the role, its last one the finish_reason (with an empty delta).
 
 starlette, uvicorn and prometheus-client are imported when a server is made;
 a missing one is named with the command that installs it.
@@ -34,7 +40,7 @@ import uuid
 
 from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
-from disagg.schema import parse_completion
+from disagg.schema import parse_chat, parse_completion
 from drafter.request import RequestError
 from unified_kv import AdmissionError
 
@@ -56,6 +62,59 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+class _Format:
+    """The response objects of /v1/completions (`object` "text_completion"); a choice
+    carries `text`, its finish_reason and its `token_ids`; the last streamed chunk
+    carries the finish_reason and acceptance_length."""
+
+    id_prefix, whole_object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def choice(self, text: str, finish_reason, token_ids, *, whole: bool) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                "token_ids": token_ids}
+
+    def head(self) -> list[dict]:
+        """Streamed choices sent before the first token."""
+        return []
+
+    def pieces(self, event: Event) -> list[tuple[dict, dict]]:
+        """Streamed (choice, extra fields) for one Event."""
+        finished = event.finish_reason is not None
+        if not (event.text or event.tokens or finished):
+            return []
+        extra = {"acceptance_length": event.result.acceptance_length} if finished else {}
+        return [(self.choice(event.text, event.finish_reason, event.tokens, whole=False),
+                 extra)]
+
+
+class _ChatFormat(_Format):
+    """The response objects of /v1/chat/completions: "chat.completion" with a `message`
+    {role, content}; streamed as "chat.completion.chunk": the role first (empty
+    content), then content deltas, then an empty delta with the finish_reason and
+    acceptance_length."""
+
+    id_prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def choice(self, text, finish_reason, token_ids, *, whole, delta=None) -> dict:
+        body = {"message": {"role": "assistant", "content": text}} if whole else \
+            {"delta": {"content": text} if delta is None else delta}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason,
+                "token_ids": token_ids}
+
+    def head(self) -> list[dict]:
+        return [self.choice("", None, [], whole=False,
+                            delta={"role": "assistant", "content": ""})]
+
+    def pieces(self, event: Event) -> list[tuple[dict, dict]]:
+        out = []
+        if event.text or event.tokens:
+            out.append((self.choice(event.text, None, event.tokens, whole=False), {}))
+        if event.finish_reason is not None:
+            out.append((self.choice("", event.finish_reason, [], whole=False, delta={}),
+                        {"acceptance_length": event.result.acceptance_length}))
+        return out
+
+
 class CompletionsApp:
     """The starlette app of one served model (`app`), and whether it is ready."""
 
@@ -70,6 +129,7 @@ class CompletionsApp:
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_page, methods=["GET"]),
@@ -97,12 +157,23 @@ class CompletionsApp:
         return Response(body, media_type=content_type)
 
     async def completions(self, request):
+        return await self._serve(request, _Format(), lambda body, rid: parse_completion(
+            body, rid, self.loop.engine, self.loop.tokenizer))
+
+    async def chat_completions(self, request):
+        return await self._serve(request, _ChatFormat(), lambda body, rid: parse_chat(
+            body, rid, self.loop.engine, self.loop.tokenizer, self.model_name))
+
+    # --------------------------------------------------------- internals
+
+    async def _serve(self, request, fmt: _Format, parse):
+        """Parse, check, submit; answer whole or as server-sent events in `fmt`."""
         from starlette.responses import JSONResponse, StreamingResponse
 
         def refuse(status, message, param=None, kind="invalid_request_error"):
             return JSONResponse(error_body(message, param, kind), status_code=status)
 
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -112,12 +183,13 @@ class CompletionsApp:
             return refuse(404, f"model {model!r} is not served here; use {self.model_name!r} "
                                f"(GET /v1/models)", "model", "not_found_error")
         try:
-            req, stops = parse_completion(body, rid, self.loop.engine, self.loop.tokenizer)
+            req, stops = parse(body, rid)
             self.loop.engine.scheduler.check_fits(req)
         except RequestError as e:
             return refuse(400, str(e), e.field)
         except AdmissionError as e:
-            return refuse(400, str(e), "max_tokens")
+            return refuse(400, str(e), "max_completion_tokens" if "max_completion_tokens"
+                          in body else "max_tokens")
         aio = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -130,12 +202,10 @@ class CompletionsApp:
             return refuse(503, str(e), None, "server_error")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if body.get("stream", False):
-            return StreamingResponse(self._stream(rid, events, include_usage),
+            return StreamingResponse(self._stream(rid, fmt, events, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(rid, events, refuse)
-
-    # --------------------------------------------------------- internals
+        return await self._whole(rid, fmt, events, refuse)
 
     async def _next(self, rid: str, events: asyncio.Queue) -> Event:
         try:
@@ -144,11 +214,9 @@ class CompletionsApp:
             self.loop.cancel(rid)
             raise
 
-    def _chunk(self, rid: str, text: str, finish_reason, token_ids, **extra) -> dict:
-        return {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": finish_reason, "token_ids": token_ids}], **extra}
+    def _envelope(self, rid: str, obj: str, choices: list, **extra) -> dict:
+        return {"id": rid, "object": obj, "created": int(time.time()),
+                "model": self.model_name, "choices": choices, **extra}
 
     @staticmethod
     def _usage(event: Event) -> dict:
@@ -156,7 +224,7 @@ class CompletionsApp:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    async def _whole(self, rid: str, events: asyncio.Queue, refuse):
+    async def _whole(self, rid: str, fmt: _Format, events: asyncio.Queue, refuse):
         from starlette.responses import JSONResponse
         pieces, finished = [], False
         try:
@@ -178,16 +246,21 @@ class CompletionsApp:
             return refuse(500 if event.result is not None else 400, event.error, None,
                           "server_error" if event.result is not None else
                           "invalid_request_error")
-        return JSONResponse(self._chunk(rid, "".join(pieces), event.finish_reason,
-                                        event.result.tokens, usage=self._usage(event),
-                                        acceptance_length=event.result.acceptance_length))
+        choice = fmt.choice("".join(pieces), event.finish_reason, event.result.tokens,
+                            whole=True)
+        return JSONResponse(self._envelope(rid, fmt.whole_object, [choice],
+                                           usage=self._usage(event),
+                                           acceptance_length=event.result.acceptance_length))
 
-    async def _stream(self, rid: str, events: asyncio.Queue, include_usage: bool):
+    async def _stream(self, rid: str, fmt: _Format, events: asyncio.Queue,
+                      include_usage: bool):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
         finished = False
         try:
+            for choice in fmt.head():
+                yield sse(self._envelope(rid, fmt.chunk_object, [choice]))
             while not finished:
                 try:
                     event = await self._next(rid, events)
@@ -200,15 +273,11 @@ class CompletionsApp:
                 if finished and (event.result is None or event.finish_reason == "error"):
                     yield sse(error_body(event.error, None, "server_error"))
                     break
-                if event.text or event.tokens or finished:
-                    extra = {"acceptance_length": event.result.acceptance_length} \
-                        if finished else {}
-                    yield sse(self._chunk(rid, event.text, event.finish_reason, event.tokens,
-                                          **extra))
+                for choice, extra in fmt.pieces(event):
+                    yield sse(self._envelope(rid, fmt.chunk_object, [choice], **extra))
                 if finished and include_usage:
-                    yield sse({"id": rid, "object": "text_completion",
-                               "created": int(time.time()), "model": self.model_name,
-                               "choices": [], "usage": self._usage(event)})
+                    yield sse(self._envelope(rid, fmt.chunk_object, [],
+                                             usage=self._usage(event)))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away (or timed out): free the request

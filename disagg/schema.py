@@ -1,6 +1,6 @@
-"""The request schema every front end shares: JSON lines and OpenAI completions.
+"""The request schema every front end shares: JSON lines, OpenAI completions and chat.
 
-Both turn a decoded JSON object into one checked `Request` (drafter/request.py:
+Each turns a decoded JSON object into one checked `Request` (drafter/request.py:
 the same strict checks as the Python API: no coercion) plus its stop strings.
 A problem raises RequestError naming the field (`.field`, in the front end's
 own spelling) and the fix.
@@ -14,11 +14,21 @@ completion: {"model": str, "prompt": str | [int, ...], "max_tokens": int >= 1,
              extensions "stop_token_ids", "ignore_eos"}; OpenAI fields this server
              does not implement are accepted only at their neutral value (n = 1,
              echo = false, logprobs = null, top_p = 1, penalties = 0, ...).
+chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
+             "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
+             int >= 1 (one of them), "temperature", "seed", "stop", "stream",
+             "stream_options", "stop_token_ids", "ignore_eos" as for a completion};
+             neutral-only OpenAI fields as for a completion, plus tools = null,
+             tool_choice = "none", response_format = {"type": "text"}. The prompt is
+             the messages rendered by the checkpoint's chat template with the
+             assistant's turn opened (`tokenizer.encode_chat`); a tokenizer without
+             one refuses every chat request, naming /v1/completions as the way in.
 """
 
 from __future__ import annotations
 
 from drafter.request import Request, RequestError, SamplingParams
+from drafter.tokenizer import ChatTemplateError
 
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
                 "stop_token_ids", "ignore_eos"}
@@ -35,6 +45,19 @@ NEUTRAL = {"n": ((1, None), "send one request per completion"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "seed", "stop", "stream",
                      "stream_options", "stop_token_ids", "ignore_eos", *NEUTRAL}
+CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "echo", "suffix",
+                                                                  "logprobs")},
+                "logprobs": ((None, False), "log probabilities are not returned"),
+                "top_logprobs": ((None,), "log probabilities are not returned"),
+                "tools": ((None,), "tool calls are not implemented"),
+                "tool_choice": ((None, "none"), "tool calls are not implemented"),
+                "response_format": ((None, {"type": "text"}),
+                                    "structured output is not implemented")}
+CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature",
+               "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
+               *CHAT_NEUTRAL}
+CHAT_ROLES = ("system", "user", "assistant")
+MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 MAX_STOP_STRINGS = 16
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
 
@@ -60,6 +83,23 @@ def _check_fields(rid: str, obj, allowed: set) -> None:
     if unknown:
         raise RequestError(f"request {rid!r}: unknown fields {unknown}; use {sorted(allowed)}",
                            unknown[0])
+
+
+def _check_openai_options(rid: str, obj: dict, neutral: dict) -> None:
+    """Neutral-only fields at their neutral value (of the same JSON type), `stream` a
+    boolean, `stream_options` only {"include_usage": bool}."""
+    for name, (allowed, fix) in neutral.items():
+        if allowed is not None and name in obj and not any(
+                type(obj[name]) is type(a) and obj[name] == a for a in allowed):
+            raise RequestError(f"request {rid!r}: {name}={obj[name]!r} is not supported "
+                               f"({fix}); leave it out", name)
+    if not isinstance(obj.get("stream", False), bool):
+        raise RequestError(f"request {rid!r}: \"stream\" must be true or false", "stream")
+    options = obj.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(f"request {rid!r}: \"stream_options\" may hold only "
+                           f"\"include_usage\": true or false", "stream_options")
 
 
 def _text_prompt(rid: str, text, tokenizer) -> list[int]:
@@ -127,17 +167,7 @@ def parse_completion(obj, rid: str, engine, tokenizer) -> tuple[Request, tuple[s
     `.field` uses OpenAI's names). Defaults as OpenAI's: max_tokens 16, temperature 1."""
     try:
         _check_fields(rid, obj, COMPLETION_FIELDS)
-        for name, (allowed, fix) in NEUTRAL.items():
-            if allowed is not None and name in obj and obj[name] not in allowed:
-                raise RequestError(f"request {rid!r}: {name}={obj[name]!r} is not supported "
-                                   f"({fix}); leave it out", name)
-        for name in ("stream",):
-            if not isinstance(obj.get(name, False), bool):
-                raise RequestError(f"request {rid!r}: \"{name}\" must be true or false", name)
-        options = obj.get("stream_options") or {}
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise RequestError(f"request {rid!r}: \"stream_options\" may hold only "
-                               f"\"include_usage\"", "stream_options")
+        _check_openai_options(rid, obj, NEUTRAL)
         if "prompt" not in obj:
             raise RequestError(f"request {rid!r}: \"prompt\" is missing; give text or a list "
                                f"of token ids", "prompt")
@@ -156,3 +186,92 @@ def parse_completion(obj, rid: str, engine, tokenizer) -> tuple[Request, tuple[s
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", "max_tokens"),
                            OPENAI_NAMES.get(e.field, e.field)) from None
+
+
+def no_chat_template(model_name: str) -> str:
+    """The refusal of a chat request to a model whose checkpoint has no chat template."""
+    return (f"model {model_name!r} has no chat template (its checkpoint ships none: no "
+            f"\"chat_template\" in tokenizer_config.json, no chat_template.jinja), so "
+            f"chat messages cannot be turned into a prompt; send the prompt as text to "
+            f"POST /v1/completions instead, or serve a checkpoint whose tokenizer has a chat "
+            f"template (--target DIR)")
+
+
+def _messages(rid: str, obj: dict) -> list[dict]:
+    if "messages" not in obj:
+        raise RequestError(f"request {rid!r}: \"messages\" is missing; give a list of "
+                           f"{MESSAGE_FORM}", "messages")
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"request {rid!r}: \"messages\" must be a non-empty list of "
+                           f"{MESSAGE_FORM}, got {messages!r:.80}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"request {rid!r}: \"{where}\" must be an object "
+                               f"{MESSAGE_FORM}, got {type(m).__name__}", where)
+        unknown = sorted(set(m) - {"role", "content"})
+        if unknown:
+            raise RequestError(f"request {rid!r}: \"{where}\" has unknown fields {unknown}; "
+                               f"a message holds only \"role\" and \"content\"",
+                               f"{where}.{unknown[0]}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise RequestError(f"request {rid!r}: \"{where}.{key}\" is missing; a "
+                                   f"message is {MESSAGE_FORM}", f"{where}.{key}")
+        role, content = m["role"], m["content"]
+        if role not in CHAT_ROLES or not isinstance(role, str):
+            fix = " (\"developer\" instructions go in a \"system\" message)" \
+                if role == "developer" else " (tool calls are not implemented)" \
+                if role in ("tool", "function") else ""
+            raise RequestError(f"request {rid!r}: \"{where}.role\" is {role!r}; use one of "
+                               f"{', '.join(CHAT_ROLES)}{fix}", f"{where}.role")
+        if not isinstance(content, str):
+            raise RequestError(f"request {rid!r}: \"{where}.content\" must be a string, got "
+                               f"{type(content).__name__}; send the message's text as one "
+                               f"string (content parts, images and audio are not supported)",
+                               f"{where}.content")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:   # a lone surrogate ("\\ud800") decodes from JSON
+            raise RequestError(f"request {rid!r}: \"{where}.content\" is not valid Unicode "
+                               f"({e})", f"{where}.content") from None
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _room(rid: str, prompt, engine) -> int:
+    """The most tokens `prompt` leaves room for within the engine's max_seq_len."""
+    probe = engine.make_request(rid, prompt, SamplingParams(max_new_tokens=1))
+    return max(1, engine.spec.max_seq_len - engine.scheduler.reserved_len(probe) + 1)
+
+
+def parse_chat(obj, rid: str, engine, tokenizer, model_name: str
+               ) -> tuple[Request, tuple[str, ...]]:
+    """An OpenAI chat completion request's checked Request and stop strings (RequestError's
+    `.field` uses OpenAI's names, a message's as "messages[i].role"). Defaults: temperature
+    1; max tokens the room the prompt leaves within max_seq_len (the request reserves the
+    pages of that length)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError(no_chat_template(model_name), None)
+    field = "max_tokens"
+    try:
+        _check_fields(rid, obj, CHAT_FIELDS)
+        _check_openai_options(rid, obj, CHAT_NEUTRAL)
+        if "max_tokens" in obj and "max_completion_tokens" in obj:
+            raise RequestError(f"request {rid!r}: give one of \"max_completion_tokens\" and "
+                               f"\"max_tokens\", not both", "max_completion_tokens")
+        if "max_completion_tokens" in obj:
+            field = "max_completion_tokens"
+        messages = _messages(rid, obj)
+        try:
+            prompt = tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise RequestError(f"request {rid!r}: {e}", "messages") from None
+        stop = _stop_strings(rid, obj.get("stop"))
+        default_max = _room(rid, prompt, engine) if field not in obj else None
+        return _make(rid, prompt, obj, engine, field, default_max, 1.0), stop
+    except RequestError as e:
+        raise RequestError(str(e).replace("max_new_tokens", field),
+                           field if e.field == "max_new_tokens" else e.field) from None

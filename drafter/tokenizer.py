@@ -10,11 +10,20 @@ End-of-sequence ids come from the checkpoint, first found of:
 "eos_token_id", `tokenizer_config.json` "eos_token" (a token looked up in
 the vocabulary). None found: generation ends only by length, stop ids or
 stop strings.
+
+A checkpoint's chat template is, first found: `chat_template.jinja`,
+`chat_template.json` "chat_template", `tokenizer_config.json` "chat_template"
+(a string, or a list of {"name", "template"} of which "default" is taken).
+It is rendered by jinja2 as HF transformers renders it (`ChatTemplate`) and
+its text is encoded without the post-processor's special tokens (the template
+writes them). None found: `chat_template` is None; no template is invented.
+The embedded byte tokenizer has none.
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from drafter.corpus import ByteTokenizer
@@ -31,11 +40,126 @@ def _read_json(path: Path) -> dict:
         raise TokenizerError(f"{path}: not valid JSON ({e})") from None
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that refused or failed on the messages given (names why)."""
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                  "cls_token", "mask_token")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message):
+    import jinja2
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class ChatTemplate:
+    """A checkpoint's chat template, rendered as HF transformers renders it.
+
+    jinja2's sandboxed environment with trim_blocks, lstrip_blocks and loop
+    controls; `raise_exception(msg)`, `strftime_now(fmt)`, a `tojson` filter
+    that does not escape HTML, and `{% generation %}` blocks rendered as their
+    body. The variables are `messages`, `add_generation_prompt` and the
+    tokenizer's special tokens (`bos_token`, `eos_token`, ...) as strings.
+    TokenizerError at construction if it does not compile (naming `origin`).
+    """
+
+    def __init__(self, source: str, special_tokens: dict[str, str], origin: str):
+        try:
+            import jinja2
+            from jinja2 import nodes
+            from jinja2.ext import Extension, loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise TokenizerError("rendering the chat template needs the `jinja2` package: "
+                                 "pip install jinja2") from None
+
+        class GenerationBlocks(Extension):
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.CallBlock(self.call_method("_body"), [], [], body) \
+                    .set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[GenerationBlocks, loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateError as e:
+            raise TokenizerError(f"{origin}: the chat template does not compile ({e})") \
+                from None
+        self.source, self.special_tokens, self.origin = source, dict(special_tokens), origin
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages`; ChatTemplateError if the template refuses them
+        (its `raise_exception`) or fails on them."""
+        try:
+            return self._template.render(messages=messages,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except Exception as e:  # the checkpoint's template code, run on the request's data
+            import jinja2
+            why = str(e) if type(e) is jinja2.exceptions.TemplateError \
+                else f"{type(e).__name__}: {e}"
+            raise ChatTemplateError(f"the model's chat template refused these messages: "
+                                    f"{why}") from None
+
+
+def _token_text(value):
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_template(root: Path) -> ChatTemplate | None:
+    """The chat template shipped in checkpoint directory `root` (module rules), or None."""
+    config_file = root / "tokenizer_config.json"
+    config = _read_json(config_file)
+    special = {name: text for name in SPECIAL_TOKENS
+               if (text := _token_text(config.get(name))) is not None}
+    source, origin = None, None
+    if (root / "chat_template.jinja").is_file():
+        source, origin = (root / "chat_template.jinja").read_text(), root / "chat_template.jinja"
+    elif (root / "chat_template.json").is_file():
+        origin = root / "chat_template.json"
+        source = _read_json(origin).get("chat_template")
+    elif config.get("chat_template") is not None:
+        source, origin = config["chat_template"], config_file
+    if source is None:
+        return None
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if "default" not in named:
+            raise TokenizerError(f"{origin}: chat_template lists templates "
+                                 f"{sorted(map(str, named))} but none named \"default\"; "
+                                 f"this server renders the default one")
+        source = named["default"]
+    if not isinstance(source, str):
+        raise TokenizerError(f"{origin}: chat_template must be a string (a jinja template), "
+                             f"got {type(source).__name__}")
+    return ChatTemplate(source, special, str(origin))
+
+
 class HFTokenizer:
     """A checkpoint's `tokenizer.json` through the HF `tokenizers` library.
 
     `encode` applies the tokenizer's own post-processor (special tokens as the
-    checkpoint defines them); `decode` drops special tokens.
+    checkpoint defines them) unless `add_special_tokens=False`; `decode` drops
+    special tokens; `encode_chat` renders messages with the checkpoint's
+    `chat_template` (None: it has none) and encodes the text as it stands.
     """
 
     def __init__(self, path):
@@ -56,6 +180,7 @@ class HFTokenizer:
         self.path = file
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = self._eos_ids(file.parent)
+        self.chat_template = load_chat_template(file.parent)
 
     def _eos_ids(self, root: Path) -> tuple[int, ...]:
         for name in ("generation_config.json", "config.json"):
@@ -73,8 +198,17 @@ class HFTokenizer:
             return (i,)
         return ()
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of `messages` ([{"role", "content"}, ...]) with the assistant's
+        turn opened. ChatTemplateError if the template refuses them; TokenizerError if
+        the checkpoint has no chat template."""
+        if self.chat_template is None:
+            raise TokenizerError(f"{self.path.parent} has no chat template")
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -1,12 +1,16 @@
 """The OpenAI-compatible HTTP server, driven by the official `openai` client and raw HTTP.
 
 One server for the module: the embedded pair, aggregated, on a free local port;
-its ServingLoop runs on a thread of the test process. The engine's own greedy
-output for the test prompts is computed first (it is also the warm-up).
+its ServingLoop runs on a thread of the test process. Text goes through a
+byte-level tokenizer.json the module writes (ids equal to the embedded byte
+tokenizer's) whose tokenizer_config.json carries a small chat template. The
+engine's own greedy output for the test prompts and the rendered chats is
+computed first (it is also the warm-up).
 """
 
 import concurrent.futures
 import json
+from pathlib import Path
 import threading
 import time
 import urllib.error
@@ -21,19 +25,67 @@ from disagg.frontend import load_pair, make_engine, warm_up  # noqa: E402
 from disagg.http import CompletionsApp, HTTPServer  # noqa: E402
 from disagg.loop import ServingLoop  # noqa: E402
 from disagg.metrics import ServingMetrics  # noqa: E402
+from drafter.corpus import BOS, EOS, ByteTokenizer  # noqa: E402
+from drafter.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n\ndef main():\n", "class Point:\n    def",
            "for i in range(10):\n    "]
 MAX_TOKENS = 16
+CHAT_TEMPLATE = (
+    "{% if messages[0].role == 'assistant' %}"
+    "{{ raise_exception('a conversation opens with a system or user message') }}{% endif %}"
+    "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+CHATS = {  # messages -> the prompt the template renders, spelled out by hand
+    "add": ([{"role": "system", "content": "Write Python."},
+             {"role": "user", "content": "def add(a, b):"}],
+            "<system>Write Python.</system>\n<user>def add(a, b):</user>\n<assistant>"),
+    "loop": ([{"role": "user", "content": "import os"},
+              {"role": "assistant", "content": "def main():"},
+              {"role": "user", "content": "for i in range(10):"}],
+             "<user>import os</user>\n<assistant>def main():</assistant>\n"
+             "<user>for i in range(10):</user>\n<assistant>"),
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the ByteLevel pre-tokenizer's)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
+def chat_tokenizer(root: Path):
+    """A byte-level tokenizer.json whose ids are the embedded byte tokenizer's (a byte's
+    id is its value, <bos> and <eos> are BOS and EOS, <bos> opens an encoded text), and
+    a tokenizer_config.json with CHAT_TEMPLATE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    vocab = {c: b for b, c in bytes_to_unicode().items()} | {"<bos>": BOS, "<eos>": EOS}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<bos>", "<eos>"])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                       special_tokens=[("<bos>", BOS)])
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": CHAT_TEMPLATE}))
+    return root
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     pair = load_pair(num_slots=4)
     engine = make_engine("aggregated", pair)
-    tok = pair.tokenizer
+    tok = load_tokenizer(chat_tokenizer(tmp_path_factory.mktemp("chat")),
+                         model_vocab_size=pair.step_config.target.vocab_size)
+    assert [tok.encode(p) for p in PROMPTS] == [ByteTokenizer().encode(p) for p in PROMPTS]
     warm_up(engine, tok)
-    greedy = engine.generate([tok.encode(p) for p in PROMPTS], MAX_TOKENS)
+    chat_ids = {k: [BOS, *text.encode()] for k, (_, text) in CHATS.items()}
+    greedy = engine.generate([tok.encode(p) for p in PROMPTS] + list(chat_ids.values()),
+                             MAX_TOKENS)
     metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
     loop = ServingLoop(engine, tok, metrics)
     app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=120)
@@ -44,8 +96,8 @@ def server():
     client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", timeout=120,
                            max_retries=0)
     yield {"url": http.url, "client": client, "name": pair.name, "tok": tok,
-           "greedy": {p: r.tokens for p, r in zip(PROMPTS, greedy)}, "engine": engine,
-           "block": pair.step_config.block_size}
+           "greedy": {p: r.tokens for p, r in zip([*PROMPTS, *CHATS], greedy)},
+           "chat_ids": chat_ids, "engine": engine, "block": pair.step_config.block_size}
     loop.close()
     thread.join(60)
     http.stop()
@@ -221,3 +273,111 @@ def test_health_models_and_metrics(server):
     pools = {s.labels["pool"] for s in families["dflash_kv_pages_capacity"].samples}
     assert pools == {str(p.pool_id) for p in server["engine"].spec.pools}
     assert value("dflash_kv_pages_capacity", "dflash_kv_pages_capacity", pool="0") > 0
+
+
+def test_chat_equals_the_engines_greedy_output_for_the_rendered_prompt(server):
+    c, tok = server["client"], server["tok"]
+    messages, _ = CHATS["add"]
+    out = c.chat.completions.create(model=server["name"], messages=messages,
+                                    max_tokens=MAX_TOKENS, temperature=0)
+    want = server["greedy"]["add"]
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant"
+    assert choice.message.content == tok.decode(want)
+    assert choice.token_ids == want
+    assert choice.finish_reason == ("length" if len(want) == MAX_TOKENS else "stop")
+    assert out.usage.prompt_tokens == len(server["chat_ids"]["add"])
+    assert out.usage.completion_tokens == len(want)
+    assert 1.0 <= out.acceptance_length <= server["block"]
+
+
+def test_streamed_chat_sends_the_role_then_deltas_then_the_finish(server):
+    c, tok = server["client"], server["tok"]
+    messages, _ = CHATS["loop"]
+    chunks = list(c.chat.completions.create(
+        model=server["name"], messages=messages, max_completion_tokens=MAX_TOKENS,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    want = server["greedy"]["loop"]
+    assert {ch.object for ch in chunks} == {"chat.completion.chunk"}
+    assert len({ch.id for ch in chunks}) == 1
+    first, *middle, last, usage = chunks
+    assert first.choices[0].delta.role == "assistant" and not first.choices[0].delta.content
+    assert len(middle) >= 2, "content arrives in several deltas as decode steps commit it"
+    assert all(ch.choices[0].finish_reason is None for ch in [first, *middle])
+    assert "".join(ch.choices[0].delta.content for ch in middle) == tok.decode(want)
+    assert [t for ch in middle for t in ch.choices[0].token_ids] == want
+    assert last.choices[0].finish_reason in ("length", "stop")
+    assert last.choices[0].delta.content is None
+    assert 1.0 <= last.acceptance_length <= server["block"]
+    assert usage.choices == [] and usage.usage.completion_tokens == len(want)
+    assert usage.usage.prompt_tokens == len(server["chat_ids"]["loop"])
+
+
+BAD_CHATS = [
+    ({"max_tokens": 3}, "messages", "missing"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": "hi"}, "messages", "non-empty list"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "use one of"),
+    ({"messages": [{"role": "developer", "content": "hi"}]}, "messages[0].role", "system"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 7}]},
+     "messages[1].content", "must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+     "messages[0].content", "must be a string"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "messages[0].name",
+     "unknown fields"),
+    ({"messages": ["hi"]}, "messages[0]", "must be an object"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages",
+     "a conversation opens with a system or user message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+      "max_completion_tokens": 2}, "max_completion_tokens", "not both"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens", "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools", "not implemented"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt",
+     "unknown fields"),
+]
+
+
+def test_bad_chats_get_400_naming_the_problem_while_a_good_one_completes(server):
+    url = f"{server['url']}/v1/chat/completions"
+    messages, _ = CHATS["add"]
+    body = json.dumps({"model": server["name"], "messages": messages, "temperature": 0,
+                       "max_tokens": MAX_TOKENS, "stream": True}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        head = json.loads(r.readline().decode()[len("data: "):])  # in flight from here
+        assert head["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        for bad, param, words in BAD_CHATS:
+            status, text = post(url, bad)
+            err = json.loads(text)["error"]
+            assert status == 400, (bad, text)
+            assert err["type"] == "invalid_request_error" and err["param"] == param, (bad, err)
+            assert words in err["message"], (bad, err)
+        lines = [line.decode().strip() for line in r if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == \
+        server["greedy"]["add"]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_model_without_a_chat_template_refuses_chat_naming_the_way_in(server):
+    """The embedded pair's byte tokenizer has no chat template: /v1/chat/completions says
+    so (never an invented template); the loop is never run, nothing reaches the engine."""
+    metrics = ServingMetrics(server["engine"].spec, server["block"])
+    app = CompletionsApp(ServingLoop(server["engine"], ByteTokenizer(), metrics), metrics,
+                         server["name"])
+    http = HTTPServer(app.app, "127.0.0.1", 0).start()
+    try:
+        client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=server["name"], messages=CHATS["add"][0],
+                                           max_tokens=4)
+        message = e.value.body["message"]
+        assert "has no chat template" in message and "/v1/completions" in message
+        assert e.value.status_code == 400
+    finally:
+        http.stop()
