@@ -14,7 +14,11 @@ from unified_kv import AdmissionError
 
 @pytest.fixture(scope="module")
 def pair():
-    return tiny_pair(num_slots=2, max_seq_len=64)
+    """The module's one reference pair, its params committed to a device as checkpoints
+    load: every test serving on it shares its compiled steps (tests/models/test_checkpoint.py
+    serves the same config, so its steps come from the run's compilation cache)."""
+    params, spec_cfg, plain_cfg = tiny_pair(num_slots=2)
+    return jax.device_put(params, jax.devices()[0]), spec_cfg, plain_cfg
 
 
 def snapshot(engine):
@@ -41,7 +45,7 @@ def assert_all_free(engine):
     ([1, -1], 4, RequestError, r"token ids \[-1\]"),
     ([1, 63], 4, RequestError, r"\[63\] are reserved"),
     ([1, "2"], 4, RequestError, "non-integer"),
-    ([1] * 60, 4, AdmissionError, "exceeds max_seq_len=64"),
+    ([1] * 150, 4, AdmissionError, "exceeds max_seq_len=160"),
     ([1, 2], 0, RequestError, "max_new_tokens must be an integer >= 1"),
 ])
 def test_bad_requests_are_refused_and_leave_others_intact(pair, prompt, max_new, err, match):
@@ -164,7 +168,7 @@ def test_cancel_frees_the_slot_and_its_pages(pair):
 
 def test_engine_runs_the_pallas_kernel_path_in_interpret_mode(pair):
     """The GPU path (Pallas batch tables + attention) wired through the engine."""
-    params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, max_seq_len=64, impl="interpret")
+    params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, impl="interpret")
     ref_params, ref_cfg, _ = pair  # the same pair on the reference path (its steps compiled)
     assert ref_cfg.impl == "reference" and ref_cfg.spec == spec_cfg.spec
     prompt = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
@@ -176,16 +180,16 @@ def test_engine_runs_the_pallas_kernel_path_in_interpret_mode(pair):
 def test_fp8_kernel_options_stay_lossless_in_interpret_mode():
     """Over fp8 target KV the kernels take their fp8 launch options and
     speculative output still equals plain greedy output (interpret mode)."""
-    params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, max_seq_len=64,
-                                            target_kv_dtype="fp8_e4m3", impl="interpret")
+    params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, target_kv_dtype="fp8_e4m3",
+                                            impl="interpret")
     prompt = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
     spec = Engine(params, spec_cfg).generate(prompt, 6)[0]
     plain = Engine(params, plain_cfg, speculative=False).generate(prompt, 6)[0]
     assert spec.tokens == plain.tokens
 
 
-def test_warmup_compiles_table_widths_and_changes_nothing():
-    params, cfg, _ = tiny_pair(num_slots=2)
+def test_warmup_compiles_table_widths_and_changes_nothing(pair):
+    params, cfg, _ = pair
     prompts = [[1, 2, 3, 4, 5], list(range(1, 30))]
     want = Engine(params, cfg).generate(prompts, 10)
     engine = Engine(params, cfg)
@@ -200,11 +204,10 @@ def test_warmup_compiles_table_widths_and_changes_nothing():
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
-def test_a_warm_engine_compiles_nothing_more(caplog):
-    params, cfg, _ = tiny_pair(num_slots=1)
-    params = jax.device_put(params, jax.devices()[0])  # committed, as checkpoints load
+def test_a_warm_engine_compiles_nothing_more(pair, caplog):
+    params, cfg, _ = pair  # params committed, as checkpoints load
     engine = Engine(params, cfg)
-    engine.generate([[1, 2, 3, 4, 5]], 6)  # compiles every step once
+    engine.generate([[1, 2, 3, 4, 5]], 6)  # compiles every step it needs once (if not yet)
     jax.config.update("jax_log_compiles", True)
     try:
         with caplog.at_level(logging.WARNING):
