@@ -13,11 +13,17 @@ from unified_kv import admit_slots, init_state
 
 def test_dense_training_block_matches_paged_draft_block():
     params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=96)
+    # Jitted as serving and training run them: one compile each, not one per op.
+    features = jax.jit(target_features, static_argnums=(1, 2))
+    dense_block = jax.jit(block_logits, static_argnums=(1, 3))
+    prefill = jax.jit(prefill_step, static_argnames=("cfg", "table_width"))
+    paged_block = jax.jit(draft_block, static_argnums=(1, 3, 4), static_argnames=("impl",))
+    tables_of = jax.jit(cfg.device_tables, static_argnums=2)
     tokens = np.random.default_rng(0).integers(0, 63, (1, 40)).astype(np.int32)
-    feats = target_features(params["target"], cfg.target, cfg.draft, jnp.asarray(tokens))
+    feats = features(params["target"], cfg.target, cfg.draft, jnp.asarray(tokens))
     for anchor in (5, 17, 33):  # context shorter than, around and past the windows
-        dense = block_logits(params["draft"], cfg.draft, params["target"], cfg.target,
-                             jnp.asarray(tokens), feats, jnp.array([[anchor]]))
+        dense = dense_block(params["draft"], cfg.draft, params["target"], cfg.target,
+                            jnp.asarray(tokens), feats, jnp.array([[anchor]]))
         state = init_step_state(cfg, init_state(cfg.spec))
         ids = jnp.array([0], jnp.int32)
         state = state.replace(kv=admit_slots(cfg.spec, state.kv, ids))
@@ -26,12 +32,12 @@ def test_dense_training_block_matches_paged_draft_block():
             piece = np.zeros((1, chunk), np.int32)
             n = min(chunk, anchor - start)
             piece[0, :n] = tokens[0, start:start + n]
-            state, _, ok = prefill_step(params, state, ids, jnp.asarray(piece), jnp.array([n]),
-                                        jnp.array([False]), jax.random.key(0), cfg=cfg,
-                                        table_width=16)
+            state, _, ok = prefill(params, state, ids, jnp.asarray(piece), jnp.array([n]),
+                                   jnp.array([False]), jax.random.key(0), cfg=cfg,
+                                   table_width=16)
             assert bool(ok[0])
-        tables = cfg.device_tables(state.kv, ids, 16)
-        _, paged = draft_block(params["draft"], cfg.draft, params["target"], cfg.target,
+        tables = tables_of(state.kv, ids, 16)
+        _, paged = paged_block(params["draft"], cfg.draft, params["target"], cfg.target,
                                cfg.spec, state.kv.pools, tables,
                                jnp.asarray(tokens[:, anchor]), jnp.array([anchor]),
                                jnp.array([True]), impl="reference")
