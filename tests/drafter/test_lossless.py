@@ -9,8 +9,12 @@ from tests.drafter.tiny import tiny_pair
 
 
 def run_both(params, spec_cfg, plain_cfg, prompts, max_new, arrivals=None):
+    """Speculative output served batched (requests joining mid-run), against plain
+    greedy output of each prompt served alone: one prefill row shape to compile for
+    the plain steps, however the batch would have packed the prompts."""
     spec = Engine(params, spec_cfg).generate(prompts, max_new, arrival_steps=arrivals)
-    plain = Engine(params, plain_cfg, speculative=False).generate(prompts, max_new)
+    plain_engine = Engine(params, plain_cfg, speculative=False)
+    plain = [plain_engine.generate([p], max_new)[0] for p in prompts]
     return spec, plain
 
 
