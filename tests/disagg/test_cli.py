@@ -94,7 +94,7 @@ def test_serve_drains_on_sigterm_and_exits_cleanly(tmp_path):
     """SIGTERM: the lines already read are answered, then serve exits 0."""
     proc = subprocess.Popen([sys.executable, "-m", "disagg", "serve", "--draft-kv", "aggregated"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=Path(__file__).resolve().parents[2], env=child_env(1))
+                            cwd=Path(__file__).resolve().parents[2], env=child_env(4))
     def send(rid, n):
         proc.stdin.write((json.dumps({"id": rid, "prompt": "def f(x):", "max_new_tokens": n})
                           + "\n").encode())
