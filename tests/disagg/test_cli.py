@@ -92,6 +92,8 @@ def test_serve_batches_the_stream_and_answers_every_line_once(monkeypatch, capsy
 @pytest.mark.timeout(300)
 def test_serve_drains_on_sigterm_and_exits_cleanly(tmp_path):
     """SIGTERM: the lines already read are answered, then serve exits 0."""
+    # The parent's 4 host devices: same XLA flags and meshes as the demo test's aggregated
+    # engine, so the child's steps come from the run's compilation cache.
     proc = subprocess.Popen([sys.executable, "-m", "disagg", "serve", "--draft-kv", "aggregated"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=Path(__file__).resolve().parents[2], env=child_env(4))
