@@ -1,6 +1,6 @@
-"""Decode step time and KV memory: the unified cache against the layouts it replaces.
+"""Decode step time and KV memory: the unified cache against the baselines it replaces.
 
-    PYTHONPATH=. python benchmarks/bench_cache_layouts.py [--out DIR] [--contexts 4096 ...]
+    PYTHONPATH=. python benchmarks/bench_cache_baselines.py [--out DIR] [--contexts 4096 ...]
         [--batches 1 16] [--quick]
 
 The embedded default pair (fp8 target KV in a windowed and a full pool, bf16
@@ -20,7 +20,7 @@ as device time (16 steps in one jitted loop, no host in between; median of
   full_rebuild  the unified cache, but every slot's full-capacity table
                 rebuilt each step (then the batch rows picked)
 
-KV memory is what each layout holds on the device (pools, page tables, free
+KV memory is what each variant holds on the device (pools, page tables, free
 lists). Ratios are against `unified` in the same run.
 """
 
@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.cache_layouts import (TwoCacheState, full_rebuild, kv_memory_bytes, per_layer,
-                                      split_config, split_state, two_cache_decode_step)
+from benchmarks.cache_baselines import (TwoCacheState, full_rebuild, kv_memory_bytes, per_layer,
+                                        split_config, split_state, two_cache_decode_step)
 from benchmarks.timing import time_step_loop, write_results
 from drafter.default import default_step_config, load_default
 from drafter.steps import decode_step, init_step_state
@@ -141,9 +141,10 @@ def main(argv=None):
                       f"{row.get('step_over_unified', float('nan')):9.3f} "
                       f"{row['kv_memory_gib']:8.3f} "
                       f"{row.get('memory_over_unified', float('nan')):9.4f}", flush=True)
-                write_results("cache_layouts", {"num_slots": NUM_SLOTS, "num_requests": NUM_REQUESTS,
-                                                "max_seq_len": max_seq_len,
-                                                "steps": args.steps, "rows": rows}, args.out)
+                write_results("cache_baselines",
+                              {"num_slots": NUM_SLOTS, "num_requests": NUM_REQUESTS,
+                               "max_seq_len": max_seq_len, "steps": args.steps, "rows": rows},
+                              args.out)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ import numpy as np
 from benchmarks.timing import write_results
 from disagg.control import ControlChannel
 from disagg.handshake import Weights, hello, read_hello
-from disagg.layout import Layout
+from disagg.kv_format import KVFormat
 from disagg.processes import REPO_ROOT, ContextProcess, PairSource
 from disagg.remote import RemoteSource
 from disagg.transfer import TransferError
@@ -118,7 +118,7 @@ class Campaign:
         self.env = {"JAX_COMPILATION_CACHE_DIR": str(self.workdir / "jax_cache"),
                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2"}
         self.params, self.cfg = self.pair.load()
-        self.layout, self.weights = Layout.of(self.cfg.spec, "shared"), Weights.of(self.params)
+        self.kv_format, self.weights = KVFormat.of(self.cfg.spec, "shared"), Weights.of(self.params)
         self.mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
         self.events: list[dict] = []
         self.generation_checks: list[int] = []   # pages leaked after each serve
@@ -137,7 +137,7 @@ class Campaign:
         self.address, self.lives = self.ctx.address, self.lives + 1
         self.await_ready()
         if self.engine is None:
-            source = FaultySource(self.address, self.layout, weights=self.weights,
+            source = FaultySource(self.address, self.kv_format, weights=self.weights,
                                   mesh=self.mesh, timeout=self.timeout)
             self.engine = Engine(self.params, self.cfg, mesh=self.mesh, kv_source=source,
                                  mode="shared", kv_timeout_s=source.engine_timeout_s)
@@ -147,7 +147,7 @@ class Campaign:
         with a probe that leaves at once."""
         channel = ControlChannel.connect(self.address, self.start_timeout)
         try:
-            channel.send(hello("generation", self.layout, self.weights, "127.0.0.1:0"),
+            channel.send(hello("generation", self.kv_format, self.weights, "127.0.0.1:0"),
                          self.timeout)
             read_hello(channel.recv(self.start_timeout), "context")
         finally:

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/bench_transfer.py --out DIR [--sizes 64M,256M,1G,4G]
         [--fragments-max 1G] [--quick]
 
-KV layout: a Qwen3-8B-like target (36 layers, 8 kv heads, head dim 128, fp8
+KV shape: a Qwen3-8B-like target (36 layers, 8 kv heads, head dim 128, fp8
 KV, page 16, no windows) plus a 2-layer bf16 DFlash drafter (8 kv heads, head
 dim 128): two pools, 80 KiB per token, 1.25 MiB per 16-token page (1.125 MiB
 target + 128 KiB draft). A request of S bytes holds S / 80 KiB tokens
@@ -15,7 +15,7 @@ Everything goes through the code users run: `export_step` (gather +
 checksum), `move_payload` (per path), `import_step` (allocate + verify +
 scatter). The baseline path `fragments` (`move_fragments`, here only) puts one
 logical page of one pool at a time (all its layers, K and V, all kv heads; 1.125
-MiB for the target pool): what a transfer without coalescing makes in this layout.
+MiB for the target pool): what a transfer without coalescing makes in this pool layout.
 
 Source -> destination: device 0 -> device 1 when there are two devices, the
 link being `jax.device_put` of one contiguous array of the same bytes
@@ -350,10 +350,10 @@ def main(argv=None) -> dict:
         print(f"  {size / MiB:.0f} MiB done in {time.perf_counter() - start:.1f}s",
               flush=True)
     print_rows(rows, two)
-    report = {"layout": {"target_layers": TARGET_LAYERS, "draft_layers": DRAFT_LAYERS,
-                         "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
-                         "target_kv": "fp8_e4m3", "draft_kv": "bf16",
-                         "bytes_per_token": BYTES_PER_TOKEN},
+    report = {"kv_shape": {"target_layers": TARGET_LAYERS, "draft_layers": DRAFT_LAYERS,
+                           "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
+                           "target_kv": "fp8_e4m3", "draft_kv": "bf16",
+                           "bytes_per_token": BYTES_PER_TOKEN},
               "devices": len(devices), "rows": rows}
     if args.out:
         print("wrote", write_results("transfer", report, args.out))

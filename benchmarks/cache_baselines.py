@@ -1,4 +1,4 @@
-"""The cache layouts the unified cache is measured against.
+"""The baselines the unified cache is measured against.
 
 The unified cache keeps target and draft layers in one KVState: one set of
 free lists, per-pool page tables (layers of a pool share a table), and one
@@ -38,7 +38,7 @@ from unified_kv.spec import size_pools
 
 @dataclasses.dataclass(frozen=True)
 class PerLayerCacheSpec(CacheSpec):
-    """Every layer its own pool, page table and free list, instead of one per layout."""
+    """Every layer its own pool, page table and free list, instead of one per pool key."""
 
     @functools.cached_property
     def pools(self):

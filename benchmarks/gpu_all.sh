@@ -3,7 +3,7 @@
 #
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
-# STAGEs: tests, attention, layouts (batch tables, cache layouts, decode speed),
+# STAGEs: tests, attention, decode (batch tables, cache baselines, decode speed),
 # eval, transfer, serving, scale. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
@@ -15,11 +15,11 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|layouts|eval|transfer|serving|scale) stages+=("$a") ;;
+    tests|attention|decode|eval|transfer|serving|scale) stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention layouts eval transfer serving scale)
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention decode eval transfer serving scale)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
   if [ -n "${DRY_RUN:-}" ]; then echo "[$limit s] $*"; return; fi
@@ -43,9 +43,9 @@ for stage in "${stages[@]}"; do
       run 200 paged_attention_prefill python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         --prefill-only
       run 240 gluon_attention python3 benchmarks/bench_gluon_attention.py --out "$OUT" ;;
-    layouts)
+    decode)
       run 100 batch_tables python3 benchmarks/bench_batch_tables.py --out "$OUT"
-      run 230 cache_layouts python3 benchmarks/bench_cache_layouts.py --out "$OUT" \
+      run 230 cache_baselines python3 benchmarks/bench_cache_baselines.py --out "$OUT" \
         --contexts 4096 131072 1048576
       run 230 decode_speed python3 benchmarks/bench_decode_speed.py --out "$OUT" ;;
     eval)

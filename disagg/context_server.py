@@ -1,6 +1,6 @@
 """The context side of a two-process pair: one context worker serving several generation peers.
 
-    listener ── accept ──> handshake (disagg.handshake: layout + weights, both sides check)
+    listener ── accept ──> handshake (disagg.handshake: KV format + weights, both sides check)
     peers p0, p1, ...  ── prefill {request} ──>  one ContextWorker (export Engine):
                                                  batched, chunked prefill of every
                                                  peer's requests; export_step
@@ -38,17 +38,17 @@ import numpy as np
 
 from disagg.control import ControlChannel, Listener, PeerClosed
 from disagg.handshake import check_pair, hello, read_hello
-from disagg.layout import LayoutMismatch
+from disagg.kv_format import PairMismatch
 from disagg.sources import ContextWorker
 from disagg.transfer import TransferError
-from disagg.wire import layout_to_wire, request_from_wire, split_shards, start_transfer_server
+from disagg.wire import kv_format_to_wire, request_from_wire, split_shards, start_transfer_server
 from drafter.request import RequestError
 from unified_kv import AdmissionError
 
 log = logging.getLogger("disagg.remote")
 
 # A peer's failures that drop that peer alone (the server keeps serving the others).
-PEER_FAULTS = (TransferError, LayoutMismatch, KeyError, TypeError, ValueError)
+PEER_FAULTS = (TransferError, PairMismatch, KeyError, TypeError, ValueError)
 
 
 class _Peer:
@@ -188,7 +188,7 @@ class ContextServer:
 
     def _greet(self, peer: _Peer, message: dict) -> None:
         theirs = read_hello(message, "generation")
-        mine = (self.worker.layout, self.weights)
+        mine = (self.worker.kv_format, self.weights)
         peer.send(hello("context", *mine, self.transfer.address()), self.timeout)
         check_pair(mine, theirs)
         peer.keepalive_s = min(max(float(message.get("keepalive_s", self.timeout / 4)), 0.05),
@@ -269,7 +269,7 @@ class ContextServer:
         peer.send({"op": "handoff", "request_id": request_id,
                    "target_len": payload.target_len, "draft_ctx_len": payload.draft_ctx_len,
                    "first_token": int(first), "mode": payload.mode, "uuid": uuid,
-                   "pools": pools, "layout": layout_to_wire(handoff.layout)}, self.timeout)
+                   "pools": pools, "kv_format": kv_format_to_wire(handoff.kv_format)}, self.timeout)
         self.num_completed += 1
 
     # ------------------------------------------------------------ peers

@@ -2,7 +2,7 @@
 
     [u32 length, big-endian][UTF-8 JSON object]  ...  one frame per message
 
-Only metadata travels here (layouts, request ids, page lists, checksums,
+Only metadata travels here (KV formats, request ids, page lists, checksums,
 transfer uuids, acks); the KV itself goes through `jax.experimental.transfer`.
 JSON rather than pickle, so a stray peer cannot run code in this process.
 Every wait has a deadline: a silent peer raises TransferTimeout, a closed one

@@ -1,8 +1,8 @@
-"""The handshake of two worker processes: cache layout and model identity.
+"""The handshake of two worker processes: KV format and model identity.
 
-    generation ── hello {role, layout, weights, transfer address, keepalive_s} ──> context
-    generation <── hello {role, layout, weights, transfer address} ────────────── context
-    both check the pair: check_layouts (disagg.layout), then check_weights
+    generation ── hello {role, kv_format, weights, transfer address, keepalive_s} ─> context
+    generation <── hello {role, kv_format, weights, transfer address} ───────────── context
+    both check the pair: check_kv_formats (disagg.kv_format), then check_weights
 
 Both sides check what they received, so a bad pair fails on both at once,
 naming both sides' values and the fix. A context that will not serve the
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from disagg.layout import Layout, LayoutMismatch, check_layouts
+from disagg.kv_format import KVFormat, PairMismatch, check_kv_formats
 from disagg.transfer import TransferError
-from disagg.wire import layout_from_wire, layout_to_wire
+from disagg.wire import kv_format_from_wire, kv_format_to_wire
 from models.checkpoint import fingerprint
 
 
-class ModelMismatch(LayoutMismatch):
+class ModelMismatch(PairMismatch):
     """The two workers serve different weights (same shapes, other values)."""
 
 
@@ -60,21 +60,21 @@ def check_weights(context: Weights, generation: Weights, mode: str) -> None:
                 f"checkpoint or a damaged one); {fix}")
 
 
-def check_pair(context: tuple[Layout, Weights], generation: tuple[Layout, Weights]) -> None:
-    """The whole gate: layouts (mode-aware), then the weights the mode needs equal."""
-    check_layouts(context[0], generation[0])
+def check_pair(context: tuple[KVFormat, Weights], generation: tuple[KVFormat, Weights]) -> None:
+    """The whole gate: KV formats (mode-aware), then the weights the mode needs equal."""
+    check_kv_formats(context[0], generation[0])
     check_weights(context[1], generation[1], generation[0].mode)
 
 
-def hello(role: str, layout: Layout, weights: Weights, transfer_address: str,
+def hello(role: str, kv_format: KVFormat, weights: Weights, transfer_address: str,
           **extra) -> dict:
-    return {"op": "hello", "role": role, "layout": layout_to_wire(layout),
+    return {"op": "hello", "role": role, "kv_format": kv_format_to_wire(kv_format),
             "weights": dataclasses.asdict(weights), "transfer_address": transfer_address,
             **extra}
 
 
-def read_hello(message: dict, role: str) -> tuple[Layout, Weights]:
-    """The peer's (Layout, Weights) from its hello; TransferError for anything else."""
+def read_hello(message: dict, role: str) -> tuple[KVFormat, Weights]:
+    """The peer's (KVFormat, Weights) from its hello; TransferError for anything else."""
     if message.get("op") == "error":
         raise TransferError(f"the {role} worker refused the connection: "
                             f"{message.get('error')}")
@@ -85,4 +85,5 @@ def read_hello(message: dict, role: str) -> tuple[Layout, Weights]:
     if not isinstance(weights, dict) or not isinstance(weights.get("target"), str):
         raise TransferError(f"the {role} worker's hello carries no weights fingerprint: "
                             f"an older version of this project? run the same version on both")
-    return layout_from_wire(message["layout"]), Weights(weights["target"], weights.get("draft"))
+    return (kv_format_from_wire(message["kv_format"]),
+            Weights(weights["target"], weights.get("draft")))

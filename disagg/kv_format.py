@@ -1,10 +1,12 @@
-"""The layout gate: both ends of a disaggregated pair must agree on the cache layout.
+"""The KV format gate: both ends of a disaggregated pair must agree on the KV they move.
 
-A context worker and a generation worker exchange a `Layout` when they
-connect and again with every request; any difference fails at once with an
-error naming both sides' values and the setting to change, never a hang or
-a silently wrong scatter (a drafter reading another layout's pages drafts
-garbage, and acceptance collapses without any output changing).
+A worker's `KVFormat` is what its cache holds and which of it travels: page
+size, layer specs, pools and draft-KV mode. A context worker and a generation
+worker exchange their `KVFormat` when they connect and again with every
+request; any difference fails at once with an error naming both sides' values
+and the setting to change, never a hang or a silently wrong scatter (a drafter
+reading pages of another KV format drafts garbage, and acceptance collapses
+without any output changing).
 
 What must agree depends on the generation worker's draft-KV mode:
   shared   everything: the draft KV travels, so both caches hold the same
@@ -24,12 +26,18 @@ from unified_kv import CacheSpec
 MODES = ("shared", "private")
 
 
-class LayoutMismatch(RuntimeError):
-    """The two workers' cache layouts or draft-KV modes differ."""
+class PairMismatch(RuntimeError):
+    """The two workers of a disaggregated pair cannot serve together (KV format or
+    weights); the message names both sides' values and the fix."""
+
+
+class KVFormatMismatch(PairMismatch):
+    """The two workers' KV formats (cache layer specs, page size, pools) or draft-KV
+    modes differ."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class KVFormat:
     page_size: int
     num_target_layers: int
     num_draft_layers: int
@@ -38,7 +46,7 @@ class Layout:
     pools: tuple[tuple[str, ...], ...] = ()   # layer names of each pool, by pool id
 
     @classmethod
-    def of(cls, spec: CacheSpec, mode: str) -> "Layout":
+    def of(cls, spec: CacheSpec, mode: str) -> "KVFormat":
         if mode not in MODES:
             raise ValueError(f"draft KV mode {mode!r} is unknown; use one of {MODES}")
         return cls(page_size=spec.page_size,
@@ -53,7 +61,7 @@ class Layout:
         return tuple(l for l in self.layers if l[1] == "target")
 
     def sent_pools(self) -> list[tuple[int, tuple[str, ...]]]:
-        """(pool id, layer names) of the pools that travel in this layout's mode."""
+        """(pool id, layer names) of the pools that travel in this format's mode."""
         roles = {l[0]: l[1] for l in self.layers}
         return [(i, names) for i, names in enumerate(self.pools)
                 if self.mode == "shared" or any(roles[n] != "draft" for n in names)]
@@ -69,8 +77,8 @@ _FIXES = {
 }
 
 
-def check_layouts(context: Layout, generation: Layout) -> None:
-    """Raise LayoutMismatch naming the first differing setting on both sides."""
+def check_kv_formats(context: KVFormat, generation: KVFormat) -> None:
+    """Raise KVFormatMismatch naming the first differing setting on both sides."""
     if context.num_draft_layers == 0 and generation.num_draft_layers > 0:
         return _check_target_only_context(context, generation)
     for field, fix in _FIXES.items():
@@ -83,14 +91,14 @@ def _compare(field: str, a, b, fix: str) -> None:
     if field == "layers":
         diffs = [(x, y) for x, y in zip(a, b) if x != y] or [(a[len(b):], b[len(a):])]
         a, b = diffs[0]
-    raise LayoutMismatch(f"layout mismatch in {field}: context worker has {a!r}, "
+    raise KVFormatMismatch(f"KV format mismatch in {field}: context worker has {a!r}, "
                          f"generation worker has {b!r}; {fix}")
 
 
-def _check_target_only_context(context: Layout, generation: Layout) -> None:
+def _check_target_only_context(context: KVFormat, generation: KVFormat) -> None:
     """A context worker without a drafter: only a private-mode generation worker."""
     if generation.mode != "private":
-        raise LayoutMismatch(
+        raise KVFormatMismatch(
             f"the context worker has no drafter, so it cannot send the draft KV that a "
             f"{generation.mode}-mode generation worker reads; start the generation worker "
             f"with --draft-kv private (its drafter then starts without the prompt), or "

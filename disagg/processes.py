@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @dataclasses.dataclass(frozen=True)
 class PairSource:
     """Which model pair and cache a worker process builds (both sides must agree;
-    the layout handshake says so when they do not)."""
+    the handshake says so when they do not)."""
 
     pair_dir: str | None = None   # target/ and draft/ HF checkpoints; None: the embedded pair
     num_slots: int = 4
@@ -159,9 +159,9 @@ def run(args) -> None:
         if args.warmup:
             server.warm_up()
         return server.serve(args.max_connections)
-    from disagg.layout import Layout
+    from disagg.kv_format import KVFormat
     tokenizer = source.tokenizer(cfg.target.vocab_size)
-    remote = RemoteSource(args.address, Layout.of(cfg.spec, mode), mesh=mesh,
+    remote = RemoteSource(args.address, KVFormat.of(cfg.spec, mode), mesh=mesh,
                           weights=Weights.of(params), transfer_host=args.transfer_host,
                           timeout=args.timeout)
     engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=mode,

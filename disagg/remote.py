@@ -2,10 +2,10 @@
 
     context process                                    generation process
     ContextServer (disagg.context_server)              Engine + RemoteSource (KV source)
-      listener  <-- hello {layout, weights, transfer --  connect (reconnects after a drop)
-                         address, keepalive_s,
+      listener  <-- hello {kv_format, weights, --------  connect (reconnects after a drop)
+                         transfer address, keepalive_s,
                          transfer_timeout_s}
-      check     --- hello {layout, weights, ...} ----->  check (disagg.handshake)
+      check     --- hello {kv_format, weights, ...} -->  check (disagg.handshake)
                 <---- prefill {request} (as admitted) -----  fetch: room already reserved here
       batched, chunked prefill; export_step;
       await_pull(uuid, shards)
@@ -58,10 +58,10 @@ import numpy as np
 
 from disagg.control import ControlChannel, PeerClosed
 from disagg.handshake import Weights, check_pair, hello, read_hello
-from disagg.layout import Layout, LayoutMismatch, check_layouts
+from disagg.kv_format import KVFormat, PairMismatch, check_kv_formats
 from disagg.sources import received
 from disagg.transfer import TransferError, TransferTimeout, move_payload
-from disagg.wire import (assemble, layout_from_wire, request_to_wire, start_transfer_server)
+from disagg.wire import (assemble, kv_format_from_wire, request_to_wire, start_transfer_server)
 from drafter.kv_io import KVPayload
 from drafter.request import Request, RequestError
 from unified_kv import AdmissionError
@@ -87,9 +87,9 @@ class RemoteSource:
 
     Args:
       address: the context server's control address.
-      layout: this generation worker's layout (checked at every handshake).
+      kv_format: this generation worker's KV format (checked at every handshake).
       weights: fingerprints of this worker's weights (`Weights.of(params)`); the
-        context's must match as the layout's mode needs (disagg.handshake).
+        context's must match as the KV format's mode needs (disagg.handshake).
       mesh: the generation engine's mesh; KV is pulled onto its first device
         and resharded onto it.
       timeout: seconds any single wait (connect, send, a reply, the peer's
@@ -98,10 +98,10 @@ class RemoteSource:
         peer stays alive (default 4 * timeout).
     """
 
-    def __init__(self, address: str, layout: Layout, *, weights: Weights, mesh=None,
+    def __init__(self, address: str, kv_format: KVFormat, *, weights: Weights, mesh=None,
                  transfer_host: str = "127.0.0.1", timeout: float = 30.0,
                  transfer_timeout: float | None = None):
-        self.address, self.layout, self.mesh, self.timeout = address, layout, mesh, timeout
+        self.address, self.kv_format, self.mesh, self.timeout = address, kv_format, mesh, timeout
         self.transfer_timeout = transfer_timeout or 4 * timeout
         self.weights = weights
         self.pull_device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
@@ -127,12 +127,12 @@ class RemoteSource:
         channel = ControlChannel.connect(self.address, self.timeout,
                                          retry_refused=self.channel is None)
         try:
-            channel.send(hello("generation", self.layout, self.weights,
+            channel.send(hello("generation", self.kv_format, self.weights,
                                self.transfer.address(), keepalive_s=self.timeout / 4,
                                transfer_timeout_s=self.transfer_timeout),
                          self.timeout)
             reply = channel.recv(self.timeout)
-            check_pair(read_hello(reply, "context"), (self.layout, self.weights))
+            check_pair(read_hello(reply, "context"), (self.kv_format, self.weights))
         except BaseException:
             channel.close()
             raise
@@ -156,7 +156,7 @@ class RemoteSource:
             with self._lock:
                 self._outstanding[request.request_id] = _Wait(time.monotonic())
             self.channel.send({"op": "prefill", **request_to_wire(request)}, self.timeout)
-        except LayoutMismatch as e:
+        except PairMismatch as e:
             self._fail(request.request_id, e)
         except TransferError as e:
             self._fail(request.request_id, type(e)(
@@ -312,7 +312,7 @@ class RemoteSource:
         """Pull a handoff's KV shards onto `pull_device`, then onto the mesh (None:
         the request ended meanwhile)."""
         request_id = message["request_id"]
-        check_layouts(layout_from_wire(message["layout"]), self.layout)
+        check_kv_formats(kv_format_from_wire(message["kv_format"]), self.kv_format)
         local = jax.sharding.SingleDeviceSharding(self.pull_device)
         avals = [jax.ShapeDtypeStruct([b - a for a, b in box], jnp.dtype(pool["dtype"]),
                                       sharding=local)
@@ -337,7 +337,7 @@ class RemoteSource:
             buffers=tuple(buffers),
             checksums=np.asarray([p["checksum"] for p in message["pools"]], np.uint32),
             mode=message["mode"], origin=f"the context worker at {self.address}")
-        return move_payload(received(payload, self.layout.mode), self.mesh)
+        return move_payload(received(payload, self.kv_format.mode), self.mesh)
 
     def _await(self, pieces, request_id: str, channel, deadline: float) -> None:
         # The pull's own `timeout` argument is not honoured on CPU in jax 0.11.2 (a pull of

@@ -29,7 +29,7 @@ import threading
 import time
 
 from disagg.handshake import Weights
-from disagg.layout import Layout, check_layouts
+from disagg.kv_format import KVFormat, check_kv_formats
 from disagg.transfer import Handoff, TransferError, assemble_heads, move_payloads, split_heads
 from drafter.engine import Engine
 from drafter.kv_io import KVPayload
@@ -44,7 +44,7 @@ class ContextWorker:
                  max_num_batched_tokens: int | None = None, name: str = "a context worker"):
         self.engine = Engine(params, cfg, mesh=mesh, export=True, mode=mode,
                              speculative=False, max_num_batched_tokens=max_num_batched_tokens)
-        self.layout = Layout.of(cfg.spec, mode)
+        self.kv_format = KVFormat.of(cfg.spec, mode)
         self.mesh, self.mode, self.name = mesh, mode, name
         self.num_prefilled = 0
 
@@ -71,7 +71,7 @@ class ContextWorker:
         Results of requests that failed here)."""
         failed = self.engine.step()
         handoffs = [Handoff(e.request, dataclasses.replace(e.payload, origin=self.name),
-                            self.layout, e.submitted) for e in self.engine.take_exports()]
+                            self.kv_format, e.submitted) for e in self.engine.take_exports()]
         self.num_prefilled += len(handoffs)
         return handoffs, failed
 
@@ -82,21 +82,21 @@ class InProcessSource:
     Args:
       contexts: context workers (each on its own mesh).
       mesh: the generation engine's mesh (None: the default device).
-      layout: the generation worker's layout; every context is checked against it.
+      kv_format: the generation worker's KV format; every context is checked against it.
       move_path: how buffers move (disagg.transfer.MOVE_PATHS).
       threaded: one thread per context worker (fan-in); else `poll` steps them.
       head_slices: send each buffer as one handoff per kv-head shard, joined here.
     """
 
-    def __init__(self, contexts: list[ContextWorker], *, mesh=None, layout: Layout,
+    def __init__(self, contexts: list[ContextWorker], *, mesh=None, kv_format: KVFormat,
                  move_path: str = "coalesced", threaded: bool = False,
                  head_slices: bool = False):
         if not contexts:
             raise ValueError("a KV source needs at least one context worker")
         for ctx in contexts:
-            check_layouts(ctx.layout, layout)
+            check_kv_formats(ctx.kv_format, kv_format)
         self.contexts, self.mesh, self.move_path = list(contexts), mesh, move_path
-        self.threaded, self.head_slices, self.mode = threaded, head_slices, layout.mode
+        self.threaded, self.head_slices, self.mode = threaded, head_slices, kv_format.mode
         self.bytes_moved = 0
         self._arrivals: queue.Queue = queue.Queue()
         self._slices: dict[str, list[Handoff]] = collections.defaultdict(list)
@@ -242,7 +242,7 @@ def disaggregated_engine(params, cfg: StepConfig, *, mode: str = "shared", conte
     """A generation Engine fed by context workers on `context_meshes` (one each)."""
     contexts = [ContextWorker(params, cfg, mesh=m, mode=mode, name=f"context worker {k}")
                 for k, m in enumerate(context_meshes)]
-    source = InProcessSource(contexts, mesh=mesh, layout=Layout.of(cfg.spec, mode),
+    source = InProcessSource(contexts, mesh=mesh, kv_format=KVFormat.of(cfg.spec, mode),
                              move_path=move_path, threaded=threaded, head_slices=head_slices)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,
                   speculative=cfg.draft is not None, **engine_kwargs)

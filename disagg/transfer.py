@@ -47,7 +47,7 @@ class MovePathUnavailable(ValueError):
 
 @dataclasses.dataclass
 class Handoff:
-    """A request leaving a context worker: its KV payload and the sender's layout.
+    """A request leaving a context worker: its KV payload and the sender's KV format.
 
     Attributes:
       heads: per sent pool, the kv heads [start, stop) this handoff carries
@@ -56,7 +56,7 @@ class Handoff:
 
     request: Request
     payload: KVPayload
-    layout: object                # disagg.layout.Layout
+    kv_format: object             # disagg.kv_format.KVFormat
     submitted: float = 0.0
     heads: tuple | None = None
     slice_index: int = 0

@@ -1,4 +1,4 @@
-"""The wire format between worker processes: layouts, requests, handoffs, shards.
+"""The wire format between worker processes: KV formats, requests, handoffs, shards.
 
 Only JSON-able metadata goes over the control channel; the KV buffers travel
 as shards through `jax.experimental.transfer` and are put back together on
@@ -14,16 +14,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import transfer as jax_transfer
 
-from disagg.layout import Layout
+from disagg.kv_format import KVFormat
 from drafter.request import Request, RequestError, SamplingParams
 
 
-def layout_to_wire(layout: Layout) -> dict:
-    return dataclasses.asdict(layout)
+def kv_format_to_wire(kv_format: KVFormat) -> dict:
+    return dataclasses.asdict(kv_format)
 
 
-def layout_from_wire(fields: dict) -> Layout:
-    return Layout(**{**fields, "layers": tuple(tuple(l) for l in fields["layers"]),
+def kv_format_from_wire(fields: dict) -> KVFormat:
+    return KVFormat(**{**fields, "layers": tuple(tuple(l) for l in fields["layers"]),
                      "pools": tuple(tuple(p) for p in fields.get("pools", ()))})
 
 

@@ -1,4 +1,4 @@
-"""The z-lab DFlash drafter checkpoint: config semantics and safetensors layout.
+"""The z-lab DFlash drafter checkpoint: config semantics and safetensors key map.
 
     layers.N.self_attn.q_proj.weight ...   layers[N].q ... (as a Qwen3 layer, no `model.`)
     fc.weight                  [H, n*H]    fc (transposed)

@@ -3,7 +3,7 @@
     PYTHONPATH=. python -m drafter.make_default --out DIR [--target-steps N] [--draft-steps N]
 
 Corpus: the Python standard library (drafter/corpus.py), held-out split by file.
-Writes DIR/target and DIR/draft as safetensors checkpoints (HF / DFlash layouts,
+Writes DIR/target and DIR/draft as safetensors checkpoints (HF / DFlash key maps,
 bf16 to stay small) plus loss curves; `drafter.default.import_pair` turns them
 into the orbax checkpoints the package ships.
 """
@@ -59,7 +59,7 @@ def main(argv=None):
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--stdlib", default=None, help="stdlib root (default: this Python's)")
     ap.add_argument("--target-from", default=None,
-                    help="load a trained target checkpoint (HF layout) instead of training one")
+                    help="load a trained target checkpoint (HF key names) instead of training one")
     ap.add_argument("--from-default", action="store_true",
                     help="continue training the shipped drafter on the shipped target "
                          "(writes only DIR/draft and the drafter's loss curve)")

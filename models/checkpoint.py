@@ -1,10 +1,10 @@
-"""Checkpoints: the HF Qwen3 safetensors layout, content manifests, fingerprints. Params in
+"""Checkpoints: the HF Qwen3 safetensors key map, content manifests, fingerprints. Params in
 orbax, with the same manifests: `models/orbax_params.py`.
 
-A safetensors layout is one key map, a list of (checkpoint key, path into
-our params, transposed?). Loading checks every key and shape against the
-config, refuses tensors the model would not use (listing them) and any
-NaN / inf; saving walks the same map, so a save/load round trip is exact.
+A key map is a list of (checkpoint key, path into our params, transposed?).
+Loading checks every key and shape against the config, refuses tensors the
+model would not use (listing them) and any NaN / inf; saving walks the same
+map, so a save/load round trip is exact.
 Every error names the file (config, shard or orbax directory) and the key.
 
     HF Qwen3                                     ours
@@ -15,7 +15,7 @@ Every error names the file (config, shard or orbax directory) and the key.
     model.layers.N.input_layernorm.weight        layers[N].input_norm
     model.norm.weight, lm_head.weight            norm, lm_head (transposed)
 
-The DFlash drafter's layout lives in drafter/checkpoint.py (models never
+The DFlash drafter's key map lives in drafter/checkpoint.py (models never
 imports drafter).
 
 Integrity. Every checkpoint this project writes (safetensors or orbax) has a

@@ -97,7 +97,7 @@ def get_bool(hf: dict, key: str, source, default: bool) -> bool:
 
 
 def parse_rope(hf: dict, source) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from either transformers layout."""
+    """(rope_theta, scaling) from transformers 4's or 5's RoPE keys."""
     scaling = hf.get("rope_scaling")
     params = hf.get("rope_parameters")
     for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):

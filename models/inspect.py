@@ -4,8 +4,8 @@
     python -m drafter.inspect DIR                          # a DFlash drafter, or a pair
 
 Prints the layers and their windows, RoPE (theta, scaling, YaRN's attention
-factor), tied or untied head, the KV pools the layers make (layers of one
-layout share a pool) with their bytes per token, and the weights' files,
+factor), tied or untied head, the KV pools the layers make (layers with the
+same pool key share a pool) with their bytes per token, and the weights' files,
 dtype, manifest and fingerprint. Reads configs and file headers only: no
 weights are loaded unless `--verify` asks for a full load (manifest hashes,
 NaN / inf, unused tensors).
@@ -54,13 +54,13 @@ def describe_rope(cfg, hf: dict) -> str:
 
 
 def describe_pools(layers: list[LayerSpec], page_size: int = 16) -> list[str]:
-    """One line per pool (layers with one layout), with bytes per token, and the total."""
+    """One line per pool (layers with one pool key), with bytes per token, and the total."""
     pools: dict[tuple, list[LayerSpec]] = {}
     for layer in layers:
         pools.setdefault(layer.pool_key, []).append(layer)
     lines, total = [], 0
-    for i, (layout, members) in enumerate(pools.items()):
-        window, kv_dtype, heads, head_dim = layout
+    for i, (pool_key, members) in enumerate(pools.items()):
+        window, kv_dtype, heads, head_dim = pool_key
         per_token = len(members) * 2 * heads * head_dim * np.dtype(KV_DTYPES[kv_dtype]).itemsize
         total += per_token
         names = [m.name for m in members]

@@ -48,22 +48,22 @@ def gluon_call(kernel, *args, out_shape, grid, num_warps, constexprs=None, name=
     outputs (a tuple if out_shape is a sequence, else one array)."""
     single = not isinstance(out_shape, (tuple, list))
     outs = (out_shape,) if single else tuple(out_shape)
-    arrays, layout = [], []
+    arrays, arg_slots = [], []   # per argument: None for an array, else the scalar
     for arg in args:
         if isinstance(arg, (jax.Array, np.ndarray)) or hasattr(arg, "aval"):
             if jnp.dtype(arg.dtype) not in _POINTER_TYPES:
                 raise TypeError(f"gluon_call: no Triton pointer type for an array of "
                                 f"{arg.dtype}; pass one of {sorted(map(str, _POINTER_TYPES))}")
             arrays.append(arg)
-            layout.append(None)
+            arg_slots.append(None)
         elif isinstance(arg, (bool, np.bool_)) or not isinstance(arg, (int, float, np.number)):
             raise TypeError(f"gluon_call: arguments are arrays, ints or floats; got {arg!r} "
                             "(pass flags as constexprs)")
         else:  # a scalar, fixed in this trace
-            layout.append(int(arg) if isinstance(arg, (int, np.integer)) else float(arg))
+            arg_slots.append(int(arg) if isinstance(arg, (int, np.integer)) else float(arg))
     grid = tuple(grid) + (1,) * (3 - len(grid))
     results = gluon_call_p.bind(
-        *arrays, kernel=kernel, layout=tuple(layout), grid=grid, num_warps=num_warps,
+        *arrays, kernel=kernel, arg_slots=tuple(arg_slots), grid=grid, num_warps=num_warps,
         constexprs=tuple(sorted((constexprs or {}).items())),
         out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in outs),
         name=name or kernel.__name__)
@@ -75,11 +75,12 @@ def _abstract_eval(*avals, out_avals, **_):
     return list(out_avals)
 
 
-def signature(kernel, in_avals, layout, out_avals, constexprs):
-    """Triton's signature of the call: parameter name -> type ("*fp16", "i32", ...)."""
+def signature(kernel, in_avals, arg_slots, out_avals, constexprs):
+    """Triton's signature of the call: parameter name -> type ("*fp16", "i32", ...).
+    `arg_slots` has one entry per input argument: None for an array, else the scalar."""
     names = list(kernel.arg_names)
     types, arrays = [], iter(in_avals)
-    for scalar in layout:
+    for scalar in arg_slots:
         if scalar is None:
             types.append(_POINTER_TYPES[jnp.dtype(next(arrays).dtype)])
         else:
@@ -112,11 +113,11 @@ def compile_gluon(kernel, sig_items: tuple, constexprs: tuple, num_warps: int, c
                           options={"num_warps": num_warps})
 
 
-def _cuda_lowering(ctx, *arrays, kernel, layout, grid, num_warps, constexprs, out_avals, name):
+def _cuda_lowering(ctx, *arrays, kernel, arg_slots, grid, num_warps, constexprs, out_avals, name):
     from jax._src.lib import gpu_triton
 
     capability = gpu_triton.get_compute_capability(0)
-    sig = signature(kernel, ctx.avals_in, layout, out_avals, constexprs)
+    sig = signature(kernel, ctx.avals_in, arg_slots, out_avals, constexprs)
     compiled = compile_gluon(kernel, tuple(sig.items()), constexprs, num_warps, capability)
     meta = compiled.metadata
     kernel_args = [meta.name, num_warps, 1, meta.shared, compiled.asm["ptx"], "", capability]
@@ -124,7 +125,7 @@ def _cuda_lowering(ctx, *arrays, kernel, layout, grid, num_warps, constexprs, ou
     if scratch:
         kernel_args += [scratch, getattr(meta, "global_scratch_align", 1)]
     params = []
-    for scalar in layout:
+    for scalar in arg_slots:
         if scalar is None:
             params.append(gpu_triton.create_array_parameter(0, 16))
         else:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from disagg.layout import Layout, LayoutMismatch, check_layouts
+from disagg.kv_format import KVFormat, KVFormatMismatch, check_kv_formats
 from disagg.sources import ContextWorker, InProcessSource, disaggregated_engine
 from disagg.transfer import MOVE_PATHS
 from drafter.engine import Engine
@@ -134,7 +134,7 @@ def variant(cfg, **layer_changes):
     (dict(kv_dtype="bf16"), "layers: context worker has .*'f32'.*generation worker has .*'bf16'"),
     (dict(sliding_window=32), "layers: .*16.*32"),
 ])
-def test_layout_gate_fails_fast_naming_both_sides(change, match, pair):
+def test_kv_format_gate_fails_fast_naming_both_sides(change, match, pair):
     _, cfg = pair
     mode = change.pop("mode", "shared")
     other = cfg
@@ -146,8 +146,8 @@ def test_layout_gate_fails_fast_naming_both_sides(change, match, pair):
     elif change:
         other = variant(cfg, **change)
     start = time.monotonic()
-    with pytest.raises(LayoutMismatch, match=match):
-        check_layouts(Layout.of(cfg.spec, "shared"), Layout.of(other.spec, mode))
+    with pytest.raises(KVFormatMismatch, match=match):
+        check_kv_formats(KVFormat.of(cfg.spec, "shared"), KVFormat.of(other.spec, mode))
     assert time.monotonic() - start < 1.0
 
 
@@ -155,8 +155,8 @@ def test_a_mismatched_pair_is_refused_when_built(pair):
     params, cfg = pair
     context = ContextWorker(params, cfg, mode="shared")
     start = time.monotonic()
-    with pytest.raises(LayoutMismatch, match="mode"):
-        InProcessSource([context], layout=Layout.of(cfg.spec, "private"))
+    with pytest.raises(KVFormatMismatch, match="mode"):
+        InProcessSource([context], kv_format=KVFormat.of(cfg.spec, "private"))
     assert time.monotonic() - start < 1.0
 
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from disagg.layout import Layout
+from disagg.kv_format import KVFormat
 from disagg.sources import ContextWorker, InProcessSource
 from disagg.transfer import split_heads
 from drafter.engine import Engine
@@ -30,7 +30,7 @@ def setup():
 
 def fan_in(params, cfg, context_meshes, gen_mesh, **kw):
     contexts = [ContextWorker(params, cfg, mesh=m) for m in context_meshes]
-    source = InProcessSource(contexts, mesh=gen_mesh, layout=Layout.of(cfg.spec, "shared"),
+    source = InProcessSource(contexts, mesh=gen_mesh, kv_format=KVFormat.of(cfg.spec, "shared"),
                              threaded=True, **kw)
     return Engine(params, cfg, mesh=gen_mesh, kv_source=source)
 
@@ -106,4 +106,4 @@ def test_a_failing_context_fails_its_requests_by_name_and_others_serve(setup, mo
 def test_fan_in_needs_a_context():
     params, cfg, _ = tiny_pair(num_slots=2)
     with pytest.raises(ValueError, match="at least one context worker"):
-        InProcessSource([], layout=Layout.of(cfg.spec, "shared"))
+        InProcessSource([], kv_format=KVFormat.of(cfg.spec, "shared"))

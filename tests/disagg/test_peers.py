@@ -14,7 +14,7 @@ import pytest
 from disagg.context_server import ContextServer
 from disagg.control import Listener
 from disagg.handshake import ModelMismatch, Weights, check_pair, check_weights, hello, read_hello
-from disagg.layout import Layout, LayoutMismatch
+from disagg.kv_format import KVFormat, KVFormatMismatch
 from disagg.remote import RemoteSource
 from disagg.sources import ContextWorker
 from disagg.transfer import TransferError
@@ -75,7 +75,7 @@ def shared_context(pair, meshes):
 
 def generation(address, pair, mesh, *, mode="shared", timeout=30.0, weights=None):
     params, cfg, mine = pair
-    source = RemoteSource(address, Layout.of(cfg.spec, mode), weights=weights or mine,
+    source = RemoteSource(address, KVFormat.of(cfg.spec, mode), weights=weights or mine,
                           mesh=mesh, timeout=timeout)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,
                   kv_timeout_s=source.engine_timeout_s)
@@ -103,7 +103,7 @@ def test_different_weights_are_refused_at_connect_naming_both_fingerprints(pair,
         while not any("ModelMismatch" in e for e in server.errors):
             assert time.monotonic() < deadline, server.errors
             time.sleep(0.01)
-    private = Layout.of(cfg.spec, "private")   # the context's drafter is unused: accepted
+    private = KVFormat.of(cfg.spec, "private")   # the context's drafter is unused: accepted
     check_pair((private, theirs), (private, mine))
     other_target = Weights(fingerprint(perturbed(params["target"])), mine.draft)
     for mode in ("shared", "private"):
@@ -126,7 +126,7 @@ def test_target_only_context_serves_private_generation_and_refuses_shared(pair, 
     assert worker.weights.draft is None
     with context_server(worker, timeout=30.0) as server:
         start = time.monotonic()
-        with pytest.raises(LayoutMismatch, match="has no drafter.*--draft-kv private"):
+        with pytest.raises(KVFormatMismatch, match="has no drafter.*--draft-kv private"):
             generation(server.address, pair, meshes[0], mode="shared")
         assert time.monotonic() - start < 1.0
         engine = generation(server.address, pair, meshes[0], mode="private")
@@ -172,8 +172,8 @@ def test_progress_keeps_a_slow_prefill_alive_and_a_silent_peer_is_found(pair, me
     listener, transfer = Listener("127.0.0.1:0"), start_transfer_server("127.0.0.1")
     def silent():
         channel = listener.accept(10.0)
-        layout, weights = read_hello(channel.recv(10.0), "generation")
-        channel.send(hello("context", layout, weights, transfer.address()), 10.0)
+        kv_format, weights = read_hello(channel.recv(10.0), "generation")
+        channel.send(hello("context", kv_format, weights, transfer.address()), 10.0)
         time.sleep(4.0)   # reads nothing, sends nothing
         channel.close()
     thread = threading.Thread(target=silent, daemon=True)
@@ -214,11 +214,11 @@ def test_a_peer_over_the_limit_is_refused_by_name(pair, meshes):
     params, cfg, mine = pair
     with context_server(ContextWorker(params, cfg, mesh=meshes[1]), max_peers=1,
                         timeout=5.0) as server:
-        first = RemoteSource(server.address, Layout.of(cfg.spec, "shared"), weights=mine,
+        first = RemoteSource(server.address, KVFormat.of(cfg.spec, "shared"), weights=mine,
                              timeout=5.0)
         start = time.monotonic()
         with pytest.raises(TransferError, match="serves at most 1 generation peers"):
-            RemoteSource(server.address, Layout.of(cfg.spec, "shared"), weights=mine,
+            RemoteSource(server.address, KVFormat.of(cfg.spec, "shared"), weights=mine,
                          timeout=5.0)
         assert time.monotonic() - start < 1.0
         first.close()

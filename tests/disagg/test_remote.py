@@ -14,11 +14,11 @@ import pytest
 from disagg.__main__ import main
 from disagg.control import ControlChannel, Listener, PeerClosed
 from disagg.handshake import Weights
-from disagg.layout import Layout, LayoutMismatch
+from disagg.kv_format import KVFormat, KVFormatMismatch
 from disagg.processes import ContextProcess, PairSource
 from disagg.remote import RemoteSource
 from disagg.transfer import TransferTimeout
-from disagg.wire import assemble, layout_from_wire, layout_to_wire, split_shards
+from disagg.wire import assemble, kv_format_from_wire, kv_format_to_wire, split_shards
 from drafter.engine import Engine
 from tests.disagg.test_disagg import assert_all_free
 from tests.drafter.test_context import PAIR, periodic_prompts
@@ -62,7 +62,7 @@ def mesh():
 
 
 def remote_engine(address, cfg, params, mesh, *, mode="shared", timeout=30.0):
-    source = RemoteSource(address, Layout.of(cfg.spec, mode), weights=Weights.of(params),
+    source = RemoteSource(address, KVFormat.of(cfg.spec, mode), weights=Weights.of(params),
                           mesh=mesh, timeout=timeout)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,
                   kv_timeout_s=source.engine_timeout_s)
@@ -150,30 +150,30 @@ def test_generation_cli_serves_json_lines_through_a_context_process(context, pai
     assert any("'boom'" in m for m in logged) and any("'bang'" in m for m in logged)
 
 
-def test_layout_is_checked_again_on_every_handoff(context, pair, mesh, monkeypatch):
+def test_kv_format_is_checked_again_on_every_handoff(context, pair, mesh, monkeypatch):
     import disagg.remote
     params, cfg = pair
     engine = remote_engine(context.address, cfg, params, mesh)
-    monkeypatch.setattr(disagg.remote, "layout_from_wire",   # a handoff from another layout
-                        lambda fields: Layout.of(cfg.spec, "private"))
+    monkeypatch.setattr(disagg.remote, "kv_format_from_wire",   # a handoff in another KV format
+                        lambda fields: KVFormat.of(cfg.spec, "private"))
     results = serve(engine, [("r0", list(range(1, 12)))], 4)
-    assert "LayoutMismatch" in results["r0"].error or "mode" in results["r0"].error
+    assert "KVFormatMismatch" in results["r0"].error or "mode" in results["r0"].error
     assert_all_free(engine)
     assert_context_all_free(engine.kv_source.close())
 
 
-def test_layout_mismatch_fails_within_a_second_on_both_sides(tmp_path, pair, weights):
+def test_kv_format_mismatch_fails_within_a_second_on_both_sides(tmp_path, pair, weights):
     _, cfg = pair
     with ContextProcess(SOURCE, tmp_path / "context.log", draft_kv="private",
                         extra_args=["--max-connections", "1"]) as ctx:
         start = time.monotonic()
-        with pytest.raises(LayoutMismatch, match="mode: context worker has 'private', "
-                                                 "generation worker has 'shared'"):
-            RemoteSource(ctx.address, Layout.of(cfg.spec, "shared"), weights=weights,
+        with pytest.raises(KVFormatMismatch, match="mode: context worker has 'private', "
+                                                   "generation worker has 'shared'"):
+            RemoteSource(ctx.address, KVFormat.of(cfg.spec, "shared"), weights=weights,
                          timeout=10.0)
         assert time.monotonic() - start < 1.0
         assert ctx.proc.wait(timeout=10) == 0   # served its one peer and exited
-        assert ("LayoutMismatch: layout mismatch in mode: context worker has 'private', "
+        assert ("KVFormatMismatch: KV format mismatch in mode: context worker has 'private', "
                 "generation worker has 'shared'") in ctx.log_text()
 
 
@@ -186,8 +186,8 @@ def test_no_drafter_context_process_serves_private_and_refuses_shared(tmp_path, 
     with ContextProcess(dataclasses.replace(SOURCE, drafter=False), tmp_path / "context.log",
                         extra_env=child_env) as ctx:
         start = time.monotonic()
-        with pytest.raises(LayoutMismatch, match="no drafter.*--draft-kv private.*--no-drafter"):
-            RemoteSource(ctx.address, Layout.of(cfg.spec, "shared"), weights=weights,
+        with pytest.raises(KVFormatMismatch, match="no drafter.*--draft-kv private.*--no-drafter"):
+            RemoteSource(ctx.address, KVFormat.of(cfg.spec, "shared"), weights=weights,
                          timeout=10.0)
         assert time.monotonic() - start < 1.0
         prompts = periodic_prompts(n=3, length=40, seed=11)
@@ -197,7 +197,7 @@ def test_no_drafter_context_process_serves_private_and_refuses_shared(tmp_path, 
         assert [r.tokens for r in results] == [r.tokens for r in agg]
         assert_all_free(engine)
         assert_context_all_free(engine.kv_source.close())
-        assert "LayoutMismatch: the context worker has no drafter" in ctx.log_text()
+        assert "KVFormatMismatch: the context worker has no drafter" in ctx.log_text()
 
 
 def test_no_drafter_flag_is_refused_where_it_cannot_work():
@@ -235,10 +235,10 @@ def test_control_channel_every_wait_times_out():
     assert time.monotonic() - start < 0.5
 
 
-def test_layout_and_shards_survive_the_wire(pair):
+def test_kv_format_and_shards_survive_the_wire(pair):
     _, cfg = pair
-    layout = Layout.of(cfg.spec, "private")
-    assert layout_from_wire(layout_to_wire(layout)) == layout
+    kv_format = KVFormat.of(cfg.spec, "private")
+    assert kv_format_from_wire(kv_format_to_wire(kv_format)) == kv_format
     devices = np.array(jax.devices())
     if len(devices) < 4:
         pytest.skip("needs 4 (host) devices")

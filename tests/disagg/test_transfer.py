@@ -81,7 +81,7 @@ def handoff_of(buf):
     payload = KVPayload(target_len=2, draft_ctx_len=2, first_token=np.int32(3), pool_ids=(0,),
                         logical_pages=(pages,), buffers=(buf,),
                         checksums=np.asarray([checksum(buf)], np.uint32), mode="shared")
-    return Handoff(Request("r0", (1, 2)), payload, layout=None)
+    return Handoff(Request("r0", (1, 2)), payload, kv_format=None)
 
 
 def tp_buffer(tp):

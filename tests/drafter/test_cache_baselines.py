@@ -1,4 +1,4 @@
-"""The contrast layouts the benchmarks time compute exactly what the unified cache does."""
+"""The baselines the benchmarks time compute exactly what the unified cache does."""
 
 import dataclasses
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.cache_layouts import (TwoCacheState, full_rebuild, kv_memory_bytes, per_layer,
-                                      split_config, split_state, two_cache_decode_step)
+from benchmarks.cache_baselines import (TwoCacheState, full_rebuild, kv_memory_bytes, per_layer,
+                                        split_config, split_state, two_cache_decode_step)
 from drafter.engine import Engine
 from drafter.steps import decode_step
 from tests.drafter.tiny import tiny_pair

@@ -1,4 +1,4 @@
-"""Checkpoint round trips in the HF Qwen3 and DFlash layouts, and orbax."""
+"""Checkpoint round trips under the HF Qwen3 and DFlash key maps, and orbax."""
 
 import json
 
@@ -38,7 +38,7 @@ def test_hf_and_dflash_round_trip_give_the_same_outputs(tmp_path, num_shards):
     assert [r.acceptance for r in got] == [r.acceptance for r in want]
 
 
-def test_dflash_config_keys_follow_the_public_layout(tmp_path):
+def test_dflash_config_and_tensor_keys_follow_z_labs_names(tmp_path):
     params, spec_cfg, _ = tiny_pair(num_slots=2)
     save_dflash(tmp_path, spec_cfg.draft, params["draft"])
     config = json.loads((tmp_path / "config.json").read_text())

@@ -1,4 +1,5 @@
-"""config.json parsing: HF's defaults and layouts, and every refusal naming file, field and value."""
+"""config.json parsing: HF's defaults, transformers 4's and 5's keys, and every refusal
+naming file, field and value."""
 
 import json
 
@@ -50,7 +51,7 @@ def test_windows_follow_use_sliding_window_and_max_window_layers():
         qwen3_config_from_hf({**BASE, "layer_types": types, "sliding_window": 8}, "x.json")
 
 
-def test_both_rope_layouts():
+def test_both_transformers_rope_keys():
     v4 = qwen3_config_from_hf({**BASE, "rope_theta": 5e5, "max_position_embeddings": 4096,
                                "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                 "original_max_position_embeddings": 1024}})

@@ -55,7 +55,7 @@ NEW_TOKENS = 8
 
 
 def write_checkpoint(path, hf_config: dict, seed=0):
-    """config.json as given, and random weights in the HF layout (no manifest, as HF's)."""
+    """config.json as given, and random weights under HF key names (no manifest, as HF's)."""
     cfg = qwen3_config_from_hf(hf_config)
     params = init_params(cfg, jax.random.key(seed))
     save_file(tensors_from_params(params, qwen3_key_map(cfg)), path / "model.safetensors")
@@ -122,7 +122,7 @@ def test_tiny_checkpoint_matches_transformers(tmp_path, name):
 
 
 def test_checkpoint_saved_by_transformers_loads(tmp_path):
-    """save_pretrained writes the installed version's own layout (rope_parameters in 5)."""
+    """save_pretrained writes the installed version's own keys (rope_parameters in 5)."""
     config = transformers.Qwen3Config(**{k: v for k, v in BASE.items()
                                          if k not in ("model_type", "architectures")},
                                       rope_scaling=dict(YARN), use_sliding_window=True,

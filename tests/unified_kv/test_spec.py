@@ -38,7 +38,7 @@ def test_three_pools_for_mixed_target_and_windowed_drafter():
     assert pools[2].bytes_per_page == 4 * 2 * 2 * 16 * 32 * 2
 
 
-def test_target_and_draft_share_a_pool_when_layouts_match():
+def test_target_and_draft_share_a_pool_when_pool_keys_match():
     layers = (LayerSpec("t0", "target", 2, 64, "bf16", 32),
               LayerSpec("d0", "draft", 2, 64, "bf16", 32))
     spec = make_spec(layers=layers)
@@ -117,13 +117,13 @@ def test_draft_only_spec_is_a_drafters_own_cache():
     assert spec.pools[0].layer_names == tuple(l.name for l in draft_only)
 
 
-def test_pools_of_one_layer_each_keep_every_layout_and_the_bytes_per_token():
-    """size_pools over one group per layer (the per-layer-table layout the benchmarks
+def test_pools_of_one_layer_each_keep_every_pool_key_and_the_bytes_per_token():
+    """size_pools over one group per layer (the per-layer-table baseline the benchmarks
     compare against)."""
     shared = make_spec()
     per_layer = size_pools(shared, tuple((layer,) for layer in shared.layers))
     assert [p.layer_names for p in per_layer] == [(l.name,) for l in shared.layers]
-    for pool, layer in zip(per_layer, shared.layers):  # every layer keeps its layout
+    for pool, layer in zip(per_layer, shared.layers):  # every layer keeps its pool key
         assert (pool.sliding_window, pool.kv_dtype) == (layer.sliding_window, layer.kv_dtype)
     per_token = lambda pools: sum(p.bytes_per_page for p in pools) / shared.page_size
     assert per_token(shared.pools) == per_token(per_layer)

@@ -13,13 +13,13 @@ from unified_kv.state import owned_pages
 
 
 def random_spec(rng: np.random.Generator, budget_factor: float) -> CacheSpec:
-    """A random layout: 1-3 target layouts (windowed/full, fp8) plus a draft layer
+    """A random cache spec: 1-3 target layers (windowed/full, fp8) plus a draft layer
     that either shares a target pool or has its own bf16 pool."""
     page_size = int(rng.choice([8, 16]))
     window_choices = [None, page_size, 3 * page_size, 40]
     windows = [window_choices[i] for i in rng.integers(0, 4, rng.integers(1, 4))]
     layers = [LayerSpec(f"t{i}", "target", 2, 8, "fp8_e4m3", w) for i, w in enumerate(windows)]
-    if rng.random() < 0.4:  # a draft layer with a target layer's layout
+    if rng.random() < 0.4:  # a draft layer with a target layer's pool key
         layers.append(LayerSpec("d0", "draft", 2, 8, "fp8_e4m3", windows[0]))
     else:
         layers.append(LayerSpec("d0", "draft", 2, 8, "bf16",
