@@ -136,14 +136,14 @@ def _window_start(pool: PoolSpec, lens: jax.Array) -> jax.Array:
 def _plan_allocation(pool: PoolSpec, rows, num_free, first_page, end_page, active):
     """Which entries of `rows` get a new page, and whether each row fits.
 
-    A row fits if the pages of it and of every row before it fit in the free
-    list (first-come order keeps the result deterministic).
+    A row fits if it needs no page, or if the pages of it and of every row before
+    it fit in the free list (first-come order keeps the result deterministic).
     """
     cols = jnp.arange(rows.shape[-1], dtype=jnp.int32)[None, :]
     start = jnp.maximum(first_page, row_extent(rows))[:, None]
     want = (cols >= start) & (cols < end_page[:, None]) & active[:, None]
     need = want.sum(axis=1, dtype=jnp.int32)
-    fits = jnp.cumsum(need) <= num_free
+    fits = (jnp.cumsum(need) <= num_free) | (need == 0)
     return want, fits
 
 
