@@ -167,17 +167,20 @@ def tp_equality(params, cfg, prompts, max_new: int, tag: str = "tp") -> dict:
     they are identical."""
     from drafter.engine import Engine
     mesh1, mesh2 = meshes(2)
-    runs = {}
+    runs, pool_devices = {}, {}
     for name, mesh in (("tp1", mesh1), ("tp2", mesh2)):
         start = time.perf_counter()
-        runs[name] = outputs(Engine(params, cfg, mesh=mesh).generate(prompts, max_new))
+        engine = Engine(params, cfg, mesh=mesh)
+        runs[name] = outputs(engine.generate(prompts, max_new))
+        pool_devices[name] = len(engine.state.kv.pools[0].sharding.device_set)
         al = np.mean([a for r in runs[name]["acceptance"] for a in r])
-        say(tag, f"{name}: {len(prompts)} prompts x {max_new} new tokens, AL {al:.2f} "
+        say(tag, f"{name}: {len(prompts)} prompts x {max_new} new tokens, AL {al:.2f}, KV "
+                 f"pools over {pool_devices[name]} device(s) "
                  f"({time.perf_counter() - start:.1f} s, compiles included)")
     diff = first_difference(runs["tp1"], runs["tp2"])
     equal = equal_outputs(runs["tp1"], runs["tp2"])
     say(tag, f"tp2_equal_tp1 = {equal}" + (f" ({diff})" if diff else ""))
-    return {**runs, "tp2_equal_tp1": equal, "difference": diff}
+    return {**runs, "tp2_equal_tp1": equal, "difference": diff, "pool_devices": pool_devices}
 
 
 def step_ms(params, cfg, prompts, batch: int, mesh, steps: int, repeats: int,
@@ -272,6 +275,8 @@ def hetero_equality(params, cfg, prompts, max_new: int, reference: dict | None =
     engine = disaggregated_engine(params, cfg, context_meshes=(mesh2,), mesh=mesh1)
     got = outputs(engine.generate(prompts, max_new))
     moved = engine.kv_source.bytes_moved
+    context_devices = len(engine.kv_source.contexts[0].engine.state.kv.pools[0]
+                          .sharding.device_set)
     diff = first_difference(reference, got)
     equal = equal_outputs(reference, got)
     say(tag, f"context tp2 -> generation tp1: {len(prompts)} prompts, {moved} KV bytes "
@@ -279,7 +284,9 @@ def hetero_equality(params, cfg, prompts, max_new: int, reference: dict | None =
              + (f" ({diff})" if diff else ""))
     engine.kv_source.close()
     return {"aggregated_tp1": reference, "context_tp2_generation_tp1": got,
-            "hetero_tp_equal": equal, "difference": diff, "kv_bytes_moved": moved}
+            "hetero_tp_equal": equal, "difference": diff, "kv_bytes_moved": moved,
+            "context_pool_devices": context_devices,
+            "generation_pool_devices": len(engine.state.kv.pools[0].sharding.device_set)}
 
 
 def child_hetero(spec: dict, sink) -> None:
