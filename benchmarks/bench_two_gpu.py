@@ -320,15 +320,20 @@ def make_stream(prompts_by_len: dict, weights: dict, num: int, rate: float, max_
 def warm_stream(engine, stream: list[dict]) -> None:
     """Compile what the stream will run: each prompt length in bursts of 1, 2, 4, ...
     requests (KV exports and imports compile per page bucket and power-of-two row
-    count), one of each length together, decode at every table width the stream
-    reaches, then the stream itself once, untimed (prefill chunks batched with decode
-    rows as its arrivals mix them)."""
+    count), every pair and triple of lengths together (an export's shape also follows
+    the prefill step's row count), decode at every table width the stream reaches,
+    then the stream itself once, untimed (prefill chunks batched with decode rows as
+    its arrivals mix them)."""
+    import itertools
     distinct = list({len(r["tokens"]): r["tokens"] for r in stream}.values())
     for prompt in distinct:
         k = 1
         while k <= engine.spec.num_slots:
             engine.generate([prompt] * k, 2, ignore_eos=True)
             k *= 2
+    for n in (2, 3):
+        for group in itertools.combinations(distinct, n):
+            engine.generate(list(group), 2, ignore_eos=True)
     engine.generate(distinct, 4, ignore_eos=True)
     engine.warmup(max(len(r["tokens"]) + r["max_new"] for r in stream)
                   + 4 * engine.cfg.block_size)
