@@ -12,10 +12,14 @@ throughout, through public APIs only: `drafter.engine.Engine`,
 `disagg.processes.ContextProcess`) with `disagg.remote.RemoteSource`.
 
 Every part runs in child processes of this script, each under its own time limit
-(`--limit`, defaults in LIMITS: the GPU calls are limited to 600 s), printing its lines
-as it goes and saving what it has measured after each step, so a part stopped at its
-limit still reports what it finished. A child sees only its devices:
-CUDA_VISIBLE_DEVICES on GPUs, its own host device count on CPU.
+(`--limit`, defaults in LIMITS), printing its lines as it goes and saving what it has
+measured after each step, so a part stopped at its limit still reports what it
+finished. A child sees only its devices: CUDA_VISIBLE_DEVICES on GPUs, its own host
+device count on CPU. The GPU calls are limited to 600 s, so on the GPU machine run
+`--parts tp hetero remote`, then `--parts e2e`, then `--scale --parts tp`
+(benchmarks/gpu_all.sh stages two_gpu, two_gpu_e2e, two_gpu_scale): each run keeps
+the other parts' entries of two_gpu.json. With one GPU only, tp and hetero are
+skipped and both processes of a pair share it (a dry run; `shared_gpu` says so).
 
   tp      one process, both devices. The held-out prompts through an Engine on one
           device and on a 2-device mesh (KV split over kv heads): `tp2_equal_tp1`
@@ -24,7 +28,10 @@ CUDA_VISIBLE_DEVICES on GPUs, its own host device count on CPU.
           loop, no host) on both meshes, rows prefilled with the 128-token prompts:
           `tp2_over_tp1_step`. With --scale the same step-time ratio at the Qwen3-8B
           shape (drafter/shapes.py, random weights; `--scale-layers` cuts the depth)
-          is measured too and becomes `tp2_over_tp1_step`.
+          is measured too and becomes `tp2_over_tp1_step`. What the mesh splits by
+          construction is the KV pools and attention (kv heads); the engine places
+          the weights replicated on every device, so how the matmuls divide is up
+          to XLA's sharding propagation.
   hetero  one process, both devices: `disaggregated_engine` with a context worker on
           the 2-device mesh (TP=2) and the generation engine on one device (TP=1):
           `hetero_tp_equal` when tokens and acceptance equal aggregated TP=1.
@@ -35,7 +42,8 @@ CUDA_VISIBLE_DEVICES on GPUs, its own host device count on CPU.
               aggregated serving's (an Engine on device 1 in the same child);
             - handoff, one request at a time per prompt length: time to the first
               generation step's token, remote minus aggregated, minus the pull
-              itself (RemoteSource's own bytes / seconds): `handoff_overhead_ms_p50`;
+              itself (RemoteSource's own bytes / seconds, which include its polling
+              for the pull's end, 0.1 to 10 ms apart): `handoff_overhead_ms_p50`;
             - a small Poisson stream of requests through both: TTFT and tokens/s;
             - the transport alone: one process offers N bytes on device 0 and another
               pulls them onto device 1 (jax.experimental.transfer, what RemoteSource
@@ -81,8 +89,9 @@ GOAL_KEYS = ("tp2_equal_tp1", "tp2_over_tp1_step", "hetero_tp_equal", "cross_pro
              "transfer_over_link", "handoff_overhead_ms_p50", "stream_ttft_ms_p50",
              "stream_tokens_per_s", "e2e_tokens_per_s", "e2e_itl_ms_p99",
              "e2e_itl_p99_disagg_over_aggregated")
-# Seconds per part. GPU: the four sum to 560 (one 600 s device call); CPU dry run: ample.
-LIMITS = {"gpu": {"tp": 110, "hetero": 70, "remote": 190, "e2e": 190},
+# Seconds per part. GPU: tp + hetero + remote fit one 600 s device call, e2e another
+# (benchmarks/gpu_all.sh: stages two_gpu and two_gpu_e2e); CPU dry run: ample.
+LIMITS = {"gpu": {"tp": 130, "hetero": 90, "remote": 300, "e2e": 540},
           "cpu": {"tp": 600, "hetero": 400, "remote": 700, "e2e": 900}}
 SCALE_LIMIT_S = 540   # the tp part with --scale (run it as its own call on the GPU machine)
 
