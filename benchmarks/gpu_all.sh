@@ -9,13 +9,19 @@
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
 # benchmark moves GPU 0 -> GPU 1; the rest use GPU 0.
+# Two-GPU stages (not in the default list; one 600 s call each, all into
+# $OUT/two_gpu.json): two_gpu (TP=2 vs TP=1, context TP=2 into generation TP=1,
+# context and generation processes on GPUs 0 and 1), two_gpu_e2e (aggregated vs
+# data-parallel vs disaggregated end to end), two_gpu_scale (TP=2 vs TP=1 step time
+# at the Qwen3-8B shape).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|decode|eval|transfer|serving|scale) stages+=("$a") ;;
+    tests|attention|decode|eval|transfer|serving|scale|two_gpu|two_gpu_e2e|two_gpu_scale)
+      stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
@@ -61,5 +67,12 @@ for stage in "${stages[@]}"; do
       # the Qwen3-8B-shaped pair: batch 1 first (the goal keys), then batch 32
       run 280 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32
       run 150 precision python3 -m pytest -q -p no:cacheprovider tests/drafter/test_precision.py ;;
+    two_gpu)
+      # every part a child process under its own limit (130 + 90 + 300 s)
+      run 590 two_gpu python3 benchmarks/bench_two_gpu.py --out "$OUT" --parts tp hetero remote ;;
+    two_gpu_e2e)
+      run 590 two_gpu_e2e python3 benchmarks/bench_two_gpu.py --out "$OUT" --parts e2e ;;
+    two_gpu_scale)
+      run 590 two_gpu_scale python3 benchmarks/bench_two_gpu.py --out "$OUT" --parts tp --scale ;;
   esac
 done
