@@ -88,7 +88,7 @@ PARTS = ("tp", "hetero", "remote", "e2e")
 GOAL_KEYS = ("tp2_equal_tp1", "tp2_over_tp1_step", "hetero_tp_equal", "cross_process_equal",
              "transfer_over_link", "handoff_overhead_ms_p50", "stream_ttft_ms_p50",
              "stream_tokens_per_s", "e2e_tokens_per_s", "e2e_itl_ms_p99",
-             "e2e_itl_p99_disagg_over_aggregated")
+             "e2e_itl_p99_disagg_over_aggregated", "e2e_tokens_equal")
 # Seconds per part. GPU: tp + hetero + remote fit one 600 s device call, e2e another
 # (benchmarks/gpu_all.sh: stages two_gpu and two_gpu_e2e); CPU dry run: ample.
 LIMITS = {"gpu": {"tp": 130, "hetero": 90, "remote": 300, "e2e": 540},
@@ -967,8 +967,9 @@ def goals(parts: dict) -> dict:
     if rows:
         g["handoff_overhead_ms_p50"] = float(np.median([r["handoff_overhead_ms"]
                                                         for r in rows]))
-    if "stream_remote" in serving:
-        m = stream_metrics([serving["stream_remote"]])
+    m = serving.get("stream_remote_metrics") or (
+        stream_metrics([serving["stream_remote"]]) if "stream_remote" in serving else None)
+    if m:
         g["stream_ttft_ms_p50"], g["stream_tokens_per_s"] = m["ttft_ms_p50"], m["tokens_per_s"]
     e2e = parts.get("e2e", {})
     modes = [m for m in ("aggregated", "data_parallel", "disaggregated")
@@ -979,6 +980,8 @@ def goals(parts: dict) -> dict:
         if {"aggregated", "disaggregated"} <= set(modes) and e2e["aggregated"]["itl_ms_p99"]:
             g["e2e_itl_p99_disagg_over_aggregated"] = (e2e["disaggregated"]["itl_ms_p99"]
                                                        / e2e["aggregated"]["itl_ms_p99"])
+    if "tokens_equal_across_modes" in e2e:
+        g["e2e_tokens_equal"] = e2e["tokens_equal_across_modes"]
     return g
 
 

@@ -96,19 +96,30 @@ def test_goal_keys_come_from_the_parts_measured():
     parts = {
         "tp": {"tp2_equal_tp1": True, "default_pair_b1": {"tp2_over_tp1": 1.3},
                "qwen3_8b": {"tp2_over_tp1": 0.6, "layers": 36}},
-        "remote": {"serving": {"cross_process_equal": False,
-                               "handoff": [{"handoff_overhead_ms": 1.0},
-                                           {"handoff_overhead_ms": 3.0}]},
+        "remote": {"serving": {"cross_process_equal": False, "stream_remote": run,
+                               "handoff": [{"handoff_overhead_ms": 1.0, "kv_bytes": 20,
+                                            "pull_ms": 8.0},
+                                           {"handoff_overhead_ms": 3.0, "kv_bytes": 30,
+                                            "pull_ms": 1.0}]},
                    "transport": {"pulls": [{"bytes": 10, "pull_ms": 4.0},
                                            {"bytes": 20, "pull_ms": 5.0}]},
                    "link": {"link": [{"bytes": 10, "d2d_ms": 1.0}, {"bytes": 20, "d2d_ms": 4.0}]}},
-        "e2e": e2e}
+        "e2e": {**e2e, "tokens_equal_across_modes": True}}
     g = bench.goals(parts)
     assert g["tp2_equal_tp1"] is True and g["cross_process_equal"] is False
     assert g["tp2_over_tp1_step"] == 0.6 and "Qwen3-8B" in g["tp2_over_tp1_step_shape"]
     assert g["transfer_over_link"] == pytest.approx(0.8) and g["transfer_over_link_bytes"] == 20
     assert g["handoff_overhead_ms_p50"] == pytest.approx(2.0)
     assert g["e2e_itl_p99_disagg_over_aggregated"] == pytest.approx(0.25)
+    assert g["e2e_tokens_equal"] is True
+    assert (g["stream_ttft_ms_p50"], g["stream_tokens_per_s"]) == (m["ttft_ms_p50"], 2.0)
+    bench.summarise_remote(parts["remote"])   # the report keeps metrics, not the raw stream
+    assert "stream_remote" not in parts["remote"]["serving"]
+    assert bench.goals(parts)["stream_ttft_ms_p50"] == m["ttft_ms_p50"]
+    assert parts["remote"]["transport"]["pulls"][0]["over_link"] == pytest.approx(0.25)
+    handoff = parts["remote"]["serving"]["handoff"]
+    assert handoff[0]["pull_over_link"] == pytest.approx(0.5)   # the link at those bytes
+    assert "pull_over_link" not in handoff[1]                   # no link at 30 bytes
     assert "hetero_tp_equal" not in g   # a part not run gives no key
     del parts["tp"]["qwen3_8b"]
     assert bench.goals(parts)["tp2_over_tp1_step"] == 1.3
