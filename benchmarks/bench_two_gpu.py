@@ -1063,6 +1063,8 @@ def main(argv=None) -> dict:
         parts[name]["finished_at"] = datetime.datetime.now().isoformat(timespec="seconds")
         parts[name]["quick"] = args.quick
         say(name, f"--- part {name} done in {parts[name]['seconds']:.0f} s")
+    import shutil
+    shutil.rmtree(work, ignore_errors=True)   # the children's specs, results, compile cache
     previous = {}
     if args.out and (Path(args.out) / "two_gpu.json").exists():
         previous = json.loads((Path(args.out) / "two_gpu.json").read_text()).get("parts", {})
