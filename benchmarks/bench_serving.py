@@ -109,7 +109,8 @@ def handoff_part(params, cfg, prompts_by_len, repeats: int) -> dict:
 
     def capture(item):
         got = real_arrived(item)
-        captured.extend(x[1] for x in got if not isinstance(x[1], BaseException))
+        captured.extend(x[1] for x in got
+                        if x[1] is not None and not isinstance(x[1], BaseException))
         return got
 
     source._arrived = capture

@@ -133,6 +133,7 @@ class InProcessSource:
                 for ctx in self.contexts:
                     if ctx.busy:
                         self._send(*ctx.pump())
+                        self._progress(ctx)
             drained = []
             while True:
                 try:
@@ -164,6 +165,13 @@ class InProcessSource:
         for h in handoffs:
             for part in (split_heads(h) if self.head_slices else [h]):
                 self._arrivals.put(part)
+
+    def _progress(self, ctx: ContextWorker) -> None:
+        """The requests `ctx` holds are still being made (their KV timeout starts again):
+        a step that ran, compiles included, is progress."""
+        scheduler = ctx.engine.scheduler
+        for rid in [*scheduler.active, *(s.request_id for s in scheduler.waiting)]:
+            self._arrivals.put((rid, None))
 
     def _arrived(self, items: list) -> list:
         """Failures as they are; handoffs (head slices joined once all are in) moved to
@@ -209,6 +217,7 @@ class InProcessSource:
                     continue
             try:
                 self._send(*ctx.pump())
+                self._progress(ctx)
             except BaseException as e:  # this worker is lost: fail what it held
                 held = list(ctx.engine.scheduler.active) + [
                     s.request_id for s in ctx.engine.scheduler.waiting]

@@ -69,7 +69,8 @@ def assert_pair_free(engine):
 
 
 class Tampered:
-    """A KV source whose arrivals pass through `change(request_id, item)` (a bad wire)."""
+    """A KV source whose arrived payloads pass through `change(request_id, payload)` (a
+    bad wire); progress and failures pass as they are."""
 
     def __init__(self, inner, change):
         self.inner, self.change = inner, change
@@ -79,7 +80,8 @@ class Tampered:
         self.inner.fetch(request)
 
     def poll(self, timeout):
-        return [(rid, self.change(rid, item)) for rid, item in self.inner.poll(timeout)]
+        return [(rid, item if item is None or isinstance(item, BaseException)
+                 else self.change(rid, item)) for rid, item in self.inner.poll(timeout)]
 
 
 # Two paths here: device to device, and through host memory. Every path's bytes are
