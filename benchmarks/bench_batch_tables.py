@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import time_call, write_results
+from benchmarks.timing import print_row, time_call, write_results
 from pallas_kernels.batch_tables import build_batch_tables
 from unified_kv import bucket_width
 
@@ -28,6 +28,9 @@ SCALES = (8, 8, 4)
 
 
 ITERS = 200  # builds per timed call: device time, not host dispatch, dominates
+LINE = ("max_seq_len={max_seq_len:>8}  batch_4k={batch_4k_us:8.1f} us  "
+        "batch_widest={batch_widest_us:8.1f} us (w={batch_widest_width})  "
+        "full_rebuild={full_rebuild_us:9.1f} us  ratio={full_over_batch_4k:.1f}x")
 
 
 def looped(build):
@@ -70,11 +73,7 @@ def main():
         result["full_rebuild_us"] = time_call(looped(full_rebuild), zero, tables,
                                               iters=3) / ITERS * 1e6
         result["full_over_batch_4k"] = result["full_rebuild_us"] / result["batch_4k_us"]
-        rows.append(result)
-        print(f"max_seq_len={max_seq_len:>8}  batch_4k={result['batch_4k_us']:8.1f} us  "
-              f"batch_widest={result['batch_widest_us']:8.1f} us (w={result['batch_widest_width']})  "
-              f"full_rebuild={result['full_rebuild_us']:9.1f} us  "
-              f"ratio={result['full_over_batch_4k']:.1f}x", flush=True)
+        print_row(rows, result, LINE)
     print("wrote", write_results("batch_tables", {"batch": BATCH, "num_slots": NUM_SLOTS,
                                                  "page_size": PAGE, "rows": rows}, args.out))
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks.cache_baselines import (TwoCacheState, full_rebuild, kv_memory_bytes, per_layer,
                                         split_config, split_state, two_cache_decode_step)
-from benchmarks.timing import time_step_loop, write_results
+from benchmarks.timing import print_row, time_step_loop, write_results
 from drafter.default import default_step_config, load_default
 from drafter.steps import decode_step, init_step_state
 from unified_kv import bucket_width
@@ -44,6 +44,8 @@ from unified_kv import admit_slots, bytes_per_request, grow, init_state, retire_
 NUM_SLOTS = 256     # slots in the cache (what a full-capacity rebuild pays for)
 NUM_REQUESTS = 16   # max-length requests the memory budget buys
 VARIANTS = ("unified", "two_caches", "per_layer", "full_rebuild")
+LINE = ("{batch:>5} {context:>8} {variant:>12} {step_ms:9.3f} {step_over_unified:9.3f} "
+        "{kv_memory_gib:8.3f} {memory_over_unified:9.4f}")  # no unified row: ratios nan
 
 
 def variant_config(base, name: str):
@@ -136,11 +138,7 @@ def main(argv=None):
                 if unified:
                     row["step_over_unified"] = row["step_ms"] / unified["step_ms"]
                     row["memory_over_unified"] = row["kv_memory_gib"] / unified["kv_memory_gib"]
-                rows.append(row)
-                print(f"{batch:>5} {context:>8} {name:>12} {row['step_ms']:9.3f} "
-                      f"{row.get('step_over_unified', float('nan')):9.3f} "
-                      f"{row['kv_memory_gib']:8.3f} "
-                      f"{row.get('memory_over_unified', float('nan')):9.4f}", flush=True)
+                print_row(rows, row, LINE)
                 write_results("cache_baselines",
                               {"num_slots": NUM_SLOTS, "num_requests": NUM_REQUESTS,
                                "max_seq_len": max_seq_len, "steps": args.steps, "rows": rows},

@@ -53,6 +53,19 @@ def device_copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     return 2 * nbytes / seconds
 
 
+class _NanForMissing(dict):
+    def __missing__(self, key):
+        return float("nan")
+
+
+def print_row(rows: list, row: dict, line: str) -> dict:
+    """Append `row` to `rows` and print it as one line of the run's table: `line` is a
+    `str.format` template over the row's keys (a key the row lacks prints as nan)."""
+    rows.append(row)
+    print(line.format_map(_NanForMissing(row)), flush=True)
+    return row
+
+
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:
     path = Path(out_dir) if out_dir else RESULTS_DIR
     path.mkdir(parents=True, exist_ok=True)
