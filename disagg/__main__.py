@@ -5,8 +5,9 @@ demo   the held-out prompts (128 to 8K tokens) through aggregated,
        measures and what it means (disagg/demo.py); --json FILE writes it too.
 serve  one engine (--draft-kv aggregated | shared | private) answering JSON
        lines from a file or stdin, or with --http HOST:PORT an OpenAI-compatible
-       HTTP server (/v1/completions streamed or not, /v1/models, /health,
-       /metrics; disagg/http.py).
+       HTTP server (/v1/completions and /v1/chat/completions streamed or not,
+       /v1/models, /health, /metrics; disagg/http.py; a request without
+       max_tokens gets --default-max-tokens).
 serve-remote  one side (--role context | generation) of a pair in two OS
        processes, KV moved by jax.experimental.transfer (disagg/processes.py).
 
@@ -47,6 +48,7 @@ def build_parser():
                      help="serve OpenAI-compatible HTTP here instead of JSON lines")
     srv.add_argument("--request-timeout", type=float, default=600.0,
                      help="HTTP: seconds a request may wait for its next tokens")
+    processes.add_default_max_tokens_arg(srv)
     processes.add_parser(sub)
     return ap
 
@@ -63,7 +65,8 @@ def serve(args) -> None:
             raise SystemExit(f"--request-timeout must be > 0 seconds, got "
                              f"{args.request_timeout}")
         serve_http(engine, pair, *args.http, mode=args.draft_kv,
-                   request_timeout_s=args.request_timeout, counter=args.counter)
+                   request_timeout_s=args.request_timeout,
+                   default_max_tokens=args.default_max_tokens, counter=args.counter)
     else:
         def log(msg):
             print(f"serve: {msg}", file=sys.stderr, flush=True)

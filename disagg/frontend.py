@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from disagg.schema import DEFAULT_MAX_TOKENS
 from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
 from drafter.tokenizer import TokenizerError, load_tokenizer
@@ -129,9 +130,12 @@ def warm_up(engine: Engine, tokenizer, log=None) -> float:
 
 
 def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: str,
-               request_timeout_s: float = 600.0, counter=None) -> None:
+               request_timeout_s: float = 600.0,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS, counter=None) -> None:
     """Listen at once (GET /health says "starting"), compile, print the ready line,
-    serve until SIGINT / SIGTERM, then finish the accepted requests and return."""
+    serve until SIGINT / SIGTERM, then finish the accepted requests and return.
+    `default_max_tokens`: what a request without max_tokens gets (at most the room
+    its prompt leaves)."""
     from disagg.http import CompletionsApp, HTTPServer, require_http
     from disagg.loop import ServingLoop
     from disagg.metrics import ServingMetrics
@@ -146,7 +150,8 @@ def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: s
 
     metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
     loop = ServingLoop(engine, pair.tokenizer, metrics)
-    app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=request_timeout_s)
+    app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=request_timeout_s,
+                         default_max_tokens=default_max_tokens)
     try:
         server = HTTPServer(app.app, host, port).start()
     except OSError as e:  # the address is taken or not ours

@@ -15,7 +15,9 @@ Rules:
     come back through `call_soon_threadsafe` onto its own asyncio queue;
   * a bad request gets HTTP 400 with an OpenAI error body {"error": {"message",
     "type": "invalid_request_error", "param", "code"}} naming the field and the
-    fix, and touches nothing else;
+    fix, and touches nothing else; so does a max_tokens that does not fit;
+  * a request without max_tokens gets `default_max_tokens`, at most the room its
+    prompt leaves (disagg/schema.py);
   * a client that goes away mid-request cancels it (its pages are freed);
   * every wait for a request's next Event is bounded by `request_timeout_s`
     (then the request is cancelled: 504, or an error event when streaming);
@@ -40,7 +42,7 @@ import uuid
 
 from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
-from disagg.schema import parse_chat, parse_completion
+from disagg.schema import DEFAULT_MAX_TOKENS, parse_chat, parse_completion
 from drafter.request import RequestError
 from unified_kv import AdmissionError
 
@@ -119,12 +121,15 @@ class CompletionsApp:
     """The starlette app of one served model (`app`), and whether it is ready."""
 
     def __init__(self, loop: ServingLoop, metrics: ServingMetrics, model_name: str, *,
-                 request_timeout_s: float = 600.0):
+                 request_timeout_s: float = 600.0,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
         require_http()
         from starlette.applications import Starlette
         from starlette.routing import Route
+        if default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         self.loop, self.metrics, self.model_name = loop, metrics, model_name
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s, self.default_max_tokens = request_timeout_s, default_max_tokens
         self.ready = threading.Event()
         self.created = int(time.time())
         self.app = Starlette(routes=[
@@ -158,11 +163,13 @@ class CompletionsApp:
 
     async def completions(self, request):
         return await self._serve(request, _Format(), lambda body, rid: parse_completion(
-            body, rid, self.loop.engine, self.loop.tokenizer))
+            body, rid, self.loop.engine, self.loop.tokenizer,
+            default_max_tokens=self.default_max_tokens))
 
     async def chat_completions(self, request):
         return await self._serve(request, _ChatFormat(), lambda body, rid: parse_chat(
-            body, rid, self.loop.engine, self.loop.tokenizer, self.model_name))
+            body, rid, self.loop.engine, self.loop.tokenizer, self.model_name,
+            default_max_tokens=self.default_max_tokens))
 
     # --------------------------------------------------------- internals
 
@@ -187,9 +194,10 @@ class CompletionsApp:
             self.loop.engine.scheduler.check_fits(req)
         except RequestError as e:
             return refuse(400, str(e), e.field)
-        except AdmissionError as e:
-            return refuse(400, str(e), "max_completion_tokens" if "max_completion_tokens"
-                          in body else "max_tokens")
+        except AdmissionError as e:  # named in the request's own spelling
+            field = "max_completion_tokens" if "max_completion_tokens" in body else \
+                "max_tokens"
+            return refuse(400, str(e).replace("max_new_tokens", field), field)
         aio = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 

@@ -109,6 +109,7 @@ def add_parser(sub) -> None:
                    help="context: compile prefill before serving (peers queue meanwhile)")
     p.add_argument("--http", type=host_port, default=None, metavar="HOST:PORT",
                    help="generation: serve OpenAI-compatible HTTP here instead of JSON lines")
+    add_default_max_tokens_arg(p)
 
 
 def host_port(text: str) -> tuple[str, int]:
@@ -116,6 +117,20 @@ def host_port(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT, e.g. 127.0.0.1:8000")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
+    return int(text)
+
+
+def add_default_max_tokens_arg(p) -> None:
+    from disagg.schema import DEFAULT_MAX_TOKENS
+    p.add_argument("--default-max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                   metavar="N", help="HTTP: max_tokens of a request that gives none, at "
+                   "most the room its prompt leaves (default: %(default)s; "
+                   "disagg/schema.py says why)")
 
 
 def local_mesh(tp: int):
@@ -171,7 +186,8 @@ def run(args) -> None:
         from disagg.frontend import DEFAULT_MODEL_NAME, ModelPair, serve_http
         name = Path(args.pair).resolve().name if args.pair else DEFAULT_MODEL_NAME
         serve_http(engine, ModelPair(params, cfg, tokenizer, name), *args.http,
-                   mode=f"{mode}, context at {args.address}")
+                   mode=f"{mode}, context at {args.address}",
+                   default_max_tokens=args.default_max_tokens)
     else:
         serve_json_lines(engine, args.input, tokenizer)
     logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())

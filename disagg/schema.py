@@ -14,10 +14,14 @@ completion: {"model": str, "prompt": str | [int, ...], "max_tokens": int >= 1,
              extensions "stop_token_ids", "ignore_eos"}; OpenAI fields this server
              does not implement are accepted only at their neutral value (n = 1,
              echo = false, logprobs = null, top_p = 1, penalties = 0, ...).
+             Without "max_tokens": the server's default (`default_max_tokens`,
+             `serve --default-max-tokens`), cut to the room the prompt leaves within
+             max_seq_len; a "max_tokens" given that does not fit is refused.
 chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
              "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
-             int >= 1 (one of them), "temperature", "seed", "stop", "stream",
-             "stream_options", "stop_token_ids", "ignore_eos" as for a completion};
+             int >= 1 (one of them; default as for a completion), "temperature",
+             "seed", "stop", "stream", "stream_options", "stop_token_ids",
+             "ignore_eos" as for a completion};
              neutral-only OpenAI fields as for a completion, plus tools = null,
              tool_choice = "none", response_format = {"type": "text"}. The prompt is
              the messages rendered by the checkpoint's chat template with the
@@ -59,6 +63,14 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
 CHAT_ROLES = ("system", "user", "assistant")
 MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 MAX_STOP_STRINGS = 16
+# max_tokens of an HTTP request that gives none. Every request reserves pages for its
+# whole max_tokens at admission, so "the room the prompt leaves" (up to max_seq_len,
+# 9216 by default) would let one such request hold about a quarter of the embedded
+# pair's full-attention pool at serve's defaults, and a slot for as long. 256 answers
+# a chat turn or a function body, and keeps a prompt of up to 768 tokens within the
+# 1024-token windows the embedded pair was trained on. A request that wants more
+# says so in max_tokens.
+DEFAULT_MAX_TOKENS = 256
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
 
 
@@ -162,9 +174,12 @@ def parse_line(obj, line_no: int, engine, tokenizer) -> tuple[Request, tuple[str
     return _make(rid, prompt, obj, engine, "max_new_tokens", 64, 0.0), stop
 
 
-def parse_completion(obj, rid: str, engine, tokenizer) -> tuple[Request, tuple[str, ...]]:
+def parse_completion(obj, rid: str, engine, tokenizer, *,
+                     default_max_tokens: int = DEFAULT_MAX_TOKENS
+                     ) -> tuple[Request, tuple[str, ...]]:
     """An OpenAI completion request's checked Request and stop strings (RequestError's
-    `.field` uses OpenAI's names). Defaults as OpenAI's: max_tokens 16, temperature 1."""
+    `.field` uses OpenAI's names). Defaults: max_tokens `default_max_tokens`, at most
+    the room the prompt leaves (`_default_max`); temperature 1 (OpenAI's)."""
     try:
         _check_fields(rid, obj, COMPLETION_FIELDS)
         _check_openai_options(rid, obj, NEUTRAL)
@@ -182,7 +197,8 @@ def parse_completion(obj, rid: str, engine, tokenizer) -> tuple[Request, tuple[s
             raise RequestError(f"request {rid!r}: \"prompt\" must be text or a list of token "
                                f"ids, got {type(prompt).__name__}", "prompt")
         stop = _stop_strings(rid, obj.get("stop"))
-        return _make(rid, prompt, obj, engine, "max_tokens", 16, 1.0), stop
+        default_max = _default_max(rid, prompt, obj, "max_tokens", engine, default_max_tokens)
+        return _make(rid, prompt, obj, engine, "max_tokens", default_max, 1.0), stop
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", "max_tokens"),
                            OPENAI_NAMES.get(e.field, e.field)) from None
@@ -191,10 +207,10 @@ def parse_completion(obj, rid: str, engine, tokenizer) -> tuple[Request, tuple[s
 def no_chat_template(model_name: str) -> str:
     """The refusal of a chat request to a model whose checkpoint has no chat template."""
     return (f"model {model_name!r} has no chat template (its checkpoint ships none: no "
-            f"\"chat_template\" in tokenizer_config.json, no chat_template.jinja), so "
-            f"chat messages cannot be turned into a prompt; send the prompt as text to "
-            f"POST /v1/completions instead, or serve a checkpoint whose tokenizer has a chat "
-            f"template (--target DIR)")
+            f"chat_template.jinja, no chat_template.json, no \"chat_template\" in "
+            f"tokenizer_config.json), so chat messages cannot be turned into a prompt; "
+            f"send the prompt as text to POST /v1/completions instead, or serve a "
+            f"checkpoint whose tokenizer has a chat template (--target DIR)")
 
 
 def _messages(rid: str, obj: dict) -> list[dict]:
@@ -247,12 +263,23 @@ def _room(rid: str, prompt, engine) -> int:
     return max(1, engine.spec.max_seq_len - engine.scheduler.reserved_len(probe) + 1)
 
 
-def parse_chat(obj, rid: str, engine, tokenizer, model_name: str
+def _default_max(rid: str, prompt, obj: dict, field: str, engine,
+                 default_max_tokens: int) -> int | None:
+    """max_tokens for a request without `field`: the server's default, cut to the room
+    its prompt leaves (a default never makes a request that fits fail). None when the
+    request gives `field` (its own value is checked, never cut)."""
+    if field in obj:
+        return None
+    return min(default_max_tokens, _room(rid, prompt, engine))
+
+
+def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS
                ) -> tuple[Request, tuple[str, ...]]:
     """An OpenAI chat completion request's checked Request and stop strings (RequestError's
     `.field` uses OpenAI's names, a message's as "messages[i].role"). Defaults: temperature
-    1; max tokens the room the prompt leaves within max_seq_len (the request reserves the
-    pages of that length)."""
+    1; max tokens as for a completion (`default_max_tokens`, at most the room the prompt
+    leaves)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError(no_chat_template(model_name), None)
     field = "max_tokens"
@@ -270,7 +297,7 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str
         except ChatTemplateError as e:
             raise RequestError(f"request {rid!r}: {e}", "messages") from None
         stop = _stop_strings(rid, obj.get("stop"))
-        default_max = _room(rid, prompt, engine) if field not in obj else None
+        default_max = _default_max(rid, prompt, obj, field, engine, default_max_tokens)
         return _make(rid, prompt, obj, engine, field, default_max, 1.0), stop
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", field),

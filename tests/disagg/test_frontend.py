@@ -1,6 +1,6 @@
 """Text in and out (checkpoint tokenizers, the text stream, the shared schema), and
-`serve --http` as a user runs it: a pair by path, the ready line, Ctrl-C, and the
-persistent compilation cache reused by a fresh process."""
+`serve --http` as a user runs it: a pair by path, the ready line, --default-max-tokens,
+Ctrl-C, and the persistent compilation cache reused by a fresh process."""
 
 import json
 import os
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from disagg.__main__ import build_parser
 from disagg.processes import REPO_ROOT, child_env
-from disagg.schema import parse_line
+from disagg.schema import DEFAULT_MAX_TOKENS, parse_line
 from disagg.textstream import TextStream
 from drafter.corpus import ByteTokenizer
 from drafter.request import Request, RequestError
@@ -130,26 +131,29 @@ def read_line_with(proc, pattern: str, timeout: float) -> str:
                          f"{proc.stderr.read()[-3000:]}")
 
 
-def serve_once(pair: Path, cache: Path) -> tuple[dict, str, str]:
-    """One `serve --http` process: ready line, one completion, SIGINT."""
+def serve_once(pair: Path, cache: Path) -> tuple[dict, dict, str, str]:
+    """One `serve --http --default-max-tokens 5` process: ready line, a completion with
+    max_tokens and one without, SIGINT."""
     env = {**child_env(1), "JAX_COMPILATION_CACHE_DIR": str(cache)}
     env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)  # the CLI caches everything
     proc = subprocess.Popen(
         [sys.executable, "-m", "disagg", "serve", "--http", "127.0.0.1:0", "--draft-kv",
          "aggregated", "--target", str(pair / "target"), "--drafter", str(pair / "draft"),
-         "--max-seq-len", "128", "--num-slots", "2"],
+         "--max-seq-len", "128", "--num-slots", "2", "--default-max-tokens", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     try:
         ready = read_line_with(proc, r"^ready: ", 300)
         url = re.search(r"(http://\S+)/v1", ready).group(1)
         with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
             assert json.loads(r.read())["status"] == "ready"
-        body = json.dumps({"model": "target", "prompt": "a b c d a b c d a b c",
-                           "max_tokens": 8, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            answer = json.loads(r.read())
+        answers = []
+        for limit in ({"max_tokens": 8}, {"ignore_eos": True}):  # the second: the default
+            body = json.dumps({"model": "target", "prompt": "a b c d a b c d a b c",
+                               "temperature": 0, **limit}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                answers.append(json.loads(r.read()))
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -158,25 +162,36 @@ def serve_once(pair: Path, cache: Path) -> tuple[dict, str, str]:
             proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    return answer, ready, err
+    return *answers, ready, err
 
 
 @pytest.mark.timeout(600)
 def test_serve_http_by_path_ready_line_ctrl_c_and_compile_cache(tmp_path):
     pair = copy_pair_with_text(tmp_path / "pair")
     cache = tmp_path / "jax-cache"
-    first, ready1, err1 = serve_once(pair, cache)
+    first, defaulted, ready1, err1 = serve_once(pair, cache)
     choice = first["choices"][0]
     assert first["usage"]["prompt_tokens"] == 11  # one id per word
     assert len(choice["token_ids"]) == first["usage"]["completion_tokens"] == 8
+    assert defaulted["usage"]["completion_tokens"] == 5  # --default-max-tokens
+    assert defaulted["choices"][0]["finish_reason"] == "length"
     assert choice["text"] == " ".join("abcdefghijklmnopqrstuvwxyz.,!?"[i]
                                       for i in choice["token_ids"])
     compiled = int(re.search(r"stopped; (\d+) programs compiled", err1).group(1))
     assert compiled > 0 and os.listdir(cache)
-    second, ready2, err2 = serve_once(pair, cache)
+    second, _, ready2, err2 = serve_once(pair, cache)
     assert second["choices"][0]["token_ids"] == choice["token_ids"]
     # a fresh process compiles nothing the first one compiled: all of it is read back
     assert re.search(r"stopped; 0 programs compiled, [1-9]\d* read from", err2), err2[-2000:]
+
+
+def test_serve_takes_default_max_tokens_whole_and_positive():
+    parse = build_parser().parse_args
+    assert parse(["serve", "--http", "127.0.0.1:0"]).default_max_tokens == DEFAULT_MAX_TOKENS
+    assert parse(["serve", "--default-max-tokens", "512"]).default_max_tokens == 512
+    for bad in ("0", "-3", "2.5", "many"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--default-max-tokens", bad])
 
 
 def test_a_missing_http_package_is_named_with_its_install_command(monkeypatch):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server, driven by the official `openai` client and raw HTTP.
 
-One server for the module: the embedded pair, aggregated, on a free local port;
-its ServingLoop runs on a thread of the test process. Text goes through a
+One server for the module: the embedded pair, aggregated, on a free local port,
+with a small default max_tokens (DEFAULT_MAX_TOKENS, as `serve --default-max-tokens`
+sets it); its ServingLoop runs on a thread of the test process. Text goes through a
 byte-level tokenizer.json the module writes (ids equal to the embedded byte
 tokenizer's) whose tokenizer_config.json carries a small chat template. The
 engine's own greedy output for the test prompts and the rendered chats is
@@ -25,12 +26,15 @@ from disagg.frontend import load_pair, make_engine, warm_up  # noqa: E402
 from disagg.http import CompletionsApp, HTTPServer  # noqa: E402
 from disagg.loop import ServingLoop  # noqa: E402
 from disagg.metrics import ServingMetrics  # noqa: E402
+from disagg.schema import parse_completion  # noqa: E402
+from unified_kv import AdmissionError  # noqa: E402
 from drafter.corpus import BOS, EOS, ByteTokenizer  # noqa: E402
 from drafter.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "import os\n\ndef main():\n", "class Point:\n    def",
            "for i in range(10):\n    "]
 MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 24  # the module server's; above MAX_TOKENS, far below any room
 CHAT_TEMPLATE = (
     "{% if messages[0].role == 'assistant' %}"
     "{{ raise_exception('a conversation opens with a system or user message') }}{% endif %}"
@@ -88,7 +92,8 @@ def server(tmp_path_factory):
                              MAX_TOKENS)
     metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
     loop = ServingLoop(engine, tok, metrics)
-    app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=120)
+    app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=120,
+                         default_max_tokens=DEFAULT_MAX_TOKENS)
     http = HTTPServer(app.app, "127.0.0.1", 0).start()
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
@@ -334,6 +339,8 @@ BAD_CHATS = [
       "max_completion_tokens": 2}, "max_completion_tokens", "not both"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      "max_completion_tokens", "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
+     "max_completion_tokens", "max_completion_tokens=1000000"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      "tools", "not implemented"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt",
@@ -381,3 +388,36 @@ def test_a_model_without_a_chat_template_refuses_chat_naming_the_way_in(server):
         assert e.value.status_code == 400
     finally:
         http.stop()
+
+
+def test_a_request_without_max_tokens_gets_the_servers_default(server):
+    """Completions and chat that give no max_tokens stop at the server's default (usage
+    counts it); a max_tokens given wins over the default."""
+    c, name = server["client"], server["name"]
+    no_eos = {"ignore_eos": True}   # runs to the cap: the default is what stops it
+    out = c.completions.create(model=name, prompt=PROMPTS[0], temperature=0,
+                               extra_body=no_eos)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == len(out.choices[0].token_ids) == DEFAULT_MAX_TOKENS
+    chunks = list(c.chat.completions.create(
+        model=name, messages=CHATS["add"][0], temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=no_eos))
+    assert chunks[-1].usage.completion_tokens == DEFAULT_MAX_TOKENS
+    assert chunks[-2].choices[0].finish_reason == "length"
+    chat = c.chat.completions.create(model=name, messages=CHATS["loop"][0], temperature=0,
+                                     max_tokens=DEFAULT_MAX_TOKENS + 8, extra_body=no_eos)
+    assert chat.usage.completion_tokens == DEFAULT_MAX_TOKENS + 8
+
+
+def test_the_default_max_tokens_is_cut_to_the_room_a_long_prompt_leaves(server):
+    """A default never makes a request that fits fail: next to a long prompt it is the
+    most that fits (check_fits, the admission rule, passes; one more does not)."""
+    engine, scheduler = server["engine"], server["engine"].scheduler
+    prompt = [ord("a")] * (engine.spec.max_seq_len - DEFAULT_MAX_TOKENS)
+    req, _ = parse_completion({"prompt": prompt}, "long", engine, server["tok"],
+                              default_max_tokens=DEFAULT_MAX_TOKENS)
+    room = req.params.max_new_tokens
+    assert 1 <= room < DEFAULT_MAX_TOKENS
+    scheduler.check_fits(req)
+    with pytest.raises(AdmissionError, match="exceeds max_seq_len"):
+        scheduler.check_fits(engine.make_request("long", prompt, max_new_tokens=room + 1))
