@@ -24,9 +24,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from models.attention import attend_draft_block, write_layer_kv
+from models.attention import write_layer_kv
 from models.layers import layer_runs, scan_layers, unstack_layers
-from models.qwen3 import (ParamInit, Qwen3Config, decoder_layer, lm_head_weight, qkv,
+from models.qwen3 import (ParamInit, Qwen3Config, block_forward, lm_head_weight, qkv,
                           rms_norm)
 from models.rope import RopeScaling
 from unified_kv import CacheSpec, LayerSpec, layer_name
@@ -164,17 +164,9 @@ def draft_block(params, cfg: DFlashConfig, target_params, target_cfg: Qwen3Confi
     positions = ctx_lens[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
     block_lens = jnp.where(active, block, 0).astype(jnp.int32)
 
-    def layer_fn(p, x, _, layer, pool_id, offset):  # reads the pools, writes none
-        def paged_block(q, k, v):  # context pages + the block's own K/V
-            causal = cfg.causal_in_sliding_block and layer.sliding_window is not None
-            return attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens,
-                                      k, v, layer, offset, causal_in_block=causal, impl=impl)
-
-        return decoder_layer(p, x, positions, cfg, paged_block), ()
-
-    x, _, _ = scan_layers(layer_fn, params["layers"],
-                          layer_runs(spec, "draft", cfg.num_layers),
-                          target_params["embed"][ids], ())
+    x = block_forward(params["layers"], cfg, spec, pools, tables, target_params["embed"][ids],
+                      positions, ctx_lens, block_lens,
+                      causal_in_sliding=cfg.causal_in_sliding_block, impl=impl)
     logits = block_logits_from_hidden(params, cfg, target_params, target_cfg, x)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 

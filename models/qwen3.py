@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from unified_kv import CacheSpec, LayerSpec, layer_name
-from models.attention import attend, write_layer_kv
+from models.attention import attend, attend_draft_block, write_layer_kv
 from models.layers import layer_runs, scan_layers, unstack_layers
 from models.rope import RopeScaling, rope_frequencies
 
@@ -231,6 +231,28 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
         params["embed"][tokens], tuple(pools), taps=tuple(feature_layers))
     feats = jnp.concatenate(features, axis=-1) if feature_layers else None
     return lm_head(params, cfg, x), pools, feats
+
+
+def block_forward(layers, cfg, spec: CacheSpec, pools, tables, x, positions, ctx_lens,
+                  block_lens, *, causal_in_sliding: bool, impl: str = "auto"):
+    """A block of queries through the cache's "draft" layers (DFlash's draft block).
+
+    Each layer attends over its row's context pages (read, never written) plus the
+    block's own K/V: bidirectional within the block, or causal on sliding layers when
+    `causal_in_sliding`. x: [B, block, H] embedded block; positions i32[B, block];
+    ctx_lens i32[B] context tokens per row; block_lens i32[B] (0: a padding row).
+    Returns x after the last layer.
+    """
+    def layer_fn(p, x, _, layer, pool_id, offset):
+        def paged_block(q, k, v):
+            causal = causal_in_sliding and layer.sliding_window is not None
+            return attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens,
+                                      k, v, layer, offset, causal_in_block=causal, impl=impl)
+
+        return decoder_layer(p, x, positions, cfg, paged_block), ()
+
+    x, _, _ = scan_layers(layer_fn, layers, layer_runs(spec, "draft", cfg.num_layers), x, ())
+    return x
 
 
 def dense_attention(q, k, v, allowed):

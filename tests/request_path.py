@@ -1,14 +1,23 @@
 """Follow one demo request through the product packages and count the package changes.
 
-    PYTHONPATH=. python -m tests.request_path [--mode shared] [--list]
+    PYTHONPATH=. python -m tests.request_path [--mode shared] [--list] [--warm]
 
 Runs the demo's engine (`python -m disagg demo`'s: `disagg.frontend.make_engine` on the
-embedded pair) for one held-out prompt and records, under `sys.setprofile`, every function of the product
-packages (pallas_kernels, unified_kv, models, drafter, disagg) the request calls, each
-once, in the order of its first call: the code a reader walks to follow the request,
-including what runs while the steps are traced. A package change is two neighbours of
-that walk in different packages. The engine is built before recording starts; the
-request is the first, so nothing is compiled yet.
+embedded pair) for one held-out prompt under `sys.setprofile`, and records every call
+into the product packages (pallas_kernels, unified_kv, models, drafter, disagg) with the
+chain of product packages above it on the call stack. Two counts:
+
+  * chain: the package changes along a call chain, from the demo (`disagg.demo`,
+    which calls `Engine.generate`) down to the callee (neighbours in one package merged), the most of any call the
+    request makes. It is what a reader descends to follow the request from the
+    front end to a kernel; the goal is at most 8.
+  * walk: every product function once, in the order of its first call, and the
+    changes between neighbours of that flat list (a step's calls into lower
+    layers and back count each time), for reference.
+
+The engine is built before recording starts. Without --warm the request is the
+first, so the steps are traced while it runs (tracing is part of its path); with
+--warm a first request runs before recording.
 """
 
 from __future__ import annotations
@@ -21,41 +30,64 @@ PACKAGES = ("pallas_kernels", "unified_kv", "models", "drafter", "disagg")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def walk_request(mode: str, max_new_tokens: int = 8) -> list[tuple[str, str, str]]:
-    """(package, file, function) of every product function one request calls, in
-    first-call order."""
+def _product_place(code) -> tuple[str, str] | None:
+    """(package, path) of a product function's code, else None."""
+    path = pathlib.Path(code.co_filename)
+    if path.is_relative_to(ROOT) and path.relative_to(ROOT).parts[0] in PACKAGES:
+        rel = path.relative_to(ROOT)
+        return rel.parts[0], str(rel)
+    return None
+
+
+def package_runs(packages) -> list[str]:
+    """`packages` with neighbours in one package merged."""
+    runs = []
+    for package in packages:
+        if not runs or runs[-1] != package:
+            runs.append(package)
+    return runs
+
+
+def walk_request(mode: str, max_new_tokens: int = 8, warm: bool = False):
+    """Returns (walk, longest_chain): walk is (package, file, function) of every product
+    function the request calls, in first-call order; longest_chain is the product
+    functions (package, function) of the call chain with the most package changes."""
     from disagg.frontend import load_pair, make_engine
     from drafter.default import load_prompts
 
     engine = make_engine(mode, load_pair(), eos=False)
     prompt = [p["tokens"] for p in load_prompts() if p["length"] <= 512][0]
+    if warm:
+        engine.generate([prompt], max_new_tokens)
     seen, walk = set(), []
+    # Every Python frame: (package, name) or None; the demo's own call (disagg.demo)
+    # is the chain's root.
+    stack: list[tuple[str, str] | None] = [("disagg", "demo")]
+    longest = {"changes": -1, "chain": []}
 
     def record(frame, event, _):
-        code = frame.f_code
-        if event != "call" or code in seen:
-            return
-        seen.add(code)
-        path = pathlib.Path(code.co_filename)
-        if path.is_relative_to(ROOT) and path.relative_to(ROOT).parts[0] in PACKAGES:
-            rel = path.relative_to(ROOT)
-            walk.append((rel.parts[0], str(rel), code.co_qualname))
+        if event == "call":
+            code = frame.f_code
+            place = _product_place(code)
+            stack.append(None if place is None else (place[0], code.co_qualname))
+            if place is None:
+                return
+            if code not in seen:
+                seen.add(code)
+                walk.append((place[0], place[1], code.co_qualname))
+            chain = [f for f in stack if f is not None]
+            changes = len(package_runs(p for p, _ in chain)) - 1
+            if changes > longest["changes"]:
+                longest.update(changes=changes, chain=list(chain))
+        elif event == "return" and len(stack) > 1:
+            stack.pop()
 
     sys.setprofile(record)
     try:
         engine.generate([prompt], max_new_tokens)
     finally:
         sys.setprofile(None)
-    return walk
-
-
-def package_runs(walk) -> list[str]:
-    """The walk's packages with neighbours in one package merged."""
-    runs = []
-    for package, _, _ in walk:
-        if not runs or runs[-1] != package:
-            runs.append(package)
-    return runs
+    return walk, longest["chain"]
 
 
 def main(argv=None) -> dict:
@@ -64,15 +96,21 @@ def main(argv=None) -> dict:
                     help="the engine: aggregated, or disaggregated with the draft KV shared "
                     "or private")
     ap.add_argument("--list", action="store_true", help="print every function of the walk")
+    ap.add_argument("--warm", action="store_true", help="record a second request (steps "
+                    "already compiled)")
     args = ap.parse_args(argv)
-    walk = walk_request(args.mode)
-    runs = package_runs(walk)
+    walk, chain = walk_request(args.mode, warm=args.warm)
     if args.list:
         for package, path, name in walk:
             print(f"{package:15s} {path}:{name}")
-    print(" -> ".join(runs))
-    report = {"mode": args.mode, "functions": len(walk),
-              "files": len({path for _, path, _ in walk}), "package_changes": len(runs) - 1}
+    chain_runs = package_runs(p for p, _ in chain)
+    print("longest chain:", " -> ".join(chain_runs))
+    print("   through:", " -> ".join(f"{p}.{name}" for p, name in chain
+                                      if name != "<genexpr>" and "<locals>" not in name))
+    report = {"mode": args.mode, "warm": args.warm, "functions": len(walk),
+              "files": len({path for _, path, _ in walk}),
+              "chain_package_changes": len(chain_runs) - 1,
+              "walk_package_changes": len(package_runs(p for p, _, _ in walk)) - 1}
     print(report)
     return report
 
