@@ -110,15 +110,30 @@ def move_payload(payload: KVPayload, mesh, *, path: str = "coalesced",
 
 def move_payloads(payloads: list[KVPayload], mesh, *, path: str = "coalesced",
                   kv_head_axis: str | None = None) -> list[KVPayload]:
-    """`move_payload` for several payloads; "coalesced" moves them all in one device_put."""
+    """`move_payload` for several payloads; "coalesced" moves them all in one device_put.
+    Arrays already placed as the receiver wants them (a context worker on the same
+    device) are handed over as they are: they are the export's own copies, never views
+    of a cache, so the receiver may keep them."""
     if path != "coalesced" or len(payloads) <= 1:
         return [move_payload(p, mesh, path=path, kv_head_axis=kv_head_axis) for p in payloads]
     sharding, replicated = receiver_shardings(mesh, kv_head_axis)
     tree = [(p.buffers, p.first_token, p.checksums) for p in payloads]
     where = [(tuple(sharding for _ in p.buffers), replicated, replicated) for p in payloads]
-    moved = jax.device_put(tree, where)
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(where)
+    moving = [k for k, (x, s) in enumerate(zip(leaves, targets)) if not _placed(x, s)]
+    if moving:
+        for k, x in zip(moving, jax.device_put([leaves[k] for k in moving],
+                                               [targets[k] for k in moving])):
+            leaves[k] = x
+    moved = jax.tree.unflatten(treedef, leaves)
     return [dataclasses.replace(p, buffers=tuple(b), first_token=f, checksums=c)
             for p, (b, f, c) in zip(payloads, moved)]
+
+
+def _placed(x, sharding) -> bool:
+    """`x` is a device array already laid out as `sharding`."""
+    return isinstance(x, jax.Array) and x.sharding == sharding
 
 
 def receiver_shardings(mesh, kv_head_axis: str | None = None):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 
+import jax
+
 from drafter.kv_io import KVSource
 from drafter.request import Result
 from drafter.scheduler import Phase, Scheduler, Sequence
@@ -65,13 +67,17 @@ class Arrivals:
         return results + self._book_first_tokens(now)
 
     def _book_first_tokens(self, now: float) -> list[Result]:
-        """Book arrived first tokens the device has computed; never waits for one."""
-        results = []
+        """Book arrived first tokens the device has computed; never waits for one.
+        Ready tokens are read together (one host read, not one per request)."""
+        ready = []
         for request_id, (seq, token) in list(self._first.items()):
             if seq.phase is Phase.DONE or seq.tokens:  # ended, or booked by the import
                 del self._first[request_id]
             elif not hasattr(token, "is_ready") or token.is_ready():
                 del self._first[request_id]
-                if (r := self.scheduler.emit(seq, [int(token)], now, decode_step=False)):
-                    results.append(r)
+                ready.append((seq, token))
+        results = []
+        for (seq, _), token in zip(ready, jax.device_get([t for _, t in ready])):
+            if (r := self.scheduler.emit(seq, [int(token)], now, decode_step=False)):
+                results.append(r)
         return results

@@ -177,14 +177,22 @@ class Engine:
         requests that ended."""
         start = time.perf_counter()
         results = self._take_arrivals(0.0)
+        if self.export:  # a context reads finished steps first: its handoffs leave sooner
+            results += self._read_outputs(idle=False)
         plan = self.scheduler.schedule()
         for seq in plan.fetch:
             self.arrivals.fetch(self.kv_source, seq, start)
+        if plan.reset_slots and not plan.runs_step and self.arrivals.awaiting:
+            # Nothing but resets: the import of the awaited KV carries them (one call fewer
+            # between a request's admission and its first generation step).
+            self.scheduler.defer_resets(plan.reset_slots)
+            plan.reset_slots = []
         dispatched = self._dispatch(plan) if plan.runs_device_work else None
         issued = time.perf_counter()
         if dispatched is not None:
             self._inflight.append(dispatched)
-        results += self._read_outputs(idle=dispatched is None)
+        if not (self.export and dispatched is not None):
+            results += self._read_outputs(idle=dispatched is None)
         if dispatched is not None:
             self.step_times.append((issued - start, time.perf_counter() - issued))
         elif not self._inflight and self.arrivals.awaiting:
@@ -294,7 +302,9 @@ class Engine:
         return max(n, most)
 
     def _dispatch(self, plan):
-        imported = self._import_arrived(plan.imports)
+        imported = self._import_arrived(plan.imports, plan.reset_slots)
+        if any(got is not None for got in imported):
+            plan.reset_slots = []  # the first import call emptied them
         steady = not (plan.prefill or plan.imports or plan.reset_slots or plan.fetch
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
         outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
@@ -309,10 +319,11 @@ class Engine:
                 self.scheduler.release_exported(seq)
         return plan, outputs, imported
 
-    def _import_arrived(self, seqs) -> list:
-        """Dispatch the imports of arrived payloads (one call per buffer shape); per
-        request (ok vector, row, first token) on the device, or None when its payload
-        cannot be for this worker (the request fails)."""
+    def _import_arrived(self, seqs, reset_slots) -> list:
+        """Dispatch the imports of arrived payloads (one call per buffer shape; the first
+        empties `reset_slots` before importing); per request (ok vector, row, first token)
+        on the device, or None when its payload cannot be for this worker (the request
+        fails)."""
         accepted, out = [], [None] * len(seqs)
         for k, seq in enumerate(seqs):
             payload, seq.kv = seq.kv, None
@@ -324,7 +335,7 @@ class Engine:
             else:
                 accepted.append((k, seq, payload))
         done = self.executor.import_payloads([(seq.slot, payload, seq.request.params)
-                                              for _, seq, payload in accepted])
+                                              for _, seq, payload in accepted], reset_slots)
         for (k, _, payload), (ok, row) in zip(accepted, done):
             out[k] = (ok, row, payload.first_token, payload.origin)
         return out

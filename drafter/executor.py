@@ -201,8 +201,9 @@ class Executor:
 
     # ------------------------------------------------------------ KV in and out
 
-    def import_payloads(self, arrivals) -> list[tuple[jax.Array, int]]:
-        """Dispatch `import_step` for arrived payloads, one call per buffer shape.
+    def import_payloads(self, arrivals, reset_slots=()) -> list[tuple[jax.Array, int]]:
+        """Dispatch `import_step` for arrived payloads, one call per buffer shape; the
+        first call empties `reset_slots` before it imports (none without arrivals).
 
         arrivals: (slot, payload, SamplingParams) per request. Returns per request
         (ok: bool[R] on the device, its row in it), in order.
@@ -212,6 +213,10 @@ class Executor:
             key = (tuple(payload.pool_ids), tuple(b.shape for b in payload.buffers))
             groups.setdefault(key, []).append(k)
         out: list = [None] * len(arrivals)
+        resets = self._no_slots()
+        resets[:len(reset_slots)] = reset_slots
+        for slot in reset_slots:
+            self.len_bound[slot] = 0
         for (pool_ids, _), members in groups.items():
             n = pow2_rows(len(members))
             rows = [arrivals[k] for k in members]
@@ -231,11 +236,12 @@ class Executor:
                 ints(lambda r: r[1].target_len, 0), ints(lambda r: r[1].draft_ctx_len, 0),
                 tuple(r[1].first_token for r in rows) + (np.int32(0),) * pad, logical,
                 tuple(r[1].buffers for r in rows) + (first.buffers,) * pad,
-                tuple(r[1].checksums for r in rows) + (first.checksums,) * pad,
+                tuple(r[1].checksums for r in rows) + (first.checksums,) * pad, resets,
                 pool_ids=pool_ids, mode=self.mode,
                 table_width=self.table_width(longest + self.cfg.block_size))
             for row, k in enumerate(members):
                 out[k] = (ok, row)
+            resets = self._no_slots()
         return out
 
     def export(self, rows, first_call_outputs) -> list[KVPayload]:

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.request import Request
-from drafter.steps import StepState, StepConfig, _at_precision, redraft_rows
+from drafter.steps import (StepConfig, StepState, _at_precision, empty_slots,
+                           redraft_rows)
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
                         live_logical_pages, pow2_at_least, release_slots)
 
@@ -116,8 +117,9 @@ def _pages_match(row, logical, num_pages: int):
 
 @_at_precision
 def import_step(params, state: StepState, slots, target_lens, draft_ctx_lens, first_tokens,
-                logical_pages, buffers, checksums, *, cfg: StepConfig, pool_ids: tuple[int, ...],
-                mode: str, table_width: int) -> tuple[StepState, jax.Array]:
+                logical_pages, buffers, checksums, reset_slots=None, *, cfg: StepConfig,
+                pool_ids: tuple[int, ...], mode: str,
+                table_width: int) -> tuple[StepState, jax.Array]:
     """Receive R requests into empty slots: allocate, verify, scatter, redraft.
 
     Args:
@@ -126,11 +128,15 @@ def import_step(params, state: StepState, slots, target_lens, draft_ctx_lens, fi
       logical_pages: per pool in `pool_ids`, i32[R, n_bucket] (BAD pads are dropped);
       buffers: per row, per pool, as `export_step` made them (one shape for all rows);
       checksums: per row u32[len(pool_ids)], the sender's.
+      reset_slots: i32[num_slots] slots emptied first (dummy pads), as a step's resets:
+        the import carries a step's resets when it is the step's first call.
     Returns:
       (state, ok bool[R]). With ok, the row's slot holds its request's KV, its anchor
       is its first token with a fresh draft block, and it runs. Without (and for a
       padding row), the slot is empty (pages returned); no other row is affected.
     """
+    if reset_slots is not None:
+        state = empty_slots(cfg, state, reset_slots)
     spec, kv = cfg.spec, state.kv
     ids = slots
     real = ids != spec.dummy_slot

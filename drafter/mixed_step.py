@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.steps import (Sampler, StepState, StepConfig, _at_precision, decode_rows,
-                           plain_decode_rows, prefill_rows)
-from unified_kv import release_slots
+                           empty_slots, plain_decode_rows, prefill_rows)
 
 # Sampling streams: a request's prefill draw and its decode draws at one position differ.
 _PREFILL_STREAM, _DECODE_STREAM = 0, 1
@@ -64,12 +63,6 @@ class StepOutputs:
     decode_ok: jax.Array
 
 
-def reset_slots(cfg: StepConfig, state: StepState, slot_ids) -> StepState:
-    """Empty slots: pages back to the free lists, lengths 0, not running."""
-    return state.replace(kv=release_slots(cfg.spec, state.kv, slot_ids),
-                         running=state.running.at[slot_ids].set(False))
-
-
 @_at_precision
 def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                table_width: int, decode: bool, speculative: bool, greedy: bool,
@@ -79,7 +72,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
     back on the device (one host round trip for several steps). Static:
     `table_width` (pages every row's table holds, prefill and decode alike: one
     width keeps compiles few), `decode`, `speculative`, `greedy`, `decode_steps`."""
-    state = reset_slots(cfg, state, batch.reset_slots)
+    state = empty_slots(cfg, state, batch.reset_slots)
     kv = state.kv
     num_slots, block = batch.decode_slots.shape[0], cfg.block_size
     first = jnp.zeros((0,), jnp.int32)

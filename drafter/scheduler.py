@@ -83,8 +83,13 @@ class StepPlan:
     exports: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
+    def runs_step(self) -> bool:
+        """Imports, prefill or decode: work beyond emptying slots."""
+        return bool(self.imports or self.prefill or self.decode)
+
+    @property
     def runs_device_work(self) -> bool:
-        return bool(self.reset_slots or self.imports or self.prefill or self.decode)
+        return bool(self.reset_slots) or self.runs_step
 
 
 class Scheduler:
@@ -146,6 +151,11 @@ class Scheduler:
     def kv_arrived(self, seq: Sequence, payload) -> None:
         if seq.phase is Phase.AWAITING_KV:
             seq.kv = payload
+
+    def defer_resets(self, slots: list[int]) -> None:
+        """Slots a plan did not empty: the next step's first call empties them (before
+        any import or prefill into them)."""
+        self._resets = list(dict.fromkeys([*slots, *self._resets]))
 
     @property
     def has_pending_resets(self) -> bool:

@@ -29,7 +29,8 @@ from drafter.dflash import DFlashConfig, draft_block, write_context
 from models.attention import resolve_impl
 from models.qwen3 import Qwen3Config, forward
 from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
-from unified_kv import CacheSpec, KVState, allocate_pages, grow, retire_window_pages
+from unified_kv import (CacheSpec, KVState, allocate_pages, grow, release_slots,
+                        retire_window_pages)
 
 
 @flax.struct.dataclass
@@ -125,6 +126,12 @@ def init_step_state(cfg: StepConfig, kv: KVState) -> StepState:
     return StepState(kv=kv, anchors=jnp.zeros((slots,), jnp.int32),
                      drafts=jnp.zeros((slots, max(cfg.block_size - 1, 1)), jnp.int32),
                      running=jnp.zeros((slots,), bool))
+
+
+def empty_slots(cfg: StepConfig, state: StepState, slot_ids) -> StepState:
+    """Empty slots: pages back to the free lists, lengths 0, not running."""
+    return state.replace(kv=release_slots(cfg.spec, state.kv, slot_ids),
+                         running=state.running.at[slot_ids].set(False))
 
 
 @flax.struct.dataclass
