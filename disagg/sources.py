@@ -66,6 +66,11 @@ class ContextWorker:
     def busy(self) -> bool:
         return self.engine.has_work
 
+    @property
+    def has_requests(self) -> bool:
+        """Requests queued or prefilling here (not only finished steps or freed slots)."""
+        return self.engine.scheduler.num_unfinished > 0
+
     def pump(self) -> tuple[list[Handoff], list]:
         """One engine step: (handoffs of requests whose prefill was dispatched,
         Results of requests that failed here)."""
@@ -125,13 +130,15 @@ class InProcessSource:
 
     def poll(self, timeout: float) -> list:
         """Arrivals, waiting up to `timeout` for the first. Cooperative workers
-        are stepped meanwhile (at least once per call)."""
+        are stepped meanwhile (at least once per call); a worker with no request left
+        (only steps to read, slots to empty) only when the caller can wait, so that
+        bookkeeping never delays the caller's next step."""
         deadline = time.monotonic() + timeout
         out: list = []
         while True:
             if not self.threaded:
                 for ctx in self.contexts:
-                    if ctx.busy:
+                    if ctx.has_requests or (ctx.busy and timeout > 0):
                         self._send(*ctx.pump())
                         self._progress(ctx)
             drained = []

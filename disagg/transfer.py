@@ -102,6 +102,8 @@ def move_payload(payload: KVPayload, mesh, *, path: str = "coalesced",
     if path not in MOVE_PATHS:
         raise ValueError(f"move path {path!r} is unknown; use one of {MOVE_PATHS}")
     sharding, replicated = receiver_shardings(mesh, kv_head_axis)
+    if path == "coalesced":
+        return move_payloads([payload], mesh, kv_head_axis=kv_head_axis)[0]
     return dataclasses.replace(
         payload, buffers=tuple(move_buffer(b, sharding, path) for b in payload.buffers),
         first_token=jax.device_put(payload.first_token, replicated),
@@ -114,7 +116,7 @@ def move_payloads(payloads: list[KVPayload], mesh, *, path: str = "coalesced",
     Arrays already placed as the receiver wants them (a context worker on the same
     device) are handed over as they are: they are the export's own copies, never views
     of a cache, so the receiver may keep them."""
-    if path != "coalesced" or len(payloads) <= 1:
+    if path != "coalesced":
         return [move_payload(p, mesh, path=path, kv_head_axis=kv_head_axis) for p in payloads]
     sharding, replicated = receiver_shardings(mesh, kv_head_axis)
     tree = [(p.buffers, p.first_token, p.checksums) for p in payloads]
