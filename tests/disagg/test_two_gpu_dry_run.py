@@ -8,7 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import bench_two_gpu as bench
+from benchmarks.two_gpu.common import equal_outputs, equality_prompts, first_difference, pair_source
+from benchmarks.two_gpu.report import goals, summarise_remote
+from benchmarks.two_gpu.streams import stream_metrics
+from benchmarks.two_gpu.tensor_parallel import hetero_equality, tp_equality
 
 pytestmark = pytest.mark.timeout(600)
 MAX_NEW = 8
@@ -16,19 +19,19 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def pair():
-    return bench.pair_source(quick=True).load()
+    return pair_source(quick=True).load()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    return bench.equality_prompts(quick=True)
+    return equality_prompts(quick=True)
 
 
 @pytest.fixture(scope="module")
 def tp(pair, prompts):
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (host devices on CPU, or 2 GPUs)")
-    return bench.tp_equality(*pair, prompts, MAX_NEW)
+    return tp_equality(*pair, prompts, MAX_NEW)
 
 
 def assert_real_outputs(run, prompts):
@@ -44,19 +47,19 @@ def assert_real_outputs(run, prompts):
 def test_the_equality_check_sees_one_token_or_one_step_of_difference():
     a = {"tokens": [[5, 6, 7], [8, 9]], "acceptance": [[2, 1], [2]]}
     same = {"tokens": [[5, 6, 7], [8, 9]], "acceptance": [[2, 1], [2]]}
-    assert bench.equal_outputs(a, same) and bench.first_difference(a, same) is None
+    assert equal_outputs(a, same) and first_difference(a, same) is None
     token = {"tokens": [[5, 6, 7], [8, 1]], "acceptance": [[2, 1], [2]]}
-    assert not bench.equal_outputs(a, token)
-    assert bench.first_difference(a, token).startswith("request 1: tokens differ at 1")
+    assert not equal_outputs(a, token)
+    assert first_difference(a, token).startswith("request 1: tokens differ at 1")
     step = {"tokens": [[5, 6, 7], [8, 9]], "acceptance": [[1, 2], [2]]}
-    assert not bench.equal_outputs(a, step)
-    assert bench.first_difference(a, step).startswith("request 0: acceptance")
+    assert not equal_outputs(a, step)
+    assert first_difference(a, step).startswith("request 0: acceptance")
     fewer = {"tokens": [[5, 6, 7]], "acceptance": [[2, 1]]}
-    assert not bench.equal_outputs(a, fewer)
+    assert not equal_outputs(a, fewer)
     empty = {"tokens": [], "acceptance": []}
-    assert not bench.equal_outputs(empty, empty)   # nothing generated proves nothing
+    assert not equal_outputs(empty, empty)   # nothing generated proves nothing
     blank = {"tokens": [[], []], "acceptance": [[], []]}
-    assert not bench.equal_outputs(blank, blank)
+    assert not equal_outputs(blank, blank)
 
 
 def test_tp2_gives_the_tp1_tokens_and_acceptance(tp, prompts):
@@ -69,7 +72,7 @@ def test_tp2_gives_the_tp1_tokens_and_acceptance(tp, prompts):
 
 
 def test_context_tp2_into_generation_tp1_gives_the_aggregated_tokens(tp, pair, prompts):
-    het = bench.hetero_equality(*pair, prompts, MAX_NEW, reference=tp["tp1"])
+    het = hetero_equality(*pair, prompts, MAX_NEW, reference=tp["tp1"])
     assert (het["context_pool_devices"], het["generation_pool_devices"]) == (2, 1)
     assert het["kv_bytes_moved"] > 0
     got = het["context_tp2_generation_tp1"]
@@ -86,7 +89,7 @@ def test_goal_keys_come_from_the_parts_measured():
          "ttft_s": 0.1, "token_times_s": [0.1, 0.3, 0.3, 0.6], "decode_time_s": 0.5,
          "finish_reason": "length", "error": None},
         {"id": "b", "prompt_len": 50, "finish_reason": "missing", "error": "no result"}]}
-    m = bench.stream_metrics([run])
+    m = stream_metrics([run])
     assert (m["requests"], m["completed"], m["tokens"]) == (2, 1, 4)
     assert m["tokens_per_s"] == 2.0 and m["errors"] == ["no result"]
     assert m["itl_ms_p50"] == pytest.approx(250.0)   # gaps 200 and 300 ms; 0 is one step
@@ -105,7 +108,7 @@ def test_goal_keys_come_from_the_parts_measured():
                                            {"bytes": 20, "pull_ms": 5.0}]},
                    "link": {"link": [{"bytes": 10, "d2d_ms": 1.0}, {"bytes": 20, "d2d_ms": 4.0}]}},
         "e2e": {**e2e, "tokens_equal_across_modes": True}}
-    g = bench.goals(parts)
+    g = goals(parts)
     assert g["tp2_equal_tp1"] is True and g["cross_process_equal"] is False
     assert g["tp2_over_tp1_step"] == 0.6 and "Qwen3-8B" in g["tp2_over_tp1_step_shape"]
     assert g["transfer_over_link"] == pytest.approx(0.8) and g["transfer_over_link_bytes"] == 20
@@ -113,13 +116,13 @@ def test_goal_keys_come_from_the_parts_measured():
     assert g["e2e_itl_p99_disagg_over_aggregated"] == pytest.approx(0.25)
     assert g["e2e_tokens_equal"] is True
     assert (g["stream_ttft_ms_p50"], g["stream_tokens_per_s"]) == (m["ttft_ms_p50"], 2.0)
-    bench.summarise_remote(parts["remote"])   # the report keeps metrics, not the raw stream
+    summarise_remote(parts["remote"])   # the report keeps metrics, not the raw stream
     assert "stream_remote" not in parts["remote"]["serving"]
-    assert bench.goals(parts)["stream_ttft_ms_p50"] == m["ttft_ms_p50"]
+    assert goals(parts)["stream_ttft_ms_p50"] == m["ttft_ms_p50"]
     assert parts["remote"]["transport"]["pulls"][0]["over_link"] == pytest.approx(0.25)
     handoff = parts["remote"]["serving"]["handoff"]
     assert handoff[0]["pull_over_link"] == pytest.approx(0.5)   # the link at those bytes
     assert "pull_over_link" not in handoff[1]                   # no link at 30 bytes
     assert "hetero_tp_equal" not in g   # a part not run gives no key
     del parts["tp"]["qwen3_8b"]
-    assert bench.goals(parts)["tp2_over_tp1_step"] == 1.3
+    assert goals(parts)["tp2_over_tp1_step"] == 1.3
