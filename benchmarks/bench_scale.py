@@ -39,9 +39,10 @@ from models.layers import stack_params, unstack_params
 from drafter.steps import StepConfig
 from unified_kv import CacheSpec
 
-GOAL_KEYS = ("plain_b1_over_roofline", "plain_b32_over_roofline", "spec_b1_over_plain_b1",
-             "spec_b32_over_compute_bound", "prefill_utilisation", "compile_s",
-             "projected_b1_tokens_per_s", "engine_over_device_b1")
+GOAL_KEYS = ("plain_b1_over_roofline", "plain_b32_over_roofline",
+             "speculative_b1_over_plain_b1", "speculative_b32_over_compute_bound",
+             "prefill_utilisation", "compile_s", "projected_b1_tokens_per_s",
+             "engine_over_device_b1")
 DESIGN_AL = 6.5  # DFlash's reported acceptance length for Qwen3-8B-b16 (math / code, greedy)
 
 
@@ -96,7 +97,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
     weights_d = param_bytes(params["draft"]) + param_bytes(params["target"]["lm_head"])
     # FLOPs per token through a set of bf16 weights: 2 per parameter, 2 bytes each
     flops_t, flops_d = weights_t, weights_d
-    for name, speculative in (("plain", False), ("spec", True)):
+    for name, speculative in (("plain", False), ("speculative", True)):
         cfg = step_config(tcfg, dcfg if speculative else None, batch, context, layer_loop)
         eng = Engine(params if speculative else {"target": params["target"]}, cfg,
                      speculative=speculative)
@@ -142,7 +143,8 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
         tcfg.head_dim * context * context // 2
     out["prefill_utilisation"] = batch * flops_prefill / out["plain"]["prefill_warm_s"] / peak
     out["compile_s"] = (out["plain"]["prefill_cold_s"] - out["plain"]["prefill_warm_s"]
-                        + out["plain"]["compile_decode_s"] + out["spec"]["compile_decode_s"])
+                        + out["plain"]["compile_decode_s"]
+                        + out["speculative"]["compile_decode_s"])
     return out
 
 
@@ -185,15 +187,17 @@ def main(argv=None) -> dict:
     if (1, base) in by:
         b1 = by[(1, base)]
         report["plain_b1_over_roofline"] = b1["plain"]["over_roofline"]
-        report["spec_b1_over_plain_b1"] = (b1["spec"]["device_step_ms"]
-                                           / b1["plain"]["device_step_ms"])
-        report["projected_b1_tokens_per_s"] = DESIGN_AL / (b1["spec"]["device_step_ms"] * 1e-3)
-        report["engine_over_device_b1"] = b1["spec"].get("engine_over_device")
+        speculative = b1["speculative"]
+        report["speculative_b1_over_plain_b1"] = (speculative["device_step_ms"]
+                                                  / b1["plain"]["device_step_ms"])
+        report["projected_b1_tokens_per_s"] = DESIGN_AL / (speculative["device_step_ms"] * 1e-3)
+        report["engine_over_device_b1"] = speculative.get("engine_over_device")
         report["prefill_utilisation"] = b1["prefill_utilisation"]
         report["compile_s"] = b1["compile_s"]
     if (32, base) in by:
         report["plain_b32_over_roofline"] = by[(32, base)]["plain"]["over_roofline"]
-        report["spec_b32_over_compute_bound"] = by[(32, base)]["spec"]["over_compute_bound"]
+        report["speculative_b32_over_compute_bound"] = (
+            by[(32, base)]["speculative"]["over_compute_bound"])
     return report_goals("scale", report, GOAL_KEYS, args.out)
 
 

@@ -33,19 +33,19 @@ def per_position_acceptance(acceptance: list[int], block: int) -> list[float]:
 
 
 def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto"):
-    spec_cfg = default_step_config(tcfg, dcfg, num_slots=4, impl=impl)
+    speculative_cfg = default_step_config(tcfg, dcfg, num_slots=4, impl=impl)
     plain_cfg = default_step_config(tcfg, None, num_slots=4, impl=impl)
     rows = []
     for length in sorted({p["length"] for p in prompts}):
         group = [p["tokens"] for p in prompts if p["length"] == length]
-        spec = Engine(params, spec_cfg).generate(group, max_new)
+        speculative = Engine(params, speculative_cfg).generate(group, max_new)
         plain = Engine(params, plain_cfg, speculative=False).generate(group, max_new)
-        steps = [a for r in spec for a in r.acceptance]
+        steps = [a for r in speculative for a in r.acceptance]
         row = {"prompt_length": length, "num_prompts": len(group),
                "acceptance_length": float(np.mean(steps)),
-               "per_prompt_al": [r.acceptance_length for r in spec],
+               "per_prompt_al": [r.acceptance_length for r in speculative],
                "per_position_acceptance": per_position_acceptance(steps, dcfg.block_size),
-               "lossless": [r.tokens for r in spec] == [r.tokens for r in plain]}
+               "lossless": [r.tokens for r in speculative] == [r.tokens for r in plain]}
         print(f"  prompt {length:>5}: AL {row['acceptance_length']:.2f}  per-position "
               f"{[round(x, 2) for x in row['per_position_acceptance']]}  "
               f"lossless={row['lossless']}", flush=True)

@@ -81,7 +81,7 @@ def test_draft_context_drives_acceptance(copy_pair):
 def test_shipped_pair_is_lossless_against_plain_greedy(copy_pair):
     params, cfg = copy_pair
     prompts = periodic_prompts(n=4, seed=7)
-    spec = Engine(params, cfg).generate(prompts, 24)
+    speculative = Engine(params, cfg).generate(prompts, 24)
     plain_cfg = StepConfig(cfg.target, cfg.spec, None, cfg.impl)
     plain = Engine(params, plain_cfg, speculative=False).generate(prompts, 24)
-    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert [r.tokens for r in speculative] == [r.tokens for r in plain]

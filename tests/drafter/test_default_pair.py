@@ -25,11 +25,12 @@ def test_shipped_checkpoints_load_with_the_recipe_configs(default_pair):
 def test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor(default_pair):
     params, tcfg, dcfg = default_pair
     prompts = [p["tokens"] for p in load_prompts() if p["length"] == 128][:4]
-    spec = Engine(params, default_step_config(tcfg, dcfg, num_slots=4)).generate(prompts, 32)
+    speculative = Engine(params, default_step_config(tcfg, dcfg, num_slots=4)).generate(
+        prompts, 32)
     plain = Engine(params, default_step_config(tcfg, None, num_slots=4),
                    speculative=False).generate(prompts, 32)
-    assert [r.tokens for r in spec] == [r.tokens for r in plain]
-    al = float(np.mean([a for r in spec for a in r.acceptance]))
+    assert [r.tokens for r in speculative] == [r.tokens for r in plain]
+    al = float(np.mean([a for r in speculative for a in r.acceptance]))
     # Measured 3.0 on these prompts (CPU, f32 params, fp8 target KV); a broken
     # drafter path (context, positions, masks) falls towards 1.
     assert al > 2.5, f"acceptance length {al:.2f} fell below the floor"

@@ -17,8 +17,8 @@ def pair():
     """The module's one reference pair, its params committed to a device as checkpoints
     load: every test serving on it shares its compiled steps (tests/models/test_checkpoint.py
     serves the same config, so its steps come from the run's compilation cache)."""
-    params, spec_cfg, plain_cfg = tiny_pair(num_slots=2)
-    return jax.device_put(params, jax.devices()[0]), spec_cfg, plain_cfg
+    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=2)
+    return jax.device_put(params, jax.devices()[0]), speculative_cfg, plain_cfg
 
 
 def snapshot(engine):
@@ -49,8 +49,8 @@ def assert_all_free(engine):
     ([1, 2], 0, RequestError, "max_new_tokens must be an integer >= 1"),
 ])
 def test_bad_requests_are_refused_and_leave_others_intact(pair, prompt, max_new, err, match):
-    params, spec_cfg, _ = pair
-    engine = Engine(params, spec_cfg)
+    params, speculative_cfg, _ = pair
+    engine = Engine(params, speculative_cfg)
     engine.add_request("ok", [5, 6, 7, 8, 9, 10, 11, 12, 13], 6)
     engine.step()
     before = snapshot(engine)
@@ -58,14 +58,14 @@ def test_bad_requests_are_refused_and_leave_others_intact(pair, prompt, max_new,
         engine.add_request("bad", prompt, max_new)
     assert_same(before, snapshot(engine))
     done = engine.run()
-    alone = Engine(params, spec_cfg).generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]], 6)[0]
+    alone = Engine(params, speculative_cfg).generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]], 6)[0]
     assert [r.request_id for r in done] == ["ok"] and done[0].tokens == alone.tokens
     assert_all_free(engine)
 
 
 def test_duplicate_ids_and_bad_sampling_fields_are_named(pair):
-    params, spec_cfg, _ = pair
-    engine = Engine(params, spec_cfg)
+    params, speculative_cfg, _ = pair
+    engine = Engine(params, speculative_cfg)
     engine.add_request("a", [1, 2, 3], 4)
     with pytest.raises(AdmissionError, match="'a' is already in flight"):
         engine.add_request("a", [1, 2, 3], 4)
@@ -79,23 +79,23 @@ def test_duplicate_ids_and_bad_sampling_fields_are_named(pair):
 
 
 def test_more_requests_than_slots_wait_their_turn(pair):
-    params, spec_cfg, _ = pair
-    engine = Engine(params, spec_cfg)
+    params, speculative_cfg, _ = pair
+    engine = Engine(params, speculative_cfg)
     prompts = [[i + 1, i + 2] for i in range(5)]
     results = engine.generate(prompts, 5)
     assert [len(r.tokens) for r in results] == [5] * 5
-    alone = [Engine(params, spec_cfg).generate([p], 5)[0].tokens for p in prompts[:2]]
+    alone = [Engine(params, speculative_cfg).generate([p], 5)[0].tokens for p in prompts[:2]]
     assert [r.tokens for r in results[:2]] == alone
     assert_all_free(engine)
 
 
 def test_stop_ids_end_a_request_and_free_its_pages(pair):
-    params, spec_cfg, _ = pair
+    params, speculative_cfg, _ = pair
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
-    full = Engine(params, spec_cfg).generate([prompt], 12)[0]
+    full = Engine(params, speculative_cfg).generate([prompt], 12)[0]
     stop = full.tokens[4]
     cut = full.tokens.index(stop) + 1
-    engine = Engine(params, spec_cfg, eos_token_ids=(full.tokens[cut - 1],))
+    engine = Engine(params, speculative_cfg, eos_token_ids=(full.tokens[cut - 1],))
     by_stop = engine.generate([prompt], params=SamplingParams(12, stop_token_ids=(stop,)))[0]
     assert by_stop.tokens == full.tokens[:cut] and by_stop.finish_reason == "stop"
     # Acceptance counts only the kept tokens: the first token comes from prefill.
@@ -108,9 +108,9 @@ def test_stop_ids_end_a_request_and_free_its_pages(pair):
 
 
 def test_acceptance_counts_no_token_past_max_new_tokens(pair):
-    params, spec_cfg, _ = pair
+    params, speculative_cfg, _ = pair
     for max_new in (1, 2, 5, 7):
-        r = Engine(params, spec_cfg).generate([[3, 4, 5, 6, 7, 8]], max_new)[0]
+        r = Engine(params, speculative_cfg).generate([[3, 4, 5, 6, 7, 8]], max_new)[0]
         assert len(r.tokens) == max_new
         assert sum(r.acceptance) + 1 == max_new
 
@@ -132,31 +132,31 @@ def test_prefill_mixed_with_decode_equals_each_request_alone():
 
 
 def test_sampled_requests_draw_the_same_whatever_shares_their_batch(pair):
-    params, spec_cfg, _ = pair
+    params, speculative_cfg, _ = pair
     sampling = SamplingParams(10, temperature=0.8, seed=11)
-    alone = Engine(params, spec_cfg).generate([[1, 2, 3, 4]], params=sampling)[0]
-    engine = Engine(params, spec_cfg)
+    alone = Engine(params, speculative_cfg).generate([[1, 2, 3, 4]], params=sampling)[0]
+    engine = Engine(params, speculative_cfg)
     engine.submit(engine.make_request("greedy", [9, 8, 7, 6, 5], max_new_tokens=10))
     engine.submit(engine.make_request("sampled", [1, 2, 3, 4], sampling))
     got = {r.request_id: r for r in engine.run()}
     assert got["sampled"].tokens == alone.tokens
-    other = Engine(params, spec_cfg).generate(
+    other = Engine(params, speculative_cfg).generate(
         [[1, 2, 3, 4]], params=SamplingParams(10, temperature=0.8, seed=12))[0]
     assert other.tokens != alone.tokens  # the seed matters
 
 
 def test_lookahead_off_gives_the_same_tokens(pair):
-    params, spec_cfg, _ = pair
+    params, speculative_cfg, _ = pair
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
-    ahead = Engine(params, spec_cfg).generate(prompts, 9)
-    lockstep = Engine(params, spec_cfg, lookahead=False).generate(prompts, 9)
+    ahead = Engine(params, speculative_cfg).generate(prompts, 9)
+    lockstep = Engine(params, speculative_cfg, lookahead=False).generate(prompts, 9)
     assert [r.tokens for r in ahead] == [r.tokens for r in lockstep]
     assert [r.acceptance for r in ahead] == [r.acceptance for r in lockstep]
 
 
 def test_cancel_frees_the_slot_and_its_pages(pair):
-    params, spec_cfg, _ = pair
-    engine = Engine(params, spec_cfg)
+    params, speculative_cfg, _ = pair
+    engine = Engine(params, speculative_cfg)
     engine.add_request("a", [1, 2, 3, 4, 5], 30)
     engine.step()
     engine.step()
@@ -168,11 +168,11 @@ def test_cancel_frees_the_slot_and_its_pages(pair):
 
 def test_engine_runs_the_pallas_kernel_path_in_interpret_mode(pair):
     """The GPU path (Pallas batch tables + attention) wired through the engine."""
-    params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, impl="interpret")
+    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=2, impl="interpret")
     ref_params, ref_cfg, _ = pair  # the same pair on the reference path (its steps compiled)
-    assert ref_cfg.impl == "reference" and ref_cfg.spec == spec_cfg.spec
+    assert ref_cfg.impl == "reference" and ref_cfg.spec == speculative_cfg.spec
     prompt = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
-    got = Engine(params, spec_cfg).generate(prompt, 5)[0]
+    got = Engine(params, speculative_cfg).generate(prompt, 5)[0]
     want = Engine(ref_params, ref_cfg).generate(prompt, 5)[0]
     assert got.tokens == want.tokens and got.acceptance == want.acceptance
 
@@ -180,12 +180,12 @@ def test_engine_runs_the_pallas_kernel_path_in_interpret_mode(pair):
 def test_fp8_kernel_options_stay_lossless_in_interpret_mode():
     """Over fp8 target KV the kernels take their fp8 launch options and
     speculative output still equals plain greedy output (interpret mode)."""
-    params, spec_cfg, plain_cfg = tiny_pair(num_slots=2, target_kv_dtype="fp8_e4m3",
-                                            impl="interpret")
+    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=2, target_kv_dtype="fp8_e4m3",
+                                                   impl="interpret")
     prompt = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
-    spec = Engine(params, spec_cfg).generate(prompt, 6)[0]
+    speculative = Engine(params, speculative_cfg).generate(prompt, 6)[0]
     plain = Engine(params, plain_cfg, speculative=False).generate(prompt, 6)[0]
-    assert spec.tokens == plain.tokens
+    assert speculative.tokens == plain.tokens
 
 
 def test_warmup_compiles_table_widths_and_changes_nothing(pair):
@@ -221,10 +221,10 @@ def test_a_warm_engine_compiles_nothing_more(pair, caplog):
 def test_several_decode_steps_per_call_give_the_same_tokens(pair):
     """Steady decoding runs k steps per call; stops and max_new_tokens that fall
     inside a call cut there, and acceptance counts only kept tokens."""
-    params, spec_cfg, _ = pair
+    params, speculative_cfg, _ = pair
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
-    one = Engine(params, spec_cfg).generate(prompts, 13)
-    engine = Engine(params, spec_cfg, decode_steps_per_call=3)
+    one = Engine(params, speculative_cfg).generate(prompts, 13)
+    engine = Engine(params, speculative_cfg, decode_steps_per_call=3)
     three = engine.generate(prompts, 13)
     assert [r.tokens for r in three] == [r.tokens for r in one]
     assert [r.acceptance for r in three] == [r.acceptance for r in one]

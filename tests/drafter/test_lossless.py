@@ -8,14 +8,15 @@ from drafter.engine import Engine
 from tests.drafter.tiny import tiny_pair
 
 
-def run_both(params, spec_cfg, plain_cfg, prompts, max_new, arrivals=None):
+def run_both(params, speculative_cfg, plain_cfg, prompts, max_new, arrivals=None):
     """Speculative output served batched (requests joining mid-run), against plain
     greedy output of each prompt served alone: one prefill row shape to compile for
     the plain steps, however the batch would have packed the prompts."""
-    spec = Engine(params, spec_cfg).generate(prompts, max_new, arrival_steps=arrivals)
+    speculative = Engine(params, speculative_cfg).generate(prompts, max_new,
+                                                           arrival_steps=arrivals)
     plain_engine = Engine(params, plain_cfg, speculative=False)
     plain = [plain_engine.generate([p], max_new)[0] for p in prompts]
-    return spec, plain
+    return speculative, plain
 
 
 @pytest.mark.parametrize("num_slots,num_prompts,kwargs", [
@@ -25,18 +26,18 @@ def run_both(params, spec_cfg, plain_cfg, prompts, max_new, arrivals=None):
     (3, 6, dict(block_size=8, target_window=8, draft_window=8)),  # windows of one page
 ])
 def test_speculative_equals_plain_greedy(num_slots, num_prompts, kwargs):
-    params, spec_cfg, plain_cfg = tiny_pair(num_slots=num_slots, **kwargs)
+    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=num_slots, **kwargs)
     rng = np.random.default_rng(num_slots)
     # Lengths around page (8) and window (8/16) boundaries.
     lengths = rng.choice([1, 7, 8, 9, 15, 16, 17, 31, 33], num_prompts)
     prompts = [rng.integers(0, 63, n).tolist() for n in lengths]
     arrivals = rng.integers(0, 6, num_prompts).tolist()  # requests join mid-run
-    spec, plain = run_both(params, spec_cfg, plain_cfg, prompts, 24, arrivals)
-    for i, (s, p) in enumerate(zip(spec, plain)):
+    speculative, plain = run_both(params, speculative_cfg, plain_cfg, prompts, 24, arrivals)
+    for i, (s, p) in enumerate(zip(speculative, plain)):
         assert s.tokens == p.tokens, f"prompt {i} (len {lengths[i]}) diverged"
         assert len(s.tokens) == 24
         assert sum(s.acceptance) + 1 >= 24  # committed tokens cover the output
-        assert all(1 <= a <= spec_cfg.block_size for a in s.acceptance)
+        assert all(1 <= a <= speculative_cfg.block_size for a in s.acceptance)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Gluon kernel runs on a GPU")
@@ -57,14 +58,14 @@ def test_speculative_equals_plain_greedy_on_the_gluon_kernel(monkeypatch):
     # every call the Gluon kernel takes is preferred to it, whatever the batch
     monkeypatch.setattr(kernels, "_gluon_preferred", lambda *a, **k: True)
     monkeypatch.setattr(kernels, "select_backend", select_and_record)
-    params, spec_cfg, plain_cfg = tiny_pair(num_slots=8, kv_dtype="bf16",
-                                            target_kv_dtype="fp8_e4m3", impl="pallas",
-                                            head_dim=32, block_size=8)
+    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=8, kv_dtype="bf16",
+                                                   target_kv_dtype="fp8_e4m3", impl="pallas",
+                                                   head_dim=32, block_size=8)
     rng = np.random.default_rng(5)
     lengths = rng.choice([1, 8, 9, 16, 17, 33], 10)
     prompts = [rng.integers(0, 63, n).tolist() for n in lengths]
-    spec, plain = run_both(params, spec_cfg, plain_cfg, prompts, 24,
-                           rng.integers(0, 6, 10).tolist())
+    speculative, plain = run_both(params, speculative_cfg, plain_cfg, prompts, 24,
+                                  rng.integers(0, 6, 10).tolist())
     assert any(taken)
-    for i, (s, p) in enumerate(zip(spec, plain)):
+    for i, (s, p) in enumerate(zip(speculative, plain)):
         assert s.tokens == p.tokens, f"prompt {i} (len {lengths[i]}) diverged"

@@ -37,10 +37,10 @@ def test_speculative_equals_plain_greedy_at_8b_layer_shape():
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150_000, n).tolist() for n in (17, 300, 511, 64)]
-    spec = Engine(params, cfg(dcfg)).generate(prompts, 48)
+    speculative = Engine(params, cfg(dcfg)).generate(prompts, 48)
     plain = Engine({"target": params["target"]}, cfg(None), speculative=False).generate(
         prompts, 48)
-    for i, (s, p) in enumerate(zip(spec, plain)):
+    for i, (s, p) in enumerate(zip(speculative, plain)):
         assert s.tokens == p.tokens, f"prompt {i} diverged at {_first_diff(s.tokens, p.tokens)}"
 
 

@@ -10,15 +10,15 @@ from tests.drafter.tiny import tiny_pair
 
 
 def test_scaled_rope_pair_is_lossless_and_scaling_reaches_the_cache():
-    params, spec_cfg, plain_cfg = tiny_pair(num_slots=4)
-    target = dataclasses.replace(spec_cfg.target, rope_scaling=RopeScaling("yarn", 4.0, 16))
-    draft = dataclasses.replace(spec_cfg.draft, rope_scaling=RopeScaling("linear", 2.0))
-    scaled_spec = dataclasses.replace(spec_cfg, target=target, draft=draft)
+    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=4)
+    target = dataclasses.replace(speculative_cfg.target, rope_scaling=RopeScaling("yarn", 4.0, 16))
+    draft = dataclasses.replace(speculative_cfg.draft, rope_scaling=RopeScaling("linear", 2.0))
+    scaled_speculative = dataclasses.replace(speculative_cfg, target=target, draft=draft)
     scaled_plain = dataclasses.replace(plain_cfg, target=target)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 63, n).tolist() for n in (5, 17, 33, 40)]
-    spec = Engine(params, scaled_spec).generate(prompts, 16)
+    speculative = Engine(params, scaled_speculative).generate(prompts, 16)
     plain = Engine(params, scaled_plain, speculative=False).generate(prompts, 16)
-    assert [s.tokens for s in spec] == [p.tokens for p in plain]
+    assert [s.tokens for s in speculative] == [p.tokens for p in plain]
     unscaled = Engine(params, plain_cfg, speculative=False).generate(prompts, 16)
     assert [p.tokens for p in plain] != [u.tokens for u in unscaled]

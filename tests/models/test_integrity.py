@@ -150,8 +150,8 @@ def test_bad_config_json_names_the_file(tmp_path, target):
 
 def test_dflash_checkpoint_is_checked_the_same_way(tmp_path):
     from tests.drafter.tiny import tiny_pair
-    params, spec_cfg, _ = tiny_pair(num_slots=2)
-    save_dflash(tmp_path, spec_cfg.draft, params["draft"])
+    params, speculative_cfg, _ = tiny_pair(num_slots=2)
+    save_dflash(tmp_path, speculative_cfg.draft, params["draft"])
     file = tmp_path / "model.safetensors"
     tensors = load_file(file)
     tensors["fc.weight"] = tensors["fc.weight"] * 1.5

@@ -63,7 +63,7 @@ def test_explicit_options_win_and_bad_threshold_is_named():
 
 
 @pytest.mark.parametrize("batch,num_kv_heads", [(4, 2), (64, 8)])
-def test_spec_split_boundaries_do_not_follow_the_table_width(batch, num_kv_heads):
+def test_few_query_split_boundaries_do_not_follow_the_table_width(batch, num_kv_heads):
     """The engine's table width follows the batch's longest row and differs
     between a plain step and a verify step at the same position."""
     widths = (16, 64, 1024, 4096)
