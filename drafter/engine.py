@@ -373,17 +373,17 @@ class Engine:
                     f"admission reserved them (a bug in page accounting)")))
             elif chunk.is_last and not self.export:
                 book(seq, [int(outputs.first_tokens[i])], False)
-        for j in range(outputs.num_out.shape[0]):  # the call's decode steps, in order
+        num_out, decode_ok = outputs.num_out.tolist(), outputs.decode_ok.tolist()
+        for j in range(len(num_out)):  # the call's decode steps, in order
             for seq in plan.decode:
                 if seq.phase is Phase.DONE:
                     continue
-                if not outputs.decode_ok[j, seq.slot]:
+                if not decode_ok[j][seq.slot]:
                     results.append(scheduler.finish(seq, now, "error", (
                         f"request {seq.request_id!r}: a decode step could not allocate pages "
                         f"(a bug in admission accounting)")))
                     continue
-                n = int(outputs.num_out[j, seq.slot])
-                book(seq, outputs.out_tokens[j, seq.slot, :n], True)
+                book(seq, outputs.out_tokens[j, seq.slot, :num_out[j][seq.slot]], True)
         for seq in plan.decode:
             if seq.phase is not Phase.DONE:
                 self.executor.len_bound[seq.slot] = (len(seq.request.prompt) + len(seq.tokens) - 1

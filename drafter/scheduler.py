@@ -55,6 +55,7 @@ class Sequence:
     token_times: list = dataclasses.field(default_factory=list)
     first_token_at: float | None = None
     result: Result | None = None
+    stop_ids: frozenset | None = None   # the request's stop ids and EOS, once computed
 
     @property
     def request_id(self) -> str:
@@ -235,25 +236,27 @@ class Scheduler:
         if seq.phase is Phase.DONE:
             return None  # a step dispatched ahead ran past the end
         params = seq.request.params
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        kept, reason = [], None
-        for t in new_tokens:
-            kept.append(int(t))
-            if int(t) in stops:
-                reason = "stop"
-                break
-            if len(seq.tokens) + len(kept) >= params.max_new_tokens:
-                reason = "length"
-                break
+        tokens = new_tokens.tolist() if hasattr(new_tokens, "tolist") else list(new_tokens)
+        room = params.max_new_tokens - len(seq.tokens)
+        kept, reason = tokens[:room], ("length" if len(tokens) >= room else None)
+        stops = self._stop_ids(seq)
+        if stops and not stops.isdisjoint(kept):
+            end = next(i for i, t in enumerate(kept) if t in stops) + 1
+            kept, reason = kept[:end], "stop"
         if seq.first_token_at is None and kept:
             seq.first_token_at = now
         seq.tokens.extend(kept)
         seq.token_times.extend([now] * len(kept))
         if decode_step:
             seq.acceptance.append(len(kept))
-        if reason is None and len(seq.tokens) >= params.max_new_tokens:
-            reason = "length"
         return self.finish(seq, now, reason) if reason else None
+
+    def _stop_ids(self, seq: Sequence) -> frozenset:
+        if seq.stop_ids is None:
+            params = seq.request.params
+            seq.stop_ids = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else self.eos_token_ids)
+        return seq.stop_ids
 
     def release_exported(self, seq: Sequence) -> None:
         """A context worker's request has left: free its slot (reset next step)."""
