@@ -102,6 +102,35 @@ def test_a_burst_moves_in_one_export_and_one_import_and_a_bad_row_fails_alone(pa
     assert not np.asarray(receiver.state.running).any()
 
 
+def test_slots_freed_and_admitted_while_kv_is_awaited_are_emptied_by_the_import(pair):
+    """A second round on the same receiver: the slots its first round freed and the
+    slots the new requests take are emptied by the import call itself (no call of
+    resets alone runs before it); tokens equal aggregated serving, every page returns."""
+    params, cfg, _ = pair
+    prompts = [[(5 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate((19, 23))]
+    sender = Engine(params, cfg, export=True, speculative=False)
+    for round_ in range(2):
+        for i, prompt in enumerate(prompts):
+            sender.add_request(f"{round_}-{i}", prompt, 4)
+    payloads = {e.request.request_id: e.payload for e in _exports(sender, 4)}
+    receiver = Engine(params, cfg, kv_source=OneShot(payloads))
+    calls = []
+    real_import, real_step = receiver.executor._import, receiver.executor._step_fn
+    receiver.executor._import = lambda *a, **k: (calls.append("import"), real_import(*a, **k))[1]
+    receiver.executor._step_fn = lambda *a, **k: (calls.append("step"), real_step(*a, **k))[1]
+    alone = [r.tokens for r in Engine(params, cfg).generate(prompts, 6)]
+    for round_ in range(2):
+        calls.clear()
+        for i, prompt in enumerate(prompts):
+            receiver.add_request(f"{round_}-{i}", prompt, 6)
+        results = sorted(receiver.run(), key=lambda r: r.request_id)
+        assert [r.tokens for r in results] == alone
+        assert calls[0] == "import", calls
+    assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
+                                                               for p in cfg.spec.pools]
+    assert not np.asarray(receiver.state.running).any()
+
+
 def test_a_payload_for_other_lengths_is_refused_in_the_step(pair):
     params, cfg, _ = pair
     sender = Engine(params, cfg, export=True, speculative=False)
