@@ -101,9 +101,9 @@ def move_payload(payload: KVPayload, mesh, *, path: str = "coalesced",
     along kv heads. Asynchronous: nothing waits for the data."""
     if path not in MOVE_PATHS:
         raise ValueError(f"move path {path!r} is unknown; use one of {MOVE_PATHS}")
-    sharding, replicated = receiver_shardings(mesh, kv_head_axis)
     if path == "coalesced":
         return move_payloads([payload], mesh, kv_head_axis=kv_head_axis)[0]
+    sharding, replicated = receiver_shardings(mesh, kv_head_axis)
     return dataclasses.replace(
         payload, buffers=tuple(move_buffer(b, sharding, path) for b in payload.buffers),
         first_token=jax.device_put(payload.first_token, replicated),
