@@ -55,7 +55,7 @@ class Sequence:
     token_times: list = dataclasses.field(default_factory=list)
     first_token_at: float | None = None
     result: Result | None = None
-    stop_ids: frozenset | None = None   # the request's stop ids and EOS, once computed
+    stop_ids: frozenset = frozenset()   # ids that end it: its stop ids, and EOS unless ignored
 
     @property
     def request_id(self) -> str:
@@ -147,6 +147,9 @@ class Scheduler:
         if rid in self.active or any(s.request_id == rid for s in self.waiting):
             raise AdmissionError(f"request id {rid!r} is already in flight; ids must be unique")
         self.check_fits(seq.request)
+        params = seq.request.params
+        seq.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids)
         self.waiting.append(seq)
 
     def kv_arrived(self, seq: Sequence, payload) -> None:
@@ -239,7 +242,7 @@ class Scheduler:
         tokens = new_tokens.tolist() if hasattr(new_tokens, "tolist") else list(new_tokens)
         room = params.max_new_tokens - len(seq.tokens)
         kept, reason = tokens[:room], ("length" if len(tokens) >= room else None)
-        stops = self._stop_ids(seq)
+        stops = seq.stop_ids
         if stops and not stops.isdisjoint(kept):
             end = next(i for i, t in enumerate(kept) if t in stops) + 1
             kept, reason = kept[:end], "stop"
@@ -250,13 +253,6 @@ class Scheduler:
         if decode_step:
             seq.acceptance.append(len(kept))
         return self.finish(seq, now, reason) if reason else None
-
-    def _stop_ids(self, seq: Sequence) -> frozenset:
-        if seq.stop_ids is None:
-            params = seq.request.params
-            seq.stop_ids = frozenset(params.stop_token_ids) | (
-                frozenset() if params.ignore_eos else self.eos_token_ids)
-        return seq.stop_ids
 
     def release_exported(self, seq: Sequence) -> None:
         """A context worker's request has left: free its slot (reset next step)."""

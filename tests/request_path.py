@@ -8,9 +8,9 @@ into the product packages (pallas_kernels, unified_kv, models, drafter, disagg) 
 chain of product packages above it on the call stack. Two counts:
 
   * chain: the package changes along a call chain, from the demo (`disagg.demo`,
-    which calls `Engine.generate`) down to the callee (neighbours in one package merged), the most of any call the
-    request makes. It is what a reader descends to follow the request from the
-    front end to a kernel; the goal is at most 8.
+    which calls `Engine.generate`) down to the callee (neighbours in one package
+    merged), the most of any call the request makes. It is what a reader descends
+    to follow the request from the front end to a kernel; the goal is at most 8.
   * walk: every product function once, in the order of its first call, and the
     changes between neighbours of that flat list (a step's calls into lower
     layers and back count each time), for reference.
@@ -33,10 +33,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def _product_place(code) -> tuple[str, str] | None:
     """(package, path) of a product function's code, else None."""
     path = pathlib.Path(code.co_filename)
-    if path.is_relative_to(ROOT) and path.relative_to(ROOT).parts[0] in PACKAGES:
-        rel = path.relative_to(ROOT)
-        return rel.parts[0], str(rel)
-    return None
+    if not path.is_relative_to(ROOT):
+        return None
+    rel = path.relative_to(ROOT)
+    return (rel.parts[0], str(rel)) if rel.parts[0] in PACKAGES else None
 
 
 def package_runs(packages) -> list[str]:
