@@ -31,9 +31,11 @@ from drafter.evaluate import device_rate, prefilled_engine
 def engine_rate(engine, steps: int) -> dict:
     """Wall time of Engine.step() (the host loop, one step in flight ahead), and
     where it goes: planning + dispatch, then the wait for the previous step."""
-    longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + (steps + 3) * \
-        engine.decode_steps * engine.cfg.block_size
-    engine.warmup(longest)  # rows cross table-width buckets while timed: compile them first
+    lens = np.asarray(engine.state.kv.target_lens)[
+        [s.slot for s in engine.scheduler.active.values()]]
+    longest = int(lens.max()) + (steps + 3) * engine.decode_steps * engine.cfg.block_size
+    # rows cross table-width buckets while timed: compile those (and only those) first
+    engine.warmup(longest, min_len=int(lens.min()))
     for _ in range(3):
         engine.step()
     engine.flush()

@@ -6,8 +6,8 @@
 Random bf16 weights (only step times matter), fp8 target KV and bf16 draft KV.
 Every figure is set against a bound measured in the same run:
 
-  copy bandwidth    bytes read + written by a 4 GiB copy, per second
-  bf16 matmul peak  an 8192^3 bf16 matmul (f32 accumulation), FLOP/s
+  copy bandwidth    bytes read + written by a 2 GiB copy, per second (queued calls)
+  bf16 matmul peak  an 8192^3 bf16 matmul (f32 accumulation), FLOP/s (queued calls)
   decode roofline   (weights read + KV read) / copy bandwidth; the embedding
                     table is not read by a step (a gather of B rows)
   compute bound     2 x params x tokens / matmul peak (verify: block tokens per
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_decode_speed import engine_rate
-from benchmarks.timing import report_goals
+from benchmarks.timing import device_copy_bandwidth, device_matmul_peak, report_goals
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
@@ -44,28 +44,6 @@ GOAL_KEYS = ("plain_b1_over_roofline", "plain_b32_over_roofline",
              "prefill_utilisation", "compile_s", "projected_b1_tokens_per_s",
              "engine_over_device_b1")
 DESIGN_AL = 6.5  # DFlash's reported acceptance length for Qwen3-8B-b16 (math / code, greedy)
-
-
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 2)
-    jax.block_until_ready(copy(x))
-    best = min(_timed(lambda: copy(x)) for _ in range(5))
-    return 2 * nbytes / best
-
-
-def matmul_peak(n: int = 8192) -> float:
-    a = jnp.ones((n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    jax.block_until_ready(mm(a, a))
-    best = min(_timed(lambda: mm(a, a)) for _ in range(5))
-    return 2 * n ** 3 / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
 
 
 def step_config(tcfg, dcfg, batch: int, context: int, layer_loop: str = "auto") -> StepConfig:
@@ -115,6 +93,8 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
                     eng.cancel(f"cold{i}")
                 eng.run()
         cold, warm = times
+        print(f"  b{batch} ctx {context} {name}: prefill cold {cold:.1f} s, warm {warm:.2f} s",
+              flush=True)  # progress: a run cut short by its time limit still reports
         start = time.perf_counter()
         dev = device_rate(eng, steps, 3)
         timed = time.perf_counter() - start
@@ -130,6 +110,8 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
             compute = batch * block * (flops_t + flops_d) / peak
             row["compute_bound_ms"] = compute * 1e3
             row["over_compute_bound"] = dev["device_step_ms"] * 1e-3 / compute
+        print(f"  b{batch} ctx {context} {name}: device step {dev['device_step_ms']:.2f} ms "
+              f"(roofline {roof * 1e3:.2f} ms)", flush=True)
         if batch == 1:
             row.update(engine_rate(eng, max(steps // eng.decode_steps, 4)))
             row["engine_over_device"] = row["engine_tokens_per_s"] / dev["device_tokens_per_s"]
@@ -163,8 +145,8 @@ def main(argv=None) -> dict:
     tcfg, dcfg = qwen3_8b_pair(num_target_layers=args.layers,
                                num_draft_layers=5 if args.layers >= 8 else 1,
                                **({"vocab_size": 4096} if args.quick else {}))
-    bw, peak = ((copy_bandwidth(64 << 20), matmul_peak(512)) if args.quick
-                else (copy_bandwidth(), matmul_peak()))
+    bw, peak = ((device_copy_bandwidth(64 << 20, 3), device_matmul_peak(512, 3)) if args.quick
+                else (device_copy_bandwidth(), device_matmul_peak()))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s",
           flush=True)
     # once, in the form the steps run (the engines then take them as they are)

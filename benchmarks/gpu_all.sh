@@ -4,7 +4,7 @@
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
 # STAGEs: tests, attention, decode (batch tables, cache baselines, decode speed),
-# eval, transfer, serving, scale. Each fits one 600 s device call (the device tool's limit): every
+# eval, transfer, serving, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -20,12 +20,12 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|decode|eval|transfer|serving|scale|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|attention|decode|eval|transfer|serving|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention decode eval transfer serving scale)
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention decode eval transfer serving scale scale_profile)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
   if [ -n "${DRY_RUN:-}" ]; then echo "[$limit s] $*"; return; fi
@@ -64,8 +64,16 @@ for stage in "${stages[@]}"; do
       mkdir -p "$OUT/load"
       run 300 serving_load python3 benchmarks/bench_serving.py --out "$OUT/load" --parts load ;;
     scale)
-      # the Qwen3-8B-shaped pair: batch 1 first (the goal keys), then batch 32
-      run 280 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32
+      # the Qwen3-8B-shaped pair, scanned layers (an unrolled 36-layer step compiles for
+      # about a minute per program): batch 1 first (the goal keys), then batch 32
+      run 500 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32 \
+        --layer-loop scan --steps 8 ;;
+    scale_profile)
+      # kernel by kernel at 8 layers: unrolled (the GPU default) and scanned, same run
+      run 170 profile_unrolled python3 benchmarks/profile_step.py --layers 8 \
+        --layer-loop unrolled --precision default --out "$OUT"
+      run 170 profile_scan python3 benchmarks/profile_step.py --layers 8 \
+        --layer-loop scan --precision default --out "$OUT"
       run 150 precision python3 -m pytest -q -p no:cacheprovider tests/drafter/test_precision.py ;;
     two_gpu)
       # every part a child process under its own limit (130 + 90 + 300 s)

@@ -53,6 +53,14 @@ def device_copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     return 2 * nbytes / seconds
 
 
+def device_matmul_peak(n: int = 8192, iters: int = 20) -> float:
+    """bf16 matmul FLOP/s (f32 accumulation) of an n^3 product: the compute bound."""
+    import jax.numpy as jnp
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    return 2 * n ** 3 / time_call(mm, a, a, iters=iters)
+
+
 class _NanForMissing(dict):
     def __missing__(self, key):
         return float("nan")

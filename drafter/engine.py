@@ -269,14 +269,14 @@ class Engine:
             raise RuntimeError(failed[0].error)
         return [results[r.request_id] for r in requests]
 
-    def warmup(self, max_len: int | None = None) -> int:
-        """Compile the decode step for every table width that rows up to
-        `max_len` tokens (default max_seq_len) use. Runs steps with no rows,
-        which change nothing. Returns the number of widths."""
+    def warmup(self, max_len: int | None = None, min_len: int = 0) -> int:
+        """Compile the decode step for every table width that rows of `min_len`
+        to `max_len` tokens (default 0 to max_seq_len) use. Runs steps with no
+        rows, which change nothing. Returns the number of widths."""
         max_len = self.spec.max_seq_len if max_len is None else max_len
         block = self.cfg.block_size
         widths = sorted({self._table_width(n + 2 * block) for n in
-                         range(0, max_len + 1, self.spec.page_size)})
+                         range(min_len, max_len + 1, self.spec.page_size)})
         for width in widths:
             for k in sorted({1, self.decode_steps}):
                 self.executor.run_empty(table_width=width, decode_steps=k)

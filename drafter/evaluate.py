@@ -82,7 +82,8 @@ def device_rate(engine, steps: int, repeats: int) -> dict:
         return int(np.asarray(state.kv.target_lens[:spec.num_slots]).sum())
 
     seconds, lens, _ = time_step_loop(step, engine.params, engine.state, steps=steps,
-                                      repeats=repeats, probe=committed)
+                                      repeats=repeats, probe=committed,
+                                      compiler_options=cfg.compiler_options)
     tokens = [(after - before) / steps for before, after in zip(lens, lens[1:])]
     step_s, per_step = float(np.median(seconds)), float(np.mean(tokens))
     return {"device_step_ms": step_s * 1e3, "tokens_per_step": per_step,

@@ -29,13 +29,15 @@ def _packed_step_for(cfg: StepConfig):
     static config argument would be hashed and compared on every call."""
     return jax.jit(functools.partial(packed_step, cfg=cfg),
                    static_argnames=("num_prefill", "table_width", "decode", "speculative",
-                                    "greedy", "decode_steps"), donate_argnums=1)
+                                    "greedy", "decode_steps"), donate_argnums=1,
+                   compiler_options=cfg.compiler_options)
 
 
 @functools.lru_cache(maxsize=64)
 def _import_step_for(cfg: StepConfig):
     return jax.jit(functools.partial(import_step, cfg=cfg),
-                   static_argnames=("pool_ids", "mode", "table_width"), donate_argnums=1)
+                   static_argnames=("pool_ids", "mode", "table_width"), donate_argnums=1,
+                   compiler_options=cfg.compiler_options)
 
 
 def _traced_on_mesh(mesh, jitted):

@@ -73,8 +73,8 @@ class StepConfig:
     # How a step runs a model's layers (models/layers.py): "scan" compiles one
     # body per run of alike layers, over stacked weights read by a traced index;
     # "unrolled" traces every layer over its own weight arrays. "auto": unrolled
-    # on GPUs, where XLA copies a scanned layer's weight slice before its matmuls
-    # (reading the weights three times), scan elsewhere.
+    # on GPUs, where its Triton matmuls beat the cuBLAS ones a GPU scan needs
+    # (`compiler_options`), scan elsewhere.
     layer_loop: str = "auto"
 
     @property
@@ -85,6 +85,17 @@ class StepConfig:
         if self.layer_loop == "auto":
             return jax.default_backend() != "gpu"
         return self.layer_loop == "scan"
+
+    @property
+    def compiler_options(self) -> dict:
+        """XLA options the jitted steps compile with. Scanned layers on GPUs take
+        cuBLAS matmuls fused with their weight slice (dynamic-slice fusion): XLA's
+        Triton matmuls cannot read a slice of the stacked weights in place, so each
+        layer's weights would be copied out of the stack before use."""
+        if self.scans_layers and jax.default_backend() == "gpu":
+            return {"xla_gpu_enable_triton_gemm": False,
+                    "xla_gpu_enable_dynamic_slice_fusion": True}
+        return {}
 
     @property
     def block_size(self) -> int:

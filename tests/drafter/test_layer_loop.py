@@ -28,3 +28,20 @@ def test_layer_loop_auto_scans_except_on_gpus_and_unknown_names_are_refused():
     assert cfg.scans_layers == (jax.default_backend() != "gpu")
     with pytest.raises(ValueError, match="layer_loop 'loop'"):
         dataclasses.replace(cfg, layer_loop="loop").scans_layers
+
+
+def test_scanned_steps_on_gpus_compile_with_cublas_reading_the_weight_slice_in_place(
+        monkeypatch):
+    _, cfg, _ = tiny_pair()
+    scan, unrolled = (dataclasses.replace(cfg, layer_loop=loop) for loop in ("scan", "unrolled"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert scan.compiler_options == {} and unrolled.compiler_options == {}
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    gpu_options = scan.compiler_options
+    assert gpu_options == {"xla_gpu_enable_triton_gemm": False,
+                           "xla_gpu_enable_dynamic_slice_fusion": True}
+    assert unrolled.compiler_options == {}
+    monkeypatch.undo()
+    # XLA takes the options by name on any backend: a jit given them compiles and runs
+    step = jax.jit(lambda x: x @ x, compiler_options=gpu_options)
+    assert float(step(np.eye(2, dtype=np.float32))[0, 0]) == 1.0
