@@ -66,8 +66,10 @@ def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool,
     return engine
 
 
-def device_rate(engine, steps: int, repeats: int) -> dict:
-    """Device time per step and tokens per step, from a copy of the engine's state."""
+def device_rate(engine, steps: int, repeats: int, *, donate: bool = False) -> dict:
+    """Device time per step and tokens per step, from a copy of the engine's state, or
+    with `donate` from the state itself (no second copy of the cache in memory; the
+    engine is then spent: its state is the timed loop's, which its host side never saw)."""
     cfg, spec = engine.cfg, engine.spec
     step_fn = decode_step if engine.speculative else plain_decode_step
     slots = jnp.arange(spec.num_slots, dtype=jnp.int32)
@@ -81,8 +83,11 @@ def device_rate(engine, steps: int, repeats: int) -> dict:
     def committed(state):
         return int(np.asarray(state.kv.target_lens[:spec.num_slots]).sum())
 
-    seconds, lens, _ = time_step_loop(step, engine.params, engine.state, steps=steps,
-                                      repeats=repeats, probe=committed,
+    state = engine.state
+    if donate:
+        engine.state = None  # the loop consumes it
+    seconds, lens, _ = time_step_loop(step, engine.params, state, steps=steps,
+                                      repeats=repeats, probe=committed, donate=donate,
                                       compiler_options=cfg.compiler_options)
     tokens = [(after - before) / steps for before, after in zip(lens, lens[1:])]
     step_s, per_step = float(np.median(seconds)), float(np.mean(tokens))
