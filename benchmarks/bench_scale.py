@@ -18,7 +18,8 @@ Per batch and context: device step time of plain and speculative decode (one
 jitted loop, no host), the engine's host loop beside it (`Engine.step`),
 prefill tokens/s and utilisation (the batch's prompts, chunked and batched by
 the scheduler), the wall time of each first call (compile included, minus the
-same call warm), and peak device memory. Writes scale.json.
+same call warm), and peak device memory; and what admission takes at 32K tokens
+a request in 90% of the memory the weights leave. Writes scale.json.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from drafter.evaluate import device_rate
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
 from models.layers import stack_params, unstack_params
 from drafter.steps import StepConfig
-from unified_kv import CacheSpec
+from disagg.frontend import kv_budget_bytes
+from unified_kv import CacheSpec, budget_for, capacity
 
 GOAL_KEYS = ("plain_b1_over_roofline", "plain_b32_over_roofline",
              "speculative_b1_over_plain_b1", "speculative_b32_over_compute_bound",
@@ -133,6 +135,28 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
     return out
 
 
+def memory_plan(tcfg, dcfg, batch: int = 64, context: int = 32768,
+                fraction: float = 0.9) -> dict | None:
+    """What admission takes at `context` tokens a request in `fraction` of this device's
+    memory left by the weights (as `serve --kv-memory-fraction`), beside what `batch` such
+    requests need. None on a device that does not report its memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    budget = kv_budget_bytes(None, fraction)
+    spec = CacheSpec(page_size=16, layers=tuple(layer_specs(tcfg, dcfg)), num_slots=batch,
+                     max_seq_len=context, memory_budget_bytes=budget, max_step_tokens=256)
+    held = capacity(spec)
+    plan = {"device_bytes": stats["bytes_limit"], "weights_bytes": stats["bytes_in_use"],
+            "kv_fraction": fraction, "kv_budget_bytes": budget, "context": context,
+            "requests_held": held.requests, f"kv_bytes_for_b{batch}": budget_for(spec, batch),
+            f"fits_b{batch}": held.requests >= batch}
+    print(f"memory: {held.describe()} (of {stats['bytes_limit'] / 2**30:.1f} GiB, weights "
+          f"{stats['bytes_in_use'] / 2**30:.1f} GiB); batch {batch} needs "
+          f"{budget_for(spec, batch) / 2**30:.1f} GiB of KV", flush=True)
+    return plan
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -161,6 +185,7 @@ def main(argv=None) -> dict:
               "weight_bytes": {"target": param_bytes(params["target"]),
                                "draft": param_bytes(params["draft"])},
               "copy_bandwidth_bytes_per_s": bw, "bf16_matmul_flops_per_s": peak, "runs": []}
+    report["memory"] = memory_plan(tcfg, dcfg)
     for context in args.contexts:
         for batch in args.batches:
             report["runs"].append(measure(params, tcfg, dcfg, batch, context, args.steps,

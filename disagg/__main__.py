@@ -12,8 +12,10 @@ serve-remote  one side (--role context | generation) of a pair in two OS
        processes, KV moved by jax.experimental.transfer (disagg/processes.py).
 
 demo and serve take a pair by path (--target DIR --drafter DIR; the target's
-tokenizer.json turns text into ids) or the embedded default pair, and keep
-compiled programs in a persistent compilation cache (disagg/compile_cache.py).
+tokenizer.json turns text into ids) or the embedded default pair, size each
+worker's KV cache by --kv-memory-mib or --kv-memory-fraction (serve prints what
+it holds), and keep compiled programs in a persistent compilation cache
+(disagg/compile_cache.py).
 """
 
 from __future__ import annotations
@@ -55,10 +57,14 @@ def build_parser():
 
 def serve(args) -> None:
     from disagg.accounting import page_report
-    from disagg.frontend import load_pair, make_engine, serve_http, warm_up
+    from disagg.frontend import caches_per_device, load_pair, make_engine, serve_http, warm_up
     from disagg.serving import serve_json_lines
+    from unified_kv import capacity
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
-                     max_seq_len=args.max_seq_len)
+                     max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
+                     kv_memory_fraction=args.kv_memory_fraction,
+                     caches_per_device=caches_per_device(args.draft_kv))
+    print(f"serve: {capacity(pair.step_config.spec).describe()}", file=sys.stderr, flush=True)
     engine = make_engine(args.draft_kv, pair)
     if args.http is not None:
         if args.request_timeout <= 0:
@@ -80,10 +86,12 @@ def serve(args) -> None:
 
 def demo(args) -> None:
     from disagg.demo import DemoConfig, print_table, run_demo
-    from disagg.frontend import load_pair
+    from disagg.frontend import caches_per_device, load_pair
     cfg = DemoConfig.from_args(args)
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
-                     max_seq_len=args.max_seq_len)
+                     max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
+                     kv_memory_fraction=args.kv_memory_fraction,
+                     caches_per_device=caches_per_device("shared"))
     report = run_demo(pair, cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     report["compile_cache"] = {"dir": args.cache_dir, "programs_compiled": args.counter.compiled,
                                "programs_from_cache": args.counter.hits}

@@ -27,9 +27,11 @@ from disagg.schema import DEFAULT_MAX_TOKENS
 from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
 from drafter.tokenizer import TokenizerError, load_tokenizer
+from unified_kv import CacheSpecError
 
 MODES = ("aggregated", "shared", "private")
 DEFAULT_MODEL_NAME = "dflash-default"
+DEFAULT_KV_MIB = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +50,22 @@ def add_model_args(p) -> None:
     p.add_argument("--num-slots", type=int, default=4, help="requests decoded together")
     p.add_argument("--max-seq-len", type=int, default=9216,
                    help="prompt + generated tokens per request, at most")
+    p.add_argument("--kv-memory-mib", type=int, default=None,
+                   help=f"KV cache memory of each worker, MiB (default {DEFAULT_KV_MIB})")
+    p.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="instead: size the KV caches to this share of the device memory "
+                        "left after the weights (a device that reports its memory)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent compilation cache (also: "
                         "DFLASH_COMPILE_CACHE=0)")
 
 
-def load_pair(target=None, drafter=None, *, num_slots: int = 4,
-              max_seq_len: int = 9216) -> ModelPair:
-    """The pair at `target` / `drafter`, or the embedded one when both are None."""
+def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int = 9216,
+              kv_memory_mib: int | None = None, kv_memory_fraction: float | None = None,
+              caches_per_device: int = 1) -> ModelPair:
+    """The pair at `target` / `drafter`, or the embedded one when both are None, with a
+    KV cache of `kv_memory_mib`, or of `kv_memory_fraction` of the device memory left
+    once the weights are loaded, shared by `caches_per_device` caches."""
     from drafter.checkpoint import load_dflash
     from drafter.default import default_step_config, load_default
     from models.checkpoint import load_qwen3
@@ -78,8 +88,48 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4,
         params = {"target": target_params, "draft": draft_params}
         name = Path(target).resolve().name
     tokenizer = checkpoint_tokenizer(target, tcfg.vocab_size)
-    cfg = default_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len)
+    budget = kv_budget_bytes(kv_memory_mib, kv_memory_fraction, caches_per_device)
+    try:
+        cfg = default_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len,
+                                  memory_budget_bytes=budget)
+    except CacheSpecError as e:
+        raise SystemExit(f"the KV cache does not hold one request: {e} (--kv-memory-mib, "
+                         f"--kv-memory-fraction, --max-seq-len)") from None
     return ModelPair(params, cfg, tokenizer, name)
+
+
+def kv_budget_bytes(mib: int | None, fraction: float | None, caches_per_device: int = 1,
+                    device=None) -> int:
+    """One cache's memory_budget_bytes: `mib` MiB, or `fraction` of `device`'s memory
+    limit less what is in use (the weights), split over `caches_per_device` caches
+    (neither: DEFAULT_KV_MIB). SystemExit naming the flag when it cannot be met."""
+    if mib is not None and fraction is not None:
+        raise SystemExit("give --kv-memory-mib or --kv-memory-fraction, not both")
+    if fraction is None:
+        mib = DEFAULT_KV_MIB if mib is None else mib
+        if not isinstance(mib, int) or mib < 1:
+            raise SystemExit(f"--kv-memory-mib must be a positive integer, got {mib!r}")
+        return mib << 20
+    if not 0 < fraction <= 1:
+        raise SystemExit(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise SystemExit(f"--kv-memory-fraction: {device.platform} device {device.id} does "
+                         f"not report its memory; give --kv-memory-mib instead")
+    free = fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if free < 1 << 20:
+        raise SystemExit(
+            f"--kv-memory-fraction {fraction}: {stats.get('bytes_in_use', 0) / 2**30:.2f} GiB "
+            f"of the device's {stats['bytes_limit'] / 2**30:.2f} GiB are in use already (the "
+            f"weights); raise the fraction or give --kv-memory-mib")
+    return int(free // caches_per_device)
+
+
+def caches_per_device(mode: str) -> int:
+    """KV caches a `mode` engine puts on each device: a disaggregated pair on one
+    device holds two (split_meshes)."""
+    return 2 if mode != "aggregated" and len(jax.devices()) < 2 else 1
 
 
 def checkpoint_tokenizer(target_dir, model_vocab_size: int, *, flag: str = "--target"):

@@ -1,8 +1,8 @@
 """The unified target/draft paged KV cache: specs, pools, functional state."""
 
-from unified_kv.admission import (AdmissionController, AdmissionError, Reservation,
-                                  bytes_per_pool, bytes_per_request, check_fits,
-                                  pages_per_request)
+from unified_kv.admission import (AdmissionController, AdmissionError, Capacity, Reservation,
+                                  budget_for, bytes_per_pool, bytes_per_request, capacity,
+                                  check_fits, pages_per_request)
 from unified_kv.spec import (BAD_PAGE_INDEX, KV_DTYPES, NULL_PAGE, SUPPORTED_PAGE_SIZES, CacheSpec,
                              CacheSpecError, LayerSpec, PoolSpec, bucket_width, layer_name,
                              max_live_pages, pow2_at_least)
@@ -12,8 +12,8 @@ from unified_kv.state import (KVState, admit_slots, allocate_pages, grow, init_s
                               state_shardings, validate_slot_ids)
 
 __all__ = [
-    "AdmissionController", "AdmissionError", "Reservation", "bytes_per_pool", "bytes_per_request",
-    "check_fits",
+    "AdmissionController", "AdmissionError", "Capacity", "Reservation", "budget_for",
+    "bytes_per_pool", "bytes_per_request", "capacity", "check_fits",
     "pages_per_request", "BAD_PAGE_INDEX", "KV_DTYPES", "NULL_PAGE", "SUPPORTED_PAGE_SIZES",
     "CacheSpec", "CacheSpecError", "LayerSpec", "PoolSpec", "bucket_width", "layer_name",
     "max_live_pages",

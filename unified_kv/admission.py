@@ -70,6 +70,43 @@ def bytes_per_pool(spec: CacheSpec) -> dict[int, int]:
     return {p.pool_id: p.nbytes for p in spec.pools}
 
 
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What a cache holds at once: requests of `max_len` tokens, each at its worst
+    case in every pool (what admission reserves), and no more than the slots."""
+
+    requests: int
+    max_len: int
+    num_slots: int
+    limited_by: str          # "slots" or "memory"
+    kv_bytes: int            # every pool, null pages included
+
+    def describe(self) -> str:
+        fix = ("more KV memory holds more" if self.limited_by == "memory"
+               else "more slots would hold more")
+        return (f"KV cache {self.kv_bytes / 2**30:.2f} GiB holds {self.requests} request(s) "
+                f"of {self.max_len:,} tokens at once ({self.num_slots} slots; "
+                f"{self.limited_by} limit it: {fix})")
+
+
+def capacity(spec: CacheSpec, max_len: int | None = None) -> Capacity:
+    """How many requests of `max_len` tokens (default max_seq_len) admission takes at
+    once into an empty cache of `spec`."""
+    max_len = spec.max_seq_len if max_len is None else max_len
+    need = pages_per_request(spec, max_len)
+    by_memory = min(p.num_usable_pages // n for p, n in zip(spec.pools, need))
+    return Capacity(min(spec.num_slots, by_memory), max_len, spec.num_slots,
+                    "slots" if spec.num_slots <= by_memory else "memory",
+                    sum(p.nbytes for p in spec.pools))
+
+
+def budget_for(spec: CacheSpec, requests: int) -> int:
+    """The least memory_budget_bytes with which a cache of `spec`'s layers, slots and
+    max_seq_len holds `requests` requests of max_seq_len tokens at once."""
+    need = pages_per_request(spec, spec.max_seq_len)
+    return sum((requests * n + 1) * p.bytes_per_page for p, n in zip(spec.pools, need))
+
+
 class AdmissionController:
     """Hands out slots and reserves pages; holds host ints only, never arrays."""
 

@@ -75,8 +75,10 @@ def test_serve_batches_the_stream_and_answers_every_line_once(monkeypatch, capsy
         [json.dumps(g).encode() for g in good[3:]] + [b'{"prompt": "no id", "max_new_tokens": 2}']
     monkeypatch.setattr(sys, "stdin", Stdin(b"\n".join(lines) + b"\n"))
     main(["serve", "--draft-kv", "shared"])
-    out = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()
-           if l.startswith("{")]
+    captured = capsys.readouterr()
+    # the default 1 GiB holds every slot's request of max_seq_len
+    assert "holds 4 request(s) of 9,216 tokens at once (4 slots; slots limit it" in captured.err
+    out = [json.loads(l) for l in captured.out.strip().splitlines() if l.startswith("{")]
     by_id = {o["id"]: o for o in out}
     assert len(out) == len(lines) == len(by_id)  # one answer per line, none lost
     for g in good:

@@ -1,10 +1,12 @@
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from unified_kv import (AdmissionController, AdmissionError, CacheSpec, LayerSpec,
-                        bytes_per_pool, bytes_per_request, check_fits, grow, init_state,
-                        pages_per_request, retire_window_pages)
+from unified_kv import (AdmissionController, AdmissionError, CacheSpec, LayerSpec, budget_for,
+                        bytes_per_pool, bytes_per_request, capacity, check_fits, grow,
+                        init_state, pages_per_request, retire_window_pages)
 
 
 def make_spec(num_slots=4, budget_rows=2.0):
@@ -93,3 +95,33 @@ def test_admitted_requests_never_overflow_in_step():
         state = state.replace(target_lens=state.target_lens.at[ids].set(jnp.asarray(lengths)),
                               draft_ctx_lens=state.draft_ctx_lens.at[ids].set(jnp.asarray(lengths)))
         state = retire_window_pages(spec, state, ids)
+
+
+@pytest.mark.parametrize("requests", [1, 2, 3, 5])
+def test_capacity_is_exactly_what_admission_takes(requests):
+    base = make_spec(num_slots=8)
+    budget = budget_for(base, requests)
+    spec = dataclasses.replace(base, memory_budget_bytes=budget)
+    cap = capacity(spec)
+    assert (cap.requests, cap.limited_by) == (requests, "memory")
+    assert cap.kv_bytes == sum(bytes_per_pool(spec).values()) <= budget
+    ctl = AdmissionController(spec)
+    for i in range(requests):
+        ctl.admit(f"r{i}", spec.max_seq_len)
+    with pytest.raises(AdmissionError, match="unreserved"):
+        ctl.admit("one more", spec.max_seq_len)
+    # one byte less holds one request fewer (none: the spec itself refuses)
+    if requests > 1:
+        assert capacity(dataclasses.replace(base, memory_budget_bytes=budget - 1)).requests \
+            == requests - 1
+    assert f"holds {requests} request(s) of 256 tokens" in cap.describe()
+    assert "memory limit it" in cap.describe()
+
+
+def test_capacity_counts_slots_when_memory_holds_more():
+    spec = dataclasses.replace(make_spec(num_slots=2), memory_budget_bytes=budget_for(
+        make_spec(num_slots=2), 6))
+    cap = capacity(spec)
+    assert (cap.requests, cap.limited_by) == (2, "slots")
+    # shorter requests: more of them fit in memory, still two slots
+    assert capacity(spec, 32).requests == 2

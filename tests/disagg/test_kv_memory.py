@@ -1,0 +1,52 @@
+"""How much KV memory a worker takes (--kv-memory-mib, --kv-memory-fraction) and the
+line that says what it holds."""
+
+import pytest
+
+from disagg.__main__ import main
+from disagg.frontend import DEFAULT_KV_MIB, kv_budget_bytes
+
+GIB = 1 << 30
+
+
+class Device:
+    """A device that reports its memory as GPUs do."""
+    platform, id = "gpu", 0
+
+    def __init__(self, limit, in_use):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_a_fraction_takes_its_share_of_what_the_weights_leave_split_over_the_caches():
+    device = Device(100 * GIB, 20 * GIB)
+    assert kv_budget_bytes(None, 0.9, 1, device) == 70 * GIB
+    assert kv_budget_bytes(None, 0.9, 2, device) == 35 * GIB
+    assert kv_budget_bytes(None, None) == DEFAULT_KV_MIB << 20
+    assert kv_budget_bytes(300, None) == 300 << 20
+
+
+@pytest.mark.parametrize("mib, fraction, device, match", [
+    (100, 0.5, None, "not both"),
+    (None, 1.5, None, r"must be in \(0, 1\]"),
+    (0, None, None, "positive integer"),
+    (None, 0.5, Device(100 * GIB, 60 * GIB), "in use already"),
+])
+def test_kv_memory_flags_that_cannot_be_met_name_the_flag(mib, fraction, device, match):
+    with pytest.raises(SystemExit, match=match):
+        kv_budget_bytes(mib, fraction, 1, device)
+
+
+def test_a_device_without_memory_figures_asks_for_mib():
+    import jax
+    if jax.devices()[0].memory_stats():
+        pytest.skip("this device reports its memory")
+    with pytest.raises(SystemExit, match="does not report its memory; give --kv-memory-mib"):
+        kv_budget_bytes(None, 0.9)
+
+
+def test_serve_with_too_little_kv_memory_exits_naming_the_flags():
+    with pytest.raises(SystemExit, match=r"does not hold one request.*--kv-memory-mib"):
+        main(["serve", "--kv-memory-mib", "1", "--no-compile-cache"])
