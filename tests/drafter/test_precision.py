@@ -1,5 +1,6 @@
 """Matmul precision follows the weights, and greedy speculative output stays equal to
-plain greedy output under it (on the GPU at a real per-layer shape)."""
+plain greedy output under it (on the GPU at a real per-layer shape, up to near-ties of
+the exact logits)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 from drafter.engine import Engine
 from drafter.shapes import qwen3_8b_pair, random_params
 from drafter.steps import StepConfig, matmul_precision_for
+from models.qwen3 import dense_forward
 from unified_kv import CacheSpec
 
 
@@ -21,11 +23,40 @@ def test_precision_follows_the_weight_dtype():
     assert matmul_precision_for({"w": jnp.zeros(2)}, "auto") == "highest"
 
 
+# A divergence between speculative and plain greedy output is a numeric near-tie, not a
+# bug, when both tokens' exact logits sit within this many standard deviations of the
+# logits of the best one: room for bf16 activations and fp8 KV against the exact f32
+# forward. With random weights a 151,936-way argmax is often that close
+# (docs/decisions.md, Exactness); a wrong mask, position or KV page picks a token whose
+# exact logit is a random draw, typically 4-5 standard deviations below the best.
+NEAR_TIE_STD = 0.1
+
+
+def near_tie(logits, a: int, b: int) -> bool:
+    """Whether tokens a and b are both within NEAR_TIE_STD standard deviations of
+    the best of `logits` (f32[vocab], exact)."""
+    logits = np.asarray(logits, np.float64)
+    tol = NEAR_TIE_STD * logits.std()
+    return bool(logits.max() - logits[a] <= tol and logits.max() - logits[b] <= tol)
+
+
+def test_near_tie_accepts_close_pairs_only():
+    logits = np.random.default_rng(0).normal(size=4096)
+    order = np.argsort(logits)[::-1]
+    best = int(order[0])
+    close = best + 1 if best + 1 < 4096 else best - 1
+    logits[close] = logits[best] - 0.01 * logits.std()
+    assert near_tie(logits, best, close) and near_tie(logits, close, best)
+    assert not near_tie(logits, best, int(order[50]))    # a runner-up far down
+    assert not near_tie(logits, int(order[-1]), best)    # the worst token
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="TF32 / bf16 tensor cores: a GPU")
-def test_speculative_equals_plain_greedy_at_8b_layer_shape():
+def test_speculative_equals_plain_greedy_at_8b_layer_shape_up_to_near_ties():
     """4 Qwen3-8B-shaped target layers, a 1-layer block-16 drafter, bf16 weights, fp8
     target KV, the shipped StepConfig precision: the verify of 16 tokens and the 1-token
-    plain step must pick the same argmax at every position."""
+    plain step pick the same argmax at every position, or where they part, both
+    tokens are a near-tie of the exact (f32, uncached) logits there."""
     tcfg, dcfg = qwen3_8b_pair(num_target_layers=4, num_draft_layers=1)
     params = random_params(tcfg, dcfg, seed=3)
 
@@ -40,8 +71,21 @@ def test_speculative_equals_plain_greedy_at_8b_layer_shape():
     speculative = Engine(params, cfg(dcfg)).generate(prompts, 48)
     plain = Engine({"target": params["target"]}, cfg(None), speculative=False).generate(
         prompts, 48)
+    exact = jax.jit(lambda p, t: dense_forward(p, tcfg, t)[0][0, -1])
+    target32 = jax.tree.map(lambda a: a.astype(jnp.float32), params["target"])
+    equal = 0
     for i, (s, p) in enumerate(zip(speculative, plain)):
-        assert s.tokens == p.tokens, f"prompt {i} diverged at {_first_diff(s.tokens, p.tokens)}"
+        at = _first_diff(s.tokens, p.tokens)
+        if at == len(p.tokens) == len(s.tokens):
+            equal += 1
+            continue
+        with jax.default_matmul_precision("highest"):
+            logits = exact(target32, jnp.asarray([prompts[i] + p.tokens[:at]]))
+        assert near_tie(logits, s.tokens[at], p.tokens[at]), (
+            f"prompt {i} diverged at token {at}: {s.tokens[at]} vs {p.tokens[at]}, not a "
+            f"near-tie of the exact logits")
+    print(f"{equal} of {len(prompts)} prompts equal token for token; the rest part at "
+          f"near-ties")
 
 
 def _first_diff(a, b):
