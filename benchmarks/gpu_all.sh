@@ -74,7 +74,11 @@ for stage in "${stages[@]}"; do
         --layer-loop unrolled --precision default --out "$OUT"
       run 170 profile_scan python3 benchmarks/profile_step.py --layers 8 \
         --layer-loop scan --precision default --out "$OUT"
-      run 150 precision python3 -m pytest -q -p no:cacheprovider tests/drafter/test_precision.py ;;
+      # the embedded pair at batch 16: the engine's calls beside the device loop, kernel by
+      # kernel (engine_over_device_b16)
+      run 120 profile_engine_b16 python3 benchmarks/profile_step.py --pair embedded \
+        --batch 16 --context 128 --engine 8 --out "$OUT"
+      run 120 precision python3 -m pytest -q -p no:cacheprovider tests/drafter/test_precision.py ;;
     two_gpu)
       # every part a child process under its own limit (130 + 90 + 300 s)
       run 590 two_gpu python3 benchmarks/bench_two_gpu.py --out "$OUT" --parts tp hetero remote ;;

@@ -2,13 +2,15 @@
 
     PYTHONPATH=. python benchmarks/profile_step.py [--layers 36] [--batch 1]
         [--context 1024] [--layer-loop auto] [--precision highest] [--top 25]
-        [--out DIR]
+        [--engine CALLS] [--pair 8b|embedded] [--out DIR]
 
 Prefills `batch` random prompts of `context` tokens, then runs the plain and
 the speculative step in a jitted loop under the jax profiler, and reads the
 Perfetto trace back: device time per step of each kernel (summed over its
 launches), largest first, beside the step's weight-read bound at the copy
-bandwidth measured in the same run. XLA flags (XLA_FLAGS) apply per process, so
+bandwidth measured in the same run. `--engine CALLS` profiles the engine's
+own calls too (several decode steps each), so the two programs' kernels can be
+set side by side. XLA flags (XLA_FLAGS) apply per process, so
 compare them by running this once per setting; a step's own compiler options
 (`StepConfig.compiler_options`) are applied.
 """
@@ -24,6 +26,7 @@ import json
 import os
 import re
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ import numpy as np
 
 from benchmarks.bench_scale import step_config
 from benchmarks.timing import device_copy_bandwidth
+from drafter.default import default_step_config, load_default
 from drafter.engine import Engine
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
 from drafter.steps import decode_step, plain_decode_step
@@ -72,7 +76,17 @@ def kernel_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
     return [(n, t / calls, count[n] // calls) for n, t in total.most_common()]
 
 
+def print_kernels(kernels, top: int, title: str) -> dict:
+    total = sum(t for _, t, _ in kernels)
+    print(f"\n{title}; kernels summed {total:.3f} ms", flush=True)
+    for name, ms, launches in kernels[:top]:
+        print(f"  {ms:8.3f} ms  x{launches:<4d} {name[:110]}", flush=True)
+    return {"kernels_ms": total,
+            "kernels": [{"name": n, "ms": t, "launches": c} for n, t, c in kernels[:top]]}
+
+
 def profile(engine, steps: int, top: int, label: str) -> dict:
+    """The step in a jitted device loop (no host), kernels per step."""
     cfg, spec = engine.cfg, engine.spec
     step_fn = decode_step if engine.speculative else plain_decode_step
     slots = jnp.arange(spec.num_slots, dtype=jnp.int32)
@@ -88,14 +102,54 @@ def profile(engine, steps: int, top: int, label: str) -> dict:
         seconds, _, _ = time_step_loop(step, engine.params, engine.state, steps=steps,
                                        repeats=repeats, compiler_options=cfg.compiler_options)
     # the profiled region ran the loop 1 + repeats times (the compile-and-warm run first)
-    kernels = kernel_times(trace_dir, (1 + repeats) * steps)
     step_ms = float(np.median(seconds)) * 1e3
-    print(f"\n{label}: device step {step_ms:.3f} ms; kernels summed "
-          f"{sum(t for _, t, _ in kernels):.3f} ms per step", flush=True)
-    for name, ms, launches in kernels[:top]:
-        print(f"  {ms:8.3f} ms  x{launches:<4d} {name[:110]}", flush=True)
-    return {"device_step_ms": step_ms,
-            "kernels": [{"name": n, "ms": t, "launches": c} for n, t, c in kernels[:top]]}
+    out = print_kernels(kernel_times(trace_dir, (1 + repeats) * steps), top,
+                        f"{label}: device loop, {step_ms:.3f} ms a step")
+    return {"device_step_ms": step_ms, **out}
+
+
+def profile_engine(engine, calls: int, top: int, label: str) -> dict:
+    """`calls` Engine.step() calls (host loop, one call in flight ahead), kernels per
+    call: beside the device loop's, what the engine's own program adds."""
+    steps_per_call = engine.decode_steps
+    lens = np.asarray(engine.state.kv.target_lens)[
+        [s.slot for s in engine.scheduler.active.values()]]
+    engine.warmup(int(lens.max()) + (calls + 4) * steps_per_call * engine.cfg.block_size,
+                  min_len=int(lens.min()))
+    for _ in range(3):
+        engine.step()
+    engine.flush()
+    trace_dir = tempfile.mkdtemp(prefix="profile_engine_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        start = time.perf_counter()
+        for _ in range(calls):
+            engine.step()
+        engine.flush()
+        wall_ms = (time.perf_counter() - start) / calls * 1e3
+    out = print_kernels(kernel_times(trace_dir, calls), top,
+                        f"{label}: engine, {wall_ms:.3f} ms a call of {steps_per_call} steps "
+                        f"({wall_ms / steps_per_call:.3f} ms a step)")
+    return {"engine_call_ms": wall_ms, "steps_per_call": steps_per_call, **out}
+
+
+def load_pair(args):
+    """(params, tcfg, dcfg, StepConfig for a drafter or None): the 8B shapes, or with
+    --pair embedded the embedded default pair."""
+    if args.pair == "embedded":
+        params, tcfg, dcfg = load_default()
+        return params, tcfg, dcfg, lambda draft: dataclasses.replace(
+            default_step_config(tcfg, draft, num_slots=args.batch,
+                                max_seq_len=args.context + 2048),
+            matmul_precision=args.precision)
+    tcfg, dcfg = qwen3_8b_pair(num_target_layers=args.layers,
+                               num_draft_layers=5 if args.layers >= 8 else 1,
+                               **({"vocab_size": 4096} if args.quick else {}))
+    probe = step_config(tcfg, dcfg, args.batch, args.context, args.layer_loop)
+    params = random_params(tcfg, dcfg)
+    params = stack_params(params) if probe.scans_layers else unstack_params(params)
+    return params, tcfg, dcfg, lambda draft: dataclasses.replace(
+        step_config(tcfg, draft, args.batch, args.context, args.layer_loop),
+        matmul_precision=args.precision)
 
 
 def main(argv=None) -> dict:
@@ -109,21 +163,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--plain-only", action="store_true")
+    ap.add_argument("--engine", type=int, default=0, metavar="CALLS",
+                    help="also profile this many Engine.step() calls (the host loop's program)")
+    ap.add_argument("--pair", default="8b", choices=("8b", "embedded"),
+                    help="8b: Qwen3-8B shapes, random weights; embedded: the default pair")
     ap.add_argument("--quick", action="store_true", help="4K vocabulary: a CPU smoke test")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    tcfg, dcfg = qwen3_8b_pair(num_target_layers=args.layers,
-                               num_draft_layers=5 if args.layers >= 8 else 1,
-                               **({"vocab_size": 4096} if args.quick else {}))
+    params, tcfg, dcfg, config = load_pair(args)
     bw = device_copy_bandwidth(64 << 20, 3) if args.quick else device_copy_bandwidth()
-    probe = step_config(tcfg, dcfg, args.batch, args.context, args.layer_loop)
-    params = random_params(tcfg, dcfg)
-    params = stack_params(params) if probe.scans_layers else unstack_params(params)
-    weights_t = param_bytes(params["target"]) - param_bytes(params["target"]["embed"])
-    weights_d = param_bytes(params["draft"]) + param_bytes(params["target"]["lm_head"])
-    label = (f"L{args.layers} b{args.batch} ctx{args.context} "
-             f"{'scan' if probe.scans_layers else 'unrolled'} {args.precision} "
-             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    # a step reads the embedding table only as its lm_head (tied), else B rows of it
+    head = params["target"].get("lm_head", params["target"]["embed"])
+    weights_t = param_bytes(params["target"]) - param_bytes(params["target"]["embed"]) + (
+        0 if "lm_head" in params["target"] else param_bytes(head))
+    weights_d = param_bytes(params["draft"]) + param_bytes(head)
+    scans = config(None).scans_layers
+    label = (f"{'embedded pair' if args.pair == 'embedded' else f'L{args.layers}'} "
+             f"b{args.batch} ctx{args.context} {'scan' if scans else 'unrolled'} "
+             f"{args.precision} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{label}: copy bandwidth {bw / 1e12:.2f} TB/s; weight-read bound plain "
           f"{weights_t / bw * 1e3:.3f} ms, speculative {(weights_t + weights_d) / bw * 1e3:.3f} ms",
           flush=True)
@@ -132,16 +189,16 @@ def main(argv=None) -> dict:
     for name, speculative in (("plain", False), ("speculative", True)):
         if speculative and args.plain_only:
             break
-        cfg = step_config(tcfg, dcfg if speculative else None, args.batch, args.context,
-                          args.layer_loop)
-        cfg = dataclasses.replace(cfg, matmul_precision=args.precision)
-        engine = Engine(params if speculative else {"target": params["target"]}, cfg,
-                        speculative=speculative)
+        engine = Engine(params if speculative else {"target": params["target"]},
+                        config(dcfg if speculative else None), speculative=speculative)
+        top_id = min(tcfg.vocab_size, dcfg.mask_token_id)  # below the drafter's mask token
         for i in range(args.batch):
-            engine.add_request(f"r{i}", rng.integers(0, tcfg.vocab_size - 1,
-                                                     args.context).tolist(), 512)
+            engine.add_request(f"r{i}", rng.integers(0, top_id, args.context).tolist(), 768)
         engine.prefill_submitted()
         report[name] = profile(engine, args.steps, args.top, f"{name} ({label})")
+        if args.engine:
+            report[name]["engine"] = profile_engine(engine, args.engine, args.top,
+                                                    f"{name} ({label})")
         del engine
     if args.out:
         os.makedirs(args.out, exist_ok=True)
