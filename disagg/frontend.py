@@ -67,7 +67,7 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
     KV cache of `kv_memory_mib`, or of `kv_memory_fraction` of the device memory left
     once the weights are loaded, shared by `caches_per_device` caches."""
     from drafter.checkpoint import load_dflash
-    from drafter.default import default_step_config, load_default
+    from drafter.default import load_default
     from models.checkpoint import load_qwen3
     if (target is None) != (drafter is None):
         raise SystemExit("give both --target DIR and --drafter DIR, or neither (the "
@@ -89,13 +89,20 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
         name = Path(target).resolve().name
     tokenizer = checkpoint_tokenizer(target, tcfg.vocab_size)
     budget = kv_budget_bytes(kv_memory_mib, kv_memory_fraction, caches_per_device)
+    cfg = served_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len,
+                             memory_budget_bytes=budget)
+    return ModelPair(params, cfg, tokenizer, name)
+
+
+def served_step_config(tcfg, dcfg, **cache):
+    """The default cache (`default_step_config`) of a served pair; SystemExit naming
+    the flags when it cannot hold one request."""
+    from drafter.default import default_step_config
     try:
-        cfg = default_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len,
-                                  memory_budget_bytes=budget)
+        return default_step_config(tcfg, dcfg, **cache)
     except CacheSpecError as e:
         raise SystemExit(f"the KV cache does not hold one request: {e} (--kv-memory-mib, "
                          f"--kv-memory-fraction, --max-seq-len)") from None
-    return ModelPair(params, cfg, tokenizer, name)
 
 
 def kv_budget_bytes(mib: int | None, fraction: float | None, caches_per_device: int = 1,

@@ -43,13 +43,14 @@ class PairSource:
     pair_dir: str | None = None   # target/ and draft/ HF checkpoints; None: the embedded pair
     num_slots: int = 4
     max_seq_len: int = 9216
-    kv_memory_mib: int = 1024
+    kv_memory_mib: int | None = None         # None: frontend.DEFAULT_KV_MIB
     drafter: bool = True          # False: the target alone (a context worker only)
+    kv_memory_fraction: float | None = None  # instead: a share of the device's memory
 
     def load(self):
         """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV;
         without the drafter, target KV only)."""
-        from drafter.default import default_step_config, load_default
+        from drafter.default import load_default
         from drafter.checkpoint import load_dflash
         from models.checkpoint import load_qwen3
         if self.pair_dir is None:
@@ -59,11 +60,13 @@ class PairSource:
             params, dcfg = {"target": target}, None
             if self.drafter:
                 dcfg, params["draft"] = load_dflash(Path(self.pair_dir) / "draft")
+        from disagg.frontend import kv_budget_bytes, served_step_config
         if not self.drafter:
             params, dcfg = {"target": params["target"]}, None
-        return params, default_step_config(tcfg, dcfg, num_slots=self.num_slots,
-                                           max_seq_len=self.max_seq_len,
-                                           memory_budget_bytes=self.kv_memory_mib << 20)
+        budget = kv_budget_bytes(self.kv_memory_mib, self.kv_memory_fraction)
+        return params, served_step_config(tcfg, dcfg, num_slots=self.num_slots,
+                                          max_seq_len=self.max_seq_len,
+                                          memory_budget_bytes=budget)
 
     def tokenizer(self, model_vocab_size: int):
         """The target's tokenizer (its tokenizer.json; the embedded pair: bytes), as
@@ -73,8 +76,11 @@ class PairSource:
         return checkpoint_tokenizer(target, model_vocab_size, flag="--pair")
 
     def cli_args(self) -> list[str]:
-        args = ["--num-slots", str(self.num_slots), "--max-seq-len", str(self.max_seq_len),
-                "--kv-memory-mib", str(self.kv_memory_mib)]
+        args = ["--num-slots", str(self.num_slots), "--max-seq-len", str(self.max_seq_len)]
+        if self.kv_memory_mib is not None:
+            args += ["--kv-memory-mib", str(self.kv_memory_mib)]
+        if self.kv_memory_fraction is not None:
+            args += ["--kv-memory-fraction", str(self.kv_memory_fraction)]
         args += [] if self.drafter else ["--no-drafter"]
         return args + (["--pair", str(self.pair_dir)] if self.pair_dir else [])
 
@@ -90,7 +96,10 @@ def add_parser(sub) -> None:
                                                 "(default: the embedded pair)")
     p.add_argument("--num-slots", type=int, default=4)
     p.add_argument("--max-seq-len", type=int, default=9216)
-    p.add_argument("--kv-memory-mib", type=int, default=1024)
+    p.add_argument("--kv-memory-mib", type=int, default=None,
+                   help="KV cache memory, MiB (default 1024)")
+    p.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="instead: this share of the device memory the weights leave")
     p.add_argument("--draft-kv", default=None, choices=("shared", "private"),
                    help="shared (default) or private; a context with --no-drafter is private")
     p.add_argument("--no-drafter", action="store_true",
@@ -162,8 +171,11 @@ def run(args) -> None:
                              f"got {getattr(args, flag)}")
     mode = draft_kv_mode(args)
     source = PairSource(args.pair, args.num_slots, args.max_seq_len, args.kv_memory_mib,
-                        drafter=not args.no_drafter)
+                        drafter=not args.no_drafter,
+                        kv_memory_fraction=args.kv_memory_fraction)
     params, cfg = source.load()
+    from unified_kv import capacity
+    logging.getLogger("disagg").info("%s: %s", args.role, capacity(cfg.spec).describe())
     mesh = local_mesh(args.tp)
     if args.role == "context":
         server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=mode),

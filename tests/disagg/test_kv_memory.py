@@ -50,3 +50,13 @@ def test_a_device_without_memory_figures_asks_for_mib():
 def test_serve_with_too_little_kv_memory_exits_naming_the_flags():
     with pytest.raises(SystemExit, match=r"does not hold one request.*--kv-memory-mib"):
         main(["serve", "--kv-memory-mib", "1", "--no-compile-cache"])
+
+
+def test_serve_remote_takes_the_same_kv_memory_flags():
+    from disagg.processes import PairSource
+    with pytest.raises(SystemExit, match=r"does not hold one request.*--kv-memory-mib"):
+        main(["serve-remote", "--role", "context", "--kv-memory-mib", "1"])
+    # a child process is started with the parent's choice, and only it
+    args = PairSource(kv_memory_fraction=0.5).cli_args()
+    assert "--kv-memory-fraction" in args and "--kv-memory-mib" not in args
+    assert args[args.index("--kv-memory-fraction") + 1] == "0.5"
