@@ -62,7 +62,7 @@ def serve(args) -> None:
     from unified_kv import capacity
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
                      max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
-                     kv_memory_fraction=args.kv_memory_fraction,
+                     kv_memory_fraction=args.kv_memory_fraction, layer_loop=args.layer_loop,
                      caches_per_device=caches_per_device(args.draft_kv))
     print(f"serve: {capacity(pair.step_config.spec).describe()}", file=sys.stderr, flush=True)
     engine = make_engine(args.draft_kv, pair)
@@ -90,7 +90,7 @@ def demo(args) -> None:
     cfg = DemoConfig.from_args(args)
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
                      max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
-                     kv_memory_fraction=args.kv_memory_fraction,
+                     kv_memory_fraction=args.kv_memory_fraction, layer_loop=args.layer_loop,
                      caches_per_device=caches_per_device("shared"))
     report = run_demo(pair, cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     report["compile_cache"] = {"dir": args.cache_dir, "programs_compiled": args.counter.compiled,

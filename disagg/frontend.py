@@ -55,6 +55,10 @@ def add_model_args(p) -> None:
     p.add_argument("--kv-memory-fraction", type=float, default=None,
                    help="instead: size the KV caches to this share of the device memory "
                         "left after the weights (a device that reports its memory)")
+    p.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unrolled"),
+                   help="scan: one compiled body per run of alike layers (fast compiles of "
+                        "deep models); unrolled: each layer traced (fastest steps on GPUs); "
+                        "auto: unrolled on GPUs, scan elsewhere")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent compilation cache (also: "
                         "DFLASH_COMPILE_CACHE=0)")
@@ -62,7 +66,7 @@ def add_model_args(p) -> None:
 
 def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int = 9216,
               kv_memory_mib: int | None = None, kv_memory_fraction: float | None = None,
-              caches_per_device: int = 1) -> ModelPair:
+              caches_per_device: int = 1, layer_loop: str = "auto") -> ModelPair:
     """The pair at `target` / `drafter`, or the embedded one when both are None, with a
     KV cache of `kv_memory_mib`, or of `kv_memory_fraction` of the device memory left
     once the weights are loaded, shared by `caches_per_device` caches."""
@@ -90,7 +94,7 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
     tokenizer = checkpoint_tokenizer(target, tcfg.vocab_size)
     budget = kv_budget_bytes(kv_memory_mib, kv_memory_fraction, caches_per_device)
     cfg = served_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len,
-                             memory_budget_bytes=budget)
+                             memory_budget_bytes=budget, layer_loop=layer_loop)
     return ModelPair(params, cfg, tokenizer, name)
 
 

@@ -199,3 +199,13 @@ def test_a_missing_http_package_is_named_with_its_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
     with pytest.raises(ImportError, match="serve --http needs uvicorn: pip install uvicorn"):
         require_http()
+
+
+def test_layer_loop_flag_reaches_the_served_steps():
+    from disagg.frontend import load_pair
+    args = build_parser().parse_args(["serve", "--layer-loop", "unrolled"])
+    assert args.layer_loop == "unrolled"
+    pair = load_pair(layer_loop=args.layer_loop)
+    assert pair.step_config.layer_loop == "unrolled" and not pair.step_config.scans_layers
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--layer-loop", "loop"])
