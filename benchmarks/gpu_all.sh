@@ -4,7 +4,7 @@
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
 # STAGEs: tests, attention, decode (batch tables, cache baselines, decode speed),
-# eval, transfer, serving, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
+# attention_small, eval, transfer, serving, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -20,12 +20,13 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|decode|eval|transfer|serving|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|attention|attention_small|decode|eval|transfer|serving|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention decode eval transfer serving scale scale_profile)
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving scale
+                                    scale_profile)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
   if [ -n "${DRY_RUN:-}" ]; then echo "[$limit s] $*"; return; fi
@@ -49,6 +50,10 @@ for stage in "${stages[@]}"; do
       run 200 paged_attention_prefill python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         --prefill-only
       run 240 gluon_attention python3 benchmarks/bench_gluon_attention.py --out "$OUT" ;;
+    attention_small)
+      # batch 1-4: fixed key-split sizes against the default plan (launch_plan)
+      run 400 small_batch_attention python3 benchmarks/bench_small_batch_attention.py \
+        --out "$OUT" ;;
     decode)
       run 100 batch_tables python3 benchmarks/bench_batch_tables.py --out "$OUT"
       run 230 cache_baselines python3 benchmarks/bench_cache_baselines.py --out "$OUT" \
