@@ -56,6 +56,8 @@ def build_parser():
 
 
 def serve(args) -> None:
+    import jax
+
     from disagg.accounting import page_report
     from disagg.frontend import caches_per_device, load_pair, make_engine, serve_http, warm_up
     from disagg.serving import serve_json_lines
@@ -64,7 +66,9 @@ def serve(args) -> None:
                      max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
                      kv_memory_fraction=args.kv_memory_fraction, layer_loop=args.layer_loop,
                      caches_per_device=caches_per_device(args.draft_kv))
-    print(f"serve: {capacity(pair.step_config.spec).describe()}", file=sys.stderr, flush=True)
+    weights = sum(x.nbytes for x in jax.tree.leaves(pair.params))
+    print(f"serve: weights {weights / 2**30:.2f} GiB; "
+          f"{capacity(pair.step_config.spec).describe()}", file=sys.stderr, flush=True)
     engine = make_engine(args.draft_kv, pair)
     if args.http is not None:
         if args.request_timeout <= 0:

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -77,7 +78,8 @@ def test_serve_batches_the_stream_and_answers_every_line_once(monkeypatch, capsy
     main(["serve", "--draft-kv", "shared"])
     captured = capsys.readouterr()
     # the default 1 GiB holds every slot's request of max_seq_len
-    assert "holds 4 request(s) of 9,216 tokens at once (4 slots; slots limit it" in captured.err
+    assert re.search(r"weights \d+\.\d\d GiB; KV cache \d+\.\d\d GiB holds 4 request\(s\) of "
+                     r"9,216 tokens at once \(4 slots; slots limit it", captured.err)
     out = [json.loads(l) for l in captured.out.strip().splitlines() if l.startswith("{")]
     by_id = {o["id"]: o for o in out}
     assert len(out) == len(lines) == len(by_id)  # one answer per line, none lost
