@@ -109,3 +109,14 @@ def test_fan_in_needs_a_context():
     params, cfg, _ = tiny_pair(num_slots=2)
     with pytest.raises(ValueError, match="at least one context worker"):
         InProcessSource([], kv_format=KVFormat.of(cfg.spec, "shared"))
+
+
+def test_a_threaded_context_on_the_generation_device_equals_aggregated(setup):
+    """bench_serving's threaded variant: one context thread, both workers on one device."""
+    from disagg.sources import disaggregated_engine
+    params, cfg, prompts, agg = setup
+    engine = disaggregated_engine(params, cfg, threaded=True)
+    dis = engine.generate(prompts, 16)
+    assert [r.tokens for r in dis] == [r.tokens for r in agg]
+    assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
+    assert_fan_free(engine)
