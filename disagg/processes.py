@@ -50,8 +50,9 @@ class PairSource:
     def load(self):
         """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV;
         without the drafter, target KV only)."""
-        from drafter.default import load_default
+        from disagg.frontend import kv_budget_bytes, served_step_config
         from drafter.checkpoint import load_dflash
+        from drafter.default import load_default
         from models.checkpoint import load_qwen3
         if self.pair_dir is None:
             params, tcfg, dcfg = load_default()
@@ -60,7 +61,6 @@ class PairSource:
             params, dcfg = {"target": target}, None
             if self.drafter:
                 dcfg, params["draft"] = load_dflash(Path(self.pair_dir) / "draft")
-        from disagg.frontend import kv_budget_bytes, served_step_config
         if not self.drafter:
             params, dcfg = {"target": params["target"]}, None
         budget = kv_budget_bytes(self.kv_memory_mib, self.kv_memory_fraction)
