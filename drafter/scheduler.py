@@ -159,7 +159,15 @@ class Scheduler:
     def defer_resets(self, slots: list[int]) -> None:
         """Slots a plan did not empty: the next step's first call empties them (before
         any import or prefill into them)."""
-        self._resets = list(dict.fromkeys([*slots, *self._resets]))
+        for slot in slots:
+            self._reset_next(slot)
+
+    def _reset_next(self, slot: int) -> None:
+        """Empty `slot` in the next step; a slot is listed once, however many requests
+        left it meanwhile (one admitted into a slot whose reset was deferred can end
+        before that step)."""
+        if slot not in self._resets:
+            self._resets.append(slot)
 
     @property
     def has_pending_resets(self) -> bool:
@@ -225,7 +233,7 @@ class Scheduler:
         elif seq.phase is not Phase.DONE:
             self.admission.release(seq.request_id)
             self.active.pop(seq.request_id)
-            self._resets.append(seq.slot)
+            self._reset_next(seq.slot)
         seq.phase = Phase.DONE
         first = seq.first_token_at if seq.first_token_at is not None else now
         seq.result = Result(seq.request_id, list(seq.request.prompt), seq.tokens, seq.acceptance,
@@ -258,5 +266,5 @@ class Scheduler:
         """A context worker's request has left: free its slot (reset next step)."""
         self.admission.release(seq.request_id)
         self.active.pop(seq.request_id)
-        self._resets.append(seq.slot)
+        self._reset_next(seq.slot)
         seq.phase = Phase.DONE

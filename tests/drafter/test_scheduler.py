@@ -1,0 +1,42 @@
+"""The scheduler's slot resets: each slot at most once a step, whatever ends meanwhile."""
+
+import numpy as np
+
+from drafter.request import Request, SamplingParams
+from drafter.scheduler import Scheduler, Sequence
+from tests.drafter.tiny import tiny_pair
+
+
+def make(rid, n=6):
+    return Sequence(Request.make(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=4),
+                                 vocab_size=64), 0.0)
+
+
+def test_a_request_ending_in_a_slot_whose_reset_was_deferred_lists_it_once():
+    _, cfg, _ = tiny_pair(num_slots=2)
+    sched = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=64,
+                      kv_from_source=True)
+    a = make("a")
+    sched.add(a)
+    plan = sched.schedule()
+    assert plan.reset_slots == [a.slot] and plan.fetch == [a]
+    sched.defer_resets(plan.reset_slots)          # nothing else ran: the import carries it
+    sched.finish(a, 1.0, "error", "its KV source failed")  # before that import
+    assert sched.schedule().reset_slots == [a.slot]
+
+
+def test_resets_stay_unique_and_within_the_slots_under_random_churn():
+    _, cfg, _ = tiny_pair(num_slots=3)
+    sched = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=64,
+                      kv_from_source=True)
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        if rng.random() < 0.6:
+            sched.add(make(f"r{i}"))
+        plan = sched.schedule()
+        assert len(plan.reset_slots) == len(set(plan.reset_slots)) <= cfg.spec.num_slots
+        if plan.reset_slots and rng.random() < 0.5:
+            sched.defer_resets(plan.reset_slots)
+        for seq in list(sched.active.values()):
+            if rng.random() < 0.3:
+                sched.finish(seq, float(i), "error", "churn")
