@@ -28,17 +28,22 @@ from drafter.default import load_default, load_prompts
 from drafter.evaluate import device_rate, prefilled_engine
 
 
-def engine_rate(engine, steps: int) -> dict:
-    """Wall time of Engine.step() (the host loop, one step in flight ahead), and
-    where it goes: planning + dispatch, then the wait for the previous step."""
+def warm_for_calls(engine, calls: int) -> None:
+    """Compile what `calls` more Engine.step() calls after 3 warm ones use: the rows
+    cross table-width buckets while timed, so those widths (and only those) first."""
     lens = np.asarray(engine.state.kv.target_lens)[
         [s.slot for s in engine.scheduler.active.values()]]
-    longest = int(lens.max()) + (steps + 3) * engine.decode_steps * engine.cfg.block_size
-    # rows cross table-width buckets while timed: compile those (and only those) first
+    longest = int(lens.max()) + (calls + 3) * engine.decode_steps * engine.cfg.block_size
     engine.warmup(longest, min_len=int(lens.min()))
     for _ in range(3):
         engine.step()
     engine.flush()
+
+
+def engine_rate(engine, steps: int) -> dict:
+    """Wall time of Engine.step() (the host loop, one step in flight ahead), and
+    where it goes: planning + dispatch, then the wait for the previous step."""
+    warm_for_calls(engine, steps)
     engine.step_times.clear()
 
     def committed():

@@ -146,14 +146,14 @@ def memory_plan(tcfg, dcfg, batch: int = 64, context: int = 32768,
     budget = kv_budget_bytes(None, fraction)
     spec = CacheSpec(page_size=16, layers=tuple(layer_specs(tcfg, dcfg)), num_slots=batch,
                      max_seq_len=context, memory_budget_bytes=budget, max_step_tokens=256)
-    held = capacity(spec)
+    held, need = capacity(spec), budget_for(spec, batch)
     plan = {"device_bytes": stats["bytes_limit"], "weights_bytes": stats["bytes_in_use"],
             "kv_fraction": fraction, "kv_budget_bytes": budget, "context": context,
-            "requests_held": held.requests, f"kv_bytes_for_b{batch}": budget_for(spec, batch),
+            "requests_held": held.requests, f"kv_bytes_for_b{batch}": need,
             f"fits_b{batch}": held.requests >= batch}
     print(f"memory: {held.describe()} (of {stats['bytes_limit'] / 2**30:.1f} GiB, weights "
           f"{stats['bytes_in_use'] / 2**30:.1f} GiB); batch {batch} needs "
-          f"{budget_for(spec, batch) / 2**30:.1f} GiB of KV", flush=True)
+          f"{need / 2**30:.1f} GiB of KV", flush=True)
     return plan
 
 

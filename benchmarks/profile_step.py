@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_decode_speed import warm_for_calls
 from benchmarks.bench_scale import step_config
 from benchmarks.timing import device_copy_bandwidth
 from drafter.default import default_step_config, load_default
@@ -112,13 +113,7 @@ def profile_engine(engine, calls: int, top: int, label: str) -> dict:
     """`calls` Engine.step() calls (host loop, one call in flight ahead), kernels per
     call: beside the device loop's, what the engine's own program adds."""
     steps_per_call = engine.decode_steps
-    lens = np.asarray(engine.state.kv.target_lens)[
-        [s.slot for s in engine.scheduler.active.values()]]
-    engine.warmup(int(lens.max()) + (calls + 4) * steps_per_call * engine.cfg.block_size,
-                  min_len=int(lens.min()))
-    for _ in range(3):
-        engine.step()
-    engine.flush()
+    warm_for_calls(engine, calls)
     trace_dir = tempfile.mkdtemp(prefix="profile_engine_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         start = time.perf_counter()
