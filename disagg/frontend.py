@@ -140,7 +140,7 @@ def kv_budget_bytes(mib: int | None, fraction: float | None, caches_per_device: 
 def caches_per_device(mode: str) -> int:
     """KV caches a `mode` engine puts on each device: a disaggregated pair on one
     device holds two (split_meshes)."""
-    return 2 if mode != "aggregated" and len(jax.devices()) < 2 else 1
+    return 2 if mode != "aggregated" and split_meshes()[0] is None else 1
 
 
 def checkpoint_tokenizer(target_dir, model_vocab_size: int, *, flag: str = "--target"):
