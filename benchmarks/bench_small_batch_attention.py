@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 
-import jax.numpy as jnp
-
 from benchmarks.bench_paged_attention import FP8, HKV, D, PAGE, setup, sweep_configs
 from benchmarks.timing import device_copy_bandwidth, write_results
 

@@ -29,7 +29,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_decode_speed import warm_for_calls
@@ -37,9 +36,8 @@ from benchmarks.bench_scale import step_config
 from benchmarks.timing import device_copy_bandwidth
 from drafter.default import default_step_config, load_default
 from drafter.engine import Engine
+from drafter.evaluate import device_rate
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
-from drafter.steps import decode_step, plain_decode_step
-from drafter.timing import time_step_loop
 from models.layers import stack_params, unstack_params
 
 # launches that are the profiler's own or the host's, not the step's kernels
@@ -87,23 +85,12 @@ def print_kernels(kernels, top: int, title: str) -> dict:
 
 
 def profile(engine, steps: int, top: int, label: str) -> dict:
-    """The step in a jitted device loop (no host), kernels per step."""
-    cfg, spec = engine.cfg, engine.spec
-    step_fn = decode_step if engine.speculative else plain_decode_step
-    slots = jnp.arange(spec.num_slots, dtype=jnp.int32)
-    longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + 4 * steps * cfg.block_size
-    width = engine._table_width(longest)
-
-    def step(params, state, key):
-        return step_fn(params, state, slots, key, cfg=cfg, table_width=width)[0]
-
+    """The step in a jitted device loop (`device_rate`: no host), kernels per step."""
     trace_dir = tempfile.mkdtemp(prefix="profile_step_")
     repeats = 3
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        seconds, _, _ = time_step_loop(step, engine.params, engine.state, steps=steps,
-                                       repeats=repeats, compiler_options=cfg.compiler_options)
+        step_ms = device_rate(engine, steps, repeats)["device_step_ms"]
     # the profiled region ran the loop 1 + repeats times (the compile-and-warm run first)
-    step_ms = float(np.median(seconds)) * 1e3
     out = print_kernels(kernel_times(trace_dir, (1 + repeats) * steps), top,
                         f"{label}: device loop, {step_ms:.3f} ms a step")
     return {"device_step_ms": step_ms, **out}
