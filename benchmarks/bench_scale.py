@@ -62,6 +62,17 @@ def layer_specs(tcfg, dcfg) -> list:
     return tcfg.layer_specs("fp8_e4m3") + (dcfg.layer_specs("bf16") if dcfg else [])
 
 
+def weight_read_bytes(params) -> tuple[int, int]:
+    """Weight bytes a plain step reads (the target's; the embedding table only as a tied
+    lm_head, else just B rows of it), and what a speculative step reads on top (the
+    drafter, and the lm_head again for the draft block)."""
+    target = params["target"]
+    head = target.get("lm_head", target["embed"])
+    plain = param_bytes(target) - param_bytes(target["embed"]) + (
+        0 if "lm_head" in target else param_bytes(head))
+    return plain, param_bytes(params["draft"]) + param_bytes(head)
+
+
 def kv_bytes_per_token(layers) -> int:
     """K and V of one token in every layer."""
     return sum(2 * l.num_kv_heads * l.head_dim * jnp.dtype(l.dtype).itemsize for l in layers)
@@ -73,8 +84,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
     prompts = [rng.integers(0, min(150_000, tcfg.vocab_size - 1), context).tolist()
                for _ in range(batch + 1)]
     out = {"batch": batch, "context": context}
-    weights_t = param_bytes(params["target"]) - param_bytes(params["target"]["embed"])
-    weights_d = param_bytes(params["draft"]) + param_bytes(params["target"]["lm_head"])
+    weights_t, weights_d = weight_read_bytes(params)
     # FLOPs per token through a set of bf16 weights: 2 per parameter, 2 bytes each
     flops_t, flops_d = weights_t, weights_d
     for name, speculative in (("plain", False), ("speculative", True)):

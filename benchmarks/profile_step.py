@@ -32,12 +32,12 @@ import jax
 import numpy as np
 
 from benchmarks.bench_decode_speed import warm_for_calls
-from benchmarks.bench_scale import step_config
+from benchmarks.bench_scale import step_config, weight_read_bytes
 from benchmarks.timing import device_copy_bandwidth
 from drafter.default import default_step_config, load_default
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
-from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
+from drafter.shapes import qwen3_8b_pair, random_params
 from models.layers import stack_params, unstack_params
 
 # launches that are the profiler's own or the host's, not the step's kernels
@@ -154,11 +154,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     params, tcfg, dcfg, config = load_pair(args)
     bw = device_copy_bandwidth(64 << 20, 3) if args.quick else device_copy_bandwidth()
-    # a step reads the embedding table only as its lm_head (tied), else B rows of it
-    head = params["target"].get("lm_head", params["target"]["embed"])
-    weights_t = param_bytes(params["target"]) - param_bytes(params["target"]["embed"]) + (
-        0 if "lm_head" in params["target"] else param_bytes(head))
-    weights_d = param_bytes(params["draft"]) + param_bytes(head)
+    weights_t, weights_d = weight_read_bytes(params)
     scans = config(None).scans_layers
     label = (f"{'embedded pair' if args.pair == 'embedded' else f'L{args.layers}'} "
              f"b{args.batch} ctx{args.context} {'scan' if scans else 'unrolled'} "
