@@ -28,7 +28,8 @@ Rules checked for every request: it ends (one that does not is lost); one no
 fault touches ends with the reference tokens; a faulted one ends with an error
 naming the request (the peer's faults also name the context's address). Detection time: from
 the fault (the signal, the corruption, the send to a dead peer) to the request's
-error. After each fault the generation allocator is conserved (free pages equal
+error; the first request's KV warms the engine's imports and decode first, so no
+detection time holds a compile. After each fault the generation allocator is conserved (free pages equal
 usable pages, none reserved, no slot running), and the context's as soon as it
 answers again (polled until `timeout` plus a margin).
 """
@@ -229,11 +230,22 @@ class Campaign:
         self.events += out.values()
         return out
 
+    def warm(self, payload) -> None:
+        """Compile what the rounds run (imports of 1 to all slots, decode at their
+        lengths), so that no detection time holds a compile."""
+        self.engine.warm_imports(payload)
+        self.engine.warmup(len(PROMPT) + MAX_NEW, min_len=len(PROMPT))
+
     def round(self, k: int) -> None:
         """One life of the context (see the module docstring)."""
         if self.ctx is None or self.ctx.proc.poll() is not None:
             self.start_context()
+        source, arrived = self.engine.kv_source, []
+        if self.reference is None:   # the first request's KV warms the imports
+            source.after_pull[f"s{k}"] = lambda payload: arrived.append(payload) or payload
         served = self.serve([f"s{k}"])[f"s{k}"]
+        if self.reference is None:
+            self.warm(arrived[0])
         self.reference = self.reference or served["tokens"]
         self.check_context()
 
@@ -242,7 +254,7 @@ class Campaign:
         self.signal(signal.SIGCONT)
         self.check_context()
 
-        source, times = self.engine.kv_source, {}
+        times = {}
 
         def timed(request_id, act):
             """A hook that records the fault's time, then acts (a payload passes)."""

@@ -98,14 +98,18 @@ class ContextServer:
         return self.listener.address
 
     def warm_up(self, num_tokens: int = 64) -> None:
-        """Compile prefill and export with a request handed to nobody."""
+        """Compile prefill and export of one prompt and of a burst of two (the shapes
+        a first burst needs), with requests handed to nobody."""
         engine = self.worker.engine
-        self.worker.submit(engine.make_request("warm-up", [0] * num_tokens, max_new_tokens=1))
-        handoffs = []
-        while not handoffs:
-            handoffs += self.worker.pump()[0]
-        jax.block_until_ready(handoffs[0].payload.buffers)
-        engine.run()
+        for burst in (1, 2):
+            for k in range(burst):
+                self.worker.submit(engine.make_request(f"warm-up-{burst}-{k}", [0] * num_tokens,
+                                                       max_new_tokens=1))
+            handoffs = []
+            while len(handoffs) < burst:
+                handoffs += self.worker.pump()[0]
+            jax.block_until_ready([h.payload.buffers for h in handoffs])
+            engine.run()
 
     def stop(self) -> None:
         """Ask `serve` to return (from another thread); it drops every peer first."""

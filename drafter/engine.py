@@ -283,6 +283,18 @@ class Engine:
         jax.block_until_ready(self.state)
         return len(widths)
 
+    def warm_imports(self, payload) -> int:
+        """Compile the KV import for payloads like `payload` (one that arrived, or
+        one shaped and placed as arrivals will be) at every row count, so that
+        requests arriving together never wait on a compile. Changes nothing. Returns
+        the number of row counts."""
+        if self._inflight:   # their results are the caller's to read
+            raise RuntimeError("warm_imports: steps are in flight; read them first "
+                               "(Engine.flush) and call it again")
+        count = self.executor.warm_imports(payload)
+        jax.block_until_ready(self.state)
+        return count
+
     # ------------------------------------------------------------ internals
 
     def _table_width(self, max_len: int) -> int:

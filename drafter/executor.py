@@ -236,7 +236,8 @@ class Executor:
             self.state, ok = self._import(
                 self.params, self.state, ints(lambda r: r[0], self.spec.dummy_slot),
                 ints(lambda r: r[1].target_len, 0), ints(lambda r: r[1].draft_ctx_len, 0),
-                tuple(r[1].first_token for r in rows) + (np.int32(0),) * pad, logical,
+                # Pads repeat a real row's first token: one call signature per source.
+                tuple(r[1].first_token for r in rows) + (first.first_token,) * pad, logical,
                 tuple(r[1].buffers for r in rows) + (first.buffers,) * pad,
                 tuple(r[1].checksums for r in rows) + (first.checksums,) * pad, resets,
                 pool_ids=pool_ids, mode=self.mode,
@@ -245,6 +246,24 @@ class Executor:
                 out[k] = (ok, row)
             resets = self._no_slots()
         return out
+
+    def warm_imports(self, payload: KVPayload) -> int:
+        """Compile `import_step` for payloads shaped and placed like `payload`, at every
+        row count an import call can have. Every row pads (the dummy slot, no pages,
+        no resets), as padding rows do in any import: nothing changes. Returns the
+        number of row counts."""
+        counts = sorted({pow2_rows(n) for n in range(1, self.spec.num_slots + 1)})
+        for n in counts:
+            none = np.zeros(n, np.int32)
+            logical = tuple(np.full((n, len(pages)), BAD_PAGE_INDEX, np.int32)
+                            for pages in payload.logical_pages)
+            self.state, _ = self._import(
+                self.params, self.state, np.full(n, self.spec.dummy_slot, np.int32), none,
+                none, (payload.first_token,) * n, logical, (payload.buffers,) * n,
+                (payload.checksums,) * n, self._no_slots(), pool_ids=payload.pool_ids,
+                mode=self.mode,
+                table_width=self.table_width(payload.target_len + self.cfg.block_size))
+        return len(counts)
 
     def export(self, rows, first_call_outputs) -> list[KVPayload]:
         """Dispatch `export_step` for slots whose prefill just ended in the step's

@@ -2,6 +2,7 @@
 a payload that disagrees with the receiver fails inside the step, changing nothing."""
 
 import dataclasses
+import logging
 
 import jax
 import numpy as np
@@ -100,6 +101,50 @@ def test_a_burst_moves_in_one_export_and_one_import_and_a_bad_row_fails_alone(pa
     assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
                                                                for p in cfg.spec.pools]
     assert not np.asarray(receiver.state.running).any()
+
+
+def test_warm_imports_compile_every_row_count_and_change_nothing(pair, caplog):
+    """Warmed from one arrived payload, a receiver whose three requests then arrive
+    together (a 4-row import call) compiles no import; the warm-up changed nothing,
+    so they generate what aggregated serving does and every page comes back."""
+    params, cfg, _ = pair
+    prompts = {f"r{i}": [(3 * i + j) % 60 + 1 for j in range(n)]
+               for i, n in enumerate((17, 20, 22))}   # one page bucket
+    sender = Engine(params, cfg, export=True, speculative=False)
+    for rid, prompt in prompts.items():
+        sender.add_request(rid, prompt, 4)
+    payloads = {e.request.request_id: e.payload for e in _exports(sender, 3)}
+    receiver = Engine(params, cfg, kv_source=OneShot(payloads))
+    before = jax.tree.map(np.asarray, receiver.state)
+    assert receiver.warm_imports(payloads["r0"]) == 3   # 1, 2 and 4 rows (3 slots)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, receiver.state))
+    for rid, prompt in prompts.items():
+        receiver.add_request(rid, prompt, 6)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            results = {r.request_id: r for r in receiver.run()}
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiled = [r.getMessage() for r in caplog.records
+                if "Finished XLA compilation" in r.getMessage() and "import_step" in r.getMessage()]
+    assert not compiled, compiled
+    alone = Engine(params, cfg).generate(list(prompts.values()), 6)
+    assert [results[rid].tokens for rid in prompts] == [r.tokens for r in alone]
+    assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
+                                                               for p in cfg.spec.pools]
+
+
+def test_warm_imports_refuse_while_steps_are_in_flight(pair):
+    params, cfg, _ = pair
+    engine = Engine(params, cfg, export=True, speculative=False)
+    engine.add_request("a", list(range(1, 20)), 4)
+    (export,) = _exports(engine, 1)
+    engine.add_request("b", list(range(1, 12)), 4)
+    engine.step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.warm_imports(export.payload)
+    engine.run()
 
 
 def test_slots_freed_and_admitted_while_kv_is_awaited_are_emptied_by_the_import(pair):
