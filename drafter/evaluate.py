@@ -1,12 +1,17 @@
 """Acceptance and speed of the embedded default pair on the shipped held-out prompts.
 
     PYTHONPATH=. python -m drafter.evaluate [--quick] [--max-new N] [--impl I] [--json FILE]
+        [--lengths N ...] [--context N]
 
 Per prompt length: mean acceptance length (AL, tokens committed per decode
 step, block 8), per-position acceptance (how often draft k was accepted),
 and a check that speculative output equals plain greedy output. Then plain
 vs speculative decode tokens/s at batch 1 and batch 16 on this device (device
 time of the jitted steps, rows prefilled with the 128-token prompts).
+
+`--context N` cuts every prompt to its first token and its last N: the same
+continuation points with less context, which tells what a length costs in AL
+apart from what its continuations' content costs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ def per_position_acceptance(acceptance: list[int], block: int) -> list[float]:
     """Fraction of steps whose draft k (1..block-1) was accepted (committed n >= k+1)."""
     steps = np.asarray(acceptance)
     return [float((steps >= k + 1).mean()) for k in range(1, block)]
+
+
+def cut_to_context(prompts: list[dict], context: int) -> list[dict]:
+    """Each prompt as its first token (BOS) and its last `context` tokens; its
+    `length` label stays the original's. Shorter prompts are kept whole."""
+    if context < 1:
+        raise ValueError(f"context={context}: keep at least one token before the continuation")
+    return [{**p, "tokens": p["tokens"][:1] + p["tokens"][-context:]}
+            if len(p["tokens"]) > context + 1 else p for p in prompts]
 
 
 def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto"):
@@ -119,9 +133,20 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="output file (default eval_default_<backend>[_quick].json here)")
     ap.add_argument("--impl", choices=IMPLS, default="auto",
                     help="attention kernels (models/attention.py)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help="only the prompts of these lengths (default: every length)")
+    ap.add_argument("--context", type=int, default=None,
+                    help="cut each prompt to BOS + its last N tokens (same continuations)")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
     prompts = load_prompts()
+    if args.lengths:
+        prompts = [p for p in prompts if p["length"] in args.lengths]
+        if not prompts:
+            raise SystemExit(f"--lengths {args.lengths}: the shipped prompts have lengths "
+                             f"{sorted({p['length'] for p in load_prompts()})}")
+    if args.context is not None:
+        prompts = cut_to_context(prompts, args.context)
     if args.quick:
         keep = {}
         prompts = [p for p in prompts if p["length"] <= 2048
@@ -129,12 +154,13 @@ def main(argv=None):
                    and len(keep[p["length"]]) <= 2]
     print(f"device: {jax.devices()[0].device_kind}; {len(prompts)} held-out prompts", flush=True)
     report = {"machine": machine(), "impl": args.impl, "block_size": dcfg.block_size,
-              "max_new": args.max_new,
+              "max_new": args.max_new, "context": args.context,
               "by_length": acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
                                                 args.impl)}
     short = [p["tokens"] for p in prompts if p["length"] == 128]
-    report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b, impl=args.impl)
-                       for b in ((1,) if args.quick else (1, 16))]
+    if short and args.context is None:   # speed: rows prefilled with the 128-token prompts
+        report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b, impl=args.impl)
+                           for b in ((1,) if args.quick else (1, 16))]
     path = Path(args.json) if args.json else Path(
         f"eval_default_{jax.default_backend()}{'_quick' if args.quick else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
