@@ -39,9 +39,12 @@ class Arrivals:
         """Poll `source` (waiting up to `wait_s` for a first arrival), end requests
         whose KV failed or showed no progress for `timeout_s`, book ready first tokens.
         Returns the requests that ended."""
+        polled = source.poll(wait_s)
+        # After the poll: it may wait, and an in-process source runs the sender's
+        # steps inside it, so a time taken before would date arrivals too early.
         now = time.perf_counter()
         results = []
-        for request_id, item in source.poll(wait_s):
+        for request_id, item in polled:
             seq = self.scheduler.active.get(request_id)
             if seq is None or seq.phase is not Phase.AWAITING_KV:
                 continue  # cancelled or failed meanwhile

@@ -3,6 +3,7 @@ a payload that disagrees with the receiver fails inside the step, changing nothi
 
 import dataclasses
 import logging
+import time
 
 import jax
 import numpy as np
@@ -101,6 +102,36 @@ def test_a_burst_moves_in_one_export_and_one_import_and_a_bad_row_fails_alone(pa
     assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
                                                                for p in cfg.spec.pools]
     assert not np.asarray(receiver.state.running).any()
+
+
+class SlowPoll(OneShot):
+    """Delivers its payloads only after a poll that takes `seconds` (as an in-process
+    source does while it runs the sender's prefill inside the poll)."""
+
+    def __init__(self, items, seconds):
+        super().__init__(items)
+        self.seconds = seconds
+
+    def poll(self, timeout):
+        if not self.asked or not self.items:
+            return []
+        time.sleep(self.seconds)
+        return super().poll(timeout)
+
+
+def test_time_to_first_token_counts_the_poll_that_brought_the_kv(pair):
+    """A first token is dated after the poll that delivered it: a poll that takes
+    0.3 s makes the time to first token at least 0.3 s."""
+    params, cfg, _ = pair
+    prompt = [(5 * j) % 60 + 1 for j in range(20)]
+    sender = Engine(params, cfg, export=True, speculative=False)
+    sender.add_request("r", prompt, 4)
+    (export,) = _exports(sender, 1)
+    jax.block_until_ready(export.payload.buffers)
+    receiver = Engine(params, cfg, kv_source=SlowPoll({"r": export.payload}, 0.3))
+    receiver.add_request("r", prompt, 3)
+    (result,) = receiver.run()
+    assert result.ok and result.time_to_first_token_s >= 0.3, result.time_to_first_token_s
 
 
 def test_warm_imports_compile_every_row_count_and_change_nothing(pair, caplog):
