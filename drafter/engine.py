@@ -29,7 +29,7 @@ import jax
 
 from drafter.arrivals import Arrivals
 from drafter.executor import Executor
-from drafter.kv_io import Export, KVSource, import_refusal
+from drafter.kv_io import Export, KVSource, import_failure, import_refusal
 from drafter.request import Request, RequestError, Result, SamplingParams
 from drafter.scheduler import Phase, Scheduler, Sequence
 from drafter.steps import StepConfig
@@ -269,25 +269,30 @@ class Engine:
             raise RuntimeError(failed[0].error)
         return [results[r.request_id] for r in requests]
 
-    def warmup(self, max_len: int | None = None, min_len: int = 0) -> int:
-        """Compile the decode step for every table width that rows of `min_len`
-        to `max_len` tokens (default 0 to max_seq_len) use. Runs steps with no
-        rows, which change nothing. Returns the number of widths."""
+    def warmup(self, max_len: int | None = None, min_len: int = 0, *,
+               sampled: bool = False) -> int:
+        """Compile every call a step makes (decode of 1 and of `decode_steps` steps;
+        prefill of one prompt, of a full step's rows, of none: resets alone) at every
+        table width that rows of `min_len` to `max_len` tokens (default 0 to
+        max_seq_len) use; greedy, and with `sampled` also sampling; and the same for
+        an in-process KV source's context engines. Runs calls whose rows all pad,
+        which change nothing. Returns the number of widths."""
         max_len = self.spec.max_seq_len if max_len is None else max_len
         block = self.cfg.block_size
         widths = sorted({self._table_width(n + 2 * block) for n in
                          range(min_len, max_len + 1, self.spec.page_size)})
-        for width in widths:
-            for k in sorted({1, self.decode_steps}):
-                self.executor.run_empty(table_width=width, decode_steps=k)
+        prefill_rows = sorted({self._prefill_rows(n)   # 0: a call that only empties slots
+                               for n in range(0, self._most_prefill_rows() + 1)})
+        self.executor.warm(widths, decode_steps=sorted({1, self.decode_steps}),
+                           prefill_rows=prefill_rows, sampled=sampled)
+        if (warm_source := getattr(self.kv_source, "warmup", None)) is not None:
+            warm_source(max_len, min_len, sampled=sampled)   # in-process senders' steps
         jax.block_until_ready(self.state)
         return len(widths)
 
     def warm_imports(self, payload) -> int:
-        """Compile the KV import for payloads like `payload` (one that arrived, or
-        one shaped and placed as arrivals will be) at every row count, so that
-        requests arriving together never wait on a compile. Changes nothing. Returns
-        the number of row counts."""
+        """`Executor.warm_imports`: requests arriving together with payloads like
+        `payload` then wait on no compile. Changes nothing; returns the row counts."""
         if self._inflight:   # their results are the caller's to read
             raise RuntimeError("warm_imports: steps are in flight; read them first "
                                "(Engine.flush) and call it again")
@@ -308,10 +313,10 @@ class Engine:
     def _prefill_rows(self, n: int) -> int:
         """Rows of a prefill call: 1, else the most a step can hold (two shapes
         to compile; a lone prompt pays no padding)."""
-        if n <= 1:
-            return n
-        most = min(self.spec.num_slots, max(1, self.scheduler.budget // self.spec.max_step_tokens))
-        return max(n, most)
+        return n if n <= 1 else max(n, self._most_prefill_rows())
+
+    def _most_prefill_rows(self) -> int:
+        return min(self.spec.num_slots, max(1, self.scheduler.budget // self.spec.max_step_tokens))
 
     def _dispatch(self, plan):
         imported = self._import_arrived(plan.imports, plan.reset_slots)
@@ -367,12 +372,8 @@ class Engine:
                 continue
             oks, row, first, origin = got
             if not oks[row]:
-                sender = f" from {origin}" if origin else ""
-                results.append(scheduler.finish(seq, now, "error", (
-                    f"request {seq.request_id!r}: KV import{sender} failed: a buffer's "
-                    f"checksum or its page ranges did not match (corrupted in transit, or "
-                    f"the two caches disagree on windows or page size); retry the request, "
-                    f"and if it recurs check that link and both workers' cache settings")))
+                results.append(scheduler.finish(seq, now, "error",
+                                                import_failure(seq.request_id, origin)))
             elif not seq.tokens:  # not booked on arrival
                 book(seq, [int(first)], False)
         for i, chunk in enumerate(plan.prefill):

@@ -150,10 +150,24 @@ class Executor:
                                        decode_steps=k), k))
         return outputs
 
-    def run_empty(self, *, table_width: int, decode_steps: int) -> None:
-        """A decode call with no rows (compiles that width; changes nothing)."""
-        self._call(self._empty_batch(0), table_width=table_width, decode=True, greedy=True,
-                   decode_steps=decode_steps)
+    def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
+                  num_prefill: int = 0, greedy: bool = True) -> None:
+        """A call whose rows all pad (compiles that variant; changes nothing): a decode
+        call of `decode_steps` steps, or a prefill call of `num_prefill` rows (0: a
+        call that only empties slots)."""
+        self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
+                   decode=decode, greedy=greedy, decode_steps=decode_steps if decode else 1)
+
+    def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool) -> None:
+        """`run_empty` for every variant: each width, decode of each of `decode_steps`,
+        prefill of each of `prefill_rows`; greedy, and with `sampled` also sampling."""
+        for width in widths:
+            for greedy in (True, False) if sampled else (True,):
+                for k in decode_steps:
+                    self.run_empty(table_width=width, decode_steps=k, greedy=greedy)
+                for rows in prefill_rows:
+                    self.run_empty(table_width=width, decode=False, num_prefill=rows,
+                                   greedy=greedy)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
               decode_steps: int = 1):

@@ -245,7 +245,9 @@ def export_payloads(spec: CacheSpec, state: StepState, rows, tokens, *,
 # ---------------------------------------------------------------- between engines
 
 class KVSource(Protocol):
-    """Where a generation engine's admitted requests get their KV."""
+    """Where a generation engine's admitted requests get their KV. A source whose
+    senders' steps run in this process may also have `warmup(max_len, min_len, *,
+    sampled)`, which `Engine.warmup` calls to compile those steps too."""
 
     def fetch(self, request: Request) -> None:
         """Start producing `request`'s KV (it is admitted here: room is reserved)."""
@@ -263,6 +265,15 @@ class Export:
     request: Request
     payload: KVPayload
     submitted: float
+
+
+def import_failure(request_id: str, origin: str = "") -> str:
+    """The error of a request whose import step said not ok."""
+    sender = f" from {origin}" if origin else ""
+    return (f"request {request_id!r}: KV import{sender} failed: a buffer's checksum or its "
+            f"page ranges did not match (corrupted in transit, or the two caches disagree "
+            f"on windows or page size); retry the request, and if it recurs check that "
+            f"link and both workers' cache settings")
 
 
 def import_refusal(payload: KVPayload, spec: CacheSpec, mode: str,

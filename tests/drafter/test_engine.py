@@ -204,6 +204,29 @@ def test_warmup_compiles_table_widths_and_changes_nothing(pair):
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
+def test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range(caplog):
+    """warmup(max_len, sampled=True) compiles every call a step makes in that range:
+    prompts of several lengths arriving alone and together, greedy and sampled, then
+    compile no step. A config of its own (max_seq_len 152), so that no other test
+    compiled its steps first."""
+    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=152)
+    engine = Engine(params, cfg)
+    engine.warmup(60, sampled=True)
+    prompts = [[(3 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate((5, 19, 33))]
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            engine.generate(prompts[:1], 8)
+            engine.generate(prompts[1:], 8)
+            engine.add_request("t", prompts[2], 8, temperature=0.7, seed=3)
+            engine.run()
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiled = [r.getMessage() for r in caplog.records
+                if "Finished XLA compilation" in r.getMessage() and "step" in r.getMessage()]
+    assert not compiled, compiled
+
+
 def test_a_warm_engine_compiles_nothing_more(pair, caplog):
     params, cfg, _ = pair  # params committed, as checkpoints load
     engine = Engine(params, cfg)
