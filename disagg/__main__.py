@@ -50,6 +50,11 @@ def build_parser():
                      help="serve OpenAI-compatible HTTP here instead of JSON lines")
     srv.add_argument("--request-timeout", type=float, default=600.0,
                      help="HTTP: seconds a request may wait for its next tokens")
+    srv.add_argument("--warmup", default="first", choices=("first", "all"),
+                     help="compile before the ready line: what a first request needs "
+                          "(first), or every step for every prompt length up to "
+                          "--max-seq-len, greedy and sampled (all: no request then waits "
+                          "on a compile; the compilation cache keeps them for restarts)")
     processes.add_default_max_tokens_arg(srv)
     processes.add_parser(sub)
     return ap
@@ -76,11 +81,12 @@ def serve(args) -> None:
                              f"{args.request_timeout}")
         serve_http(engine, pair, *args.http, mode=args.draft_kv,
                    request_timeout_s=args.request_timeout,
-                   default_max_tokens=args.default_max_tokens, counter=args.counter)
+                   default_max_tokens=args.default_max_tokens, counter=args.counter,
+                   warm_every_length=args.warmup == "all")
     else:
         def log(msg):
             print(f"serve: {msg}", file=sys.stderr, flush=True)
-        seconds = warm_up(engine, pair.tokenizer, log)
+        seconds = warm_up(engine, pair.tokenizer, log, every_length=args.warmup == "all")
         log(f"ready: {pair.name} ({args.draft_kv}) after {seconds:.1f}s of compiling "
             f"({args.counter.summary()}); reading JSON lines from "
             f"{'stdin' if args.input == '-' else args.input}")

@@ -178,25 +178,33 @@ def make_engine(mode: str, pair: ModelPair, *, move_path: str = "coalesced",
                                 move_path=move_path, eos_token_ids=eos_ids)
 
 
-def warm_up(engine: Engine, tokenizer, log=None) -> float:
+def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) -> float:
     """Compile what a first request needs (prefill of one and of several prompts,
-    decode); returns the seconds it took."""
+    decode), and with `every_length` every step call for every prompt length up to
+    max_seq_len, greedy and sampled (`Engine.warmup`: no request of a new length then
+    waits on a compile). Returns the seconds it took."""
     start = time.perf_counter()
     prompt = tokenizer.encode("def main():") or [0]
     for batch in (1, 2):
         if log:
             log(f"compiling: {batch} prompt(s), prefill and decode ...")
         engine.generate([prompt] * batch, 2, ignore_eos=True)
+    if every_length:
+        if log:
+            log(f"compiling: every step for rows of up to {engine.spec.max_seq_len:,} tokens, "
+                f"greedy and sampled ...")
+        engine.warmup(sampled=True)
     return time.perf_counter() - start
 
 
 def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: str,
                request_timeout_s: float = 600.0,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS, counter=None) -> None:
+               default_max_tokens: int = DEFAULT_MAX_TOKENS, counter=None,
+               warm_every_length: bool = False) -> None:
     """Listen at once (GET /health says "starting"), compile, print the ready line,
     serve until SIGINT / SIGTERM, then finish the accepted requests and return.
     `default_max_tokens`: what a request without max_tokens gets (at most the room
-    its prompt leaves)."""
+    its prompt leaves). `warm_every_length`: see `warm_up`."""
     from disagg.http import CompletionsApp, HTTPServer, require_http
     from disagg.loop import ServingLoop
     from disagg.metrics import ServingMetrics
@@ -220,7 +228,8 @@ def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: s
     log(f"listening on {server.url} (GET /health answers 503 until compiled)")
     handlers = {}
     try:
-        seconds = warm_up(engine, pair.tokenizer, log)  # Ctrl-C here: KeyboardInterrupt
+        seconds = warm_up(engine, pair.tokenizer, log,   # Ctrl-C here: KeyboardInterrupt
+                          every_length=warm_every_length)
         handlers = install_drain_handlers("serve", loop.close)
         app.ready.set()
         cache = f"; {counter.summary()}" if counter is not None else ""
