@@ -1,12 +1,10 @@
 """Engine.warmup on a disaggregated engine compiles its in-process context engines' steps
 too, and refuses once a context holds requests."""
 
-import logging
-
-import jax
 import pytest
 
 from disagg.sources import disaggregated_engine
+from tests.compile_log import compiled_in
 from tests.drafter.tiny import tiny_pair
 
 
@@ -16,16 +14,9 @@ def test_a_warmed_up_disaggregated_engine_compiles_no_step(caplog):
     engine = disaggregated_engine(params, cfg)
     engine.warmup(60)
     prompts = [[(3 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate((5, 19, 33))]
-    jax.config.update("jax_log_compiles", True)
-    try:
-        with caplog.at_level(logging.WARNING):
-            engine.generate(prompts[:1], 8)
-            engine.generate(prompts[1:], 8)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-    compiled = [r.getMessage() for r in caplog.records
-                if "Finished XLA compilation" in r.getMessage()
-                and "packed_step" in r.getMessage()]
+    with compiled_in(caplog, "packed_step") as compiled:
+        engine.generate(prompts[:1], 8)
+        engine.generate(prompts[1:], 8)
     assert not compiled, compiled
 
 

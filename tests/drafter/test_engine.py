@@ -1,13 +1,12 @@
 """The engine's request lifecycle: bad input, queueing, stop ids, mixed arrivals, pages."""
 
-import logging
-
 import jax
 import numpy as np
 import pytest
 
 from drafter.engine import Engine
 from drafter.request import RequestError, SamplingParams
+from tests.compile_log import compiled_in
 from tests.drafter.tiny import tiny_pair
 from unified_kv import AdmissionError
 
@@ -213,17 +212,11 @@ def test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range(caplog):
     engine = Engine(params, cfg)
     engine.warmup(60, sampled=True)
     prompts = [[(3 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate((5, 19, 33))]
-    jax.config.update("jax_log_compiles", True)
-    try:
-        with caplog.at_level(logging.WARNING):
-            engine.generate(prompts[:1], 8)
-            engine.generate(prompts[1:], 8)
-            engine.add_request("t", prompts[2], 8, temperature=0.7, seed=3)
-            engine.run()
-    finally:
-        jax.config.update("jax_log_compiles", False)
-    compiled = [r.getMessage() for r in caplog.records
-                if "Finished XLA compilation" in r.getMessage() and "step" in r.getMessage()]
+    with compiled_in(caplog, "step") as compiled:
+        engine.generate(prompts[:1], 8)
+        engine.generate(prompts[1:], 8)
+        engine.add_request("t", prompts[2], 8, temperature=0.7, seed=3)
+        engine.run()
     assert not compiled, compiled
 
 
@@ -231,13 +224,8 @@ def test_a_warm_engine_compiles_nothing_more(pair, caplog):
     params, cfg, _ = pair  # params committed, as checkpoints load
     engine = Engine(params, cfg)
     engine.generate([[1, 2, 3, 4, 5]], 6)  # compiles every step it needs once (if not yet)
-    jax.config.update("jax_log_compiles", True)
-    try:
-        with caplog.at_level(logging.WARNING):
-            engine.generate([[6, 7, 8, 9, 10]], 6)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    with compiled_in(caplog) as compiled:
+        engine.generate([[6, 7, 8, 9, 10]], 6)
     assert not compiled, compiled
 
 

@@ -2,7 +2,6 @@
 a payload that disagrees with the receiver fails inside the step, changing nothing."""
 
 import dataclasses
-import logging
 import time
 
 import jax
@@ -12,6 +11,7 @@ import pytest
 from drafter.engine import Engine
 from drafter import kv_io
 from drafter.kv_io import live_logical_pages, page_bucket
+from tests.compile_log import compiled_in
 from tests.drafter.tiny import tiny_pair
 from unified_kv import BAD_PAGE_INDEX
 
@@ -151,14 +151,8 @@ def test_warm_imports_compile_every_row_count_and_change_nothing(pair, caplog):
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, receiver.state))
     for rid, prompt in prompts.items():
         receiver.add_request(rid, prompt, 6)
-    jax.config.update("jax_log_compiles", True)
-    try:
-        with caplog.at_level(logging.WARNING):
-            results = {r.request_id: r for r in receiver.run()}
-    finally:
-        jax.config.update("jax_log_compiles", False)
-    compiled = [r.getMessage() for r in caplog.records
-                if "Finished XLA compilation" in r.getMessage() and "import_step" in r.getMessage()]
+    with compiled_in(caplog, "import_step") as compiled:
+        results = {r.request_id: r for r in receiver.run()}
     assert not compiled, compiled
     alone = Engine(params, cfg).generate(list(prompts.values()), 6)
     assert [results[rid].tokens for rid in prompts] == [r.tokens for r in alone]
