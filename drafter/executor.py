@@ -233,29 +233,15 @@ class Executor:
         resets[:len(reset_slots)] = reset_slots
         for slot in reset_slots:
             self.len_bound[slot] = 0
-        for (pool_ids, _), members in groups.items():
+        for members in groups.values():
             n = pow2_rows(len(members))
             rows = [arrivals[k] for k in members]
             for slot, payload, params in rows:
                 self.set_sampling(slot, params)
                 self.len_bound[slot] = payload.target_len
                 self.bytes_imported += payload.nbytes
-            pad = n - len(rows)
-            first = rows[0][1]
-            ints = lambda f, fill: np.array([f(r) for r in rows] + [fill] * pad, np.int32)
-            logical = tuple(np.stack([r[1].logical_pages[k] for r in rows] + [
-                np.full_like(first.logical_pages[k], BAD_PAGE_INDEX)] * pad)
-                for k in range(len(pool_ids)))
-            longest = max(r[1].target_len for r in rows)
-            self.state, ok = self._import(
-                self.params, self.state, ints(lambda r: r[0], self.spec.dummy_slot),
-                ints(lambda r: r[1].target_len, 0), ints(lambda r: r[1].draft_ctx_len, 0),
-                # Pads repeat a real row's first token: one call signature per source.
-                tuple(r[1].first_token for r in rows) + (first.first_token,) * pad, logical,
-                tuple(r[1].buffers for r in rows) + (first.buffers,) * pad,
-                tuple(r[1].checksums for r in rows) + (first.checksums,) * pad, resets,
-                pool_ids=pool_ids, mode=self.mode,
-                table_width=self.table_width(longest + self.cfg.block_size))
+            ok = self._import_padded([(slot, payload) for slot, payload, _ in rows], n,
+                                     rows[0][1], resets)
             for row, k in enumerate(members):
                 out[k] = (ok, row)
             resets = self._no_slots()
@@ -268,16 +254,28 @@ class Executor:
         number of row counts."""
         counts = sorted({pow2_rows(n) for n in range(1, self.spec.num_slots + 1)})
         for n in counts:
-            none = np.zeros(n, np.int32)
-            logical = tuple(np.full((n, len(pages)), BAD_PAGE_INDEX, np.int32)
-                            for pages in payload.logical_pages)
-            self.state, _ = self._import(
-                self.params, self.state, np.full(n, self.spec.dummy_slot, np.int32), none,
-                none, (payload.first_token,) * n, logical, (payload.buffers,) * n,
-                (payload.checksums,) * n, self._no_slots(), pool_ids=payload.pool_ids,
-                mode=self.mode,
-                table_width=self.table_width(payload.target_len + self.cfg.block_size))
+            self._import_padded([], n, payload, self._no_slots())
         return len(counts)
+
+    def _import_padded(self, rows, n: int, template: KVPayload, resets) -> jax.Array:
+        """One `import_step` call of `rows` ((slot, payload) each, one buffer shape) padded
+        to n rows; pads take the dummy slot and `template`'s buffers, checksums and first
+        token (one call signature per source). Returns ok: bool[n] on the device."""
+        pad = n - len(rows)
+        ints = lambda f, fill: np.array([f(r) for r in rows] + [fill] * pad, np.int32)
+        logical = tuple(np.stack([p.logical_pages[k] for _, p in rows] + [
+            np.full_like(template.logical_pages[k], BAD_PAGE_INDEX)] * pad)
+            for k in range(len(template.pool_ids)))
+        longest = max([p.target_len for _, p in rows] or [template.target_len])
+        self.state, ok = self._import(
+            self.params, self.state, ints(lambda r: r[0], self.spec.dummy_slot),
+            ints(lambda r: r[1].target_len, 0), ints(lambda r: r[1].draft_ctx_len, 0),
+            tuple(p.first_token for _, p in rows) + (template.first_token,) * pad, logical,
+            tuple(p.buffers for _, p in rows) + (template.buffers,) * pad,
+            tuple(p.checksums for _, p in rows) + (template.checksums,) * pad, resets,
+            pool_ids=tuple(template.pool_ids), mode=self.mode,
+            table_width=self.table_width(longest + self.cfg.block_size))
+        return ok
 
     def export(self, rows, first_call_outputs) -> list[KVPayload]:
         """Dispatch `export_step` for slots whose prefill just ended in the step's
