@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_decode_speed import engine_rate
-from benchmarks.timing import device_copy_bandwidth, device_matmul_peak, report_goals
+from benchmarks.timing import (device_copy_bandwidth, device_matmul_peak, report_goals,
+                               write_results)
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
@@ -200,6 +201,8 @@ def main(argv=None) -> dict:
         for batch in args.batches:
             report["runs"].append(measure(params, tcfg, dcfg, batch, context, args.steps,
                                           bw, peak, args.layer_loop))
+            if args.out:  # a run stopped at its time limit keeps the runs it finished
+                write_results("scale", {"partial": True, **report}, args.out)
     stats = jax.devices()[0].memory_stats() or {}
     report["peak_memory_bytes"] = stats.get("peak_bytes_in_use")
     by = {(r["batch"], r["context"]): r for r in report["runs"]}

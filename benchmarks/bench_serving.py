@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from benchmarks.bench_decode_speed import engine_rate
-from benchmarks.timing import report_goals
+from benchmarks.timing import report_goals, write_results
 from disagg.serving import serve_json_lines
 from disagg.sources import disaggregated_engine
 from disagg.transfer import move_payload
@@ -211,7 +211,9 @@ def serve_stream(engine, lines, gaps) -> tuple[int, io.StringIO]:
     return errors, buf
 
 
-def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int) -> dict:
+def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int,
+              progress=lambda out: None) -> dict:
+    """`progress(out)` after each mode: what is measured so far."""
     rng = np.random.default_rng(0)
     chosen = [prompts[i % len(prompts)] for i in rng.permutation(num_requests)]
     lines = [json.dumps({"id": f"q{i}", "tokens": prompt, "max_new_tokens": max_new})
@@ -242,6 +244,7 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
               f"{out[mode]['tokens_per_s']:.0f} tok/s, TTFT p50/p99 "
               f"{out[mode]['ttft_ms_p50']:.0f}/{out[mode]['ttft_ms_p99']:.0f} ms, ITL p50/p99 "
               f"{out[mode]['itl_ms_p50']:.2f}/{out[mode]['itl_ms_p99']:.2f} ms", flush=True)
+        progress(out)
     out["identical_tokens"] = tokens["aggregated"] == tokens["disagg-shared"]
     out["prompt_tokens"] = sorted({len(x) for x in prompts})
     out["arrival_rate_per_s"] = rate
@@ -275,6 +278,11 @@ def main(argv=None) -> dict:
         demo_prompts = [q["tokens"] for q in held_out if q["length"] <= 512][:6]
         handoff_prompts, load_prompts_ = by_len, [q["tokens"] for q in held_out]
         repeats, new, batches, steps = args.repeats, 48, [1, 16], 32
+    def save() -> None:
+        """The parts so far: a run stopped at its time limit keeps what it measured."""
+        if args.out:
+            write_results("serving", {"partial": True, **report}, args.out)
+
     if "demo" in args.parts:
         print("demo workload:", flush=True)
         report["demo"] = demo_part(params, cfg, demo_prompts, new, repeats)
@@ -286,10 +294,12 @@ def main(argv=None) -> dict:
         report["disagg_shared_threaded_over_aggregated"] = (
             d["disagg-shared-threaded"]["tokens_per_s_median"]
             / d["aggregated"]["tokens_per_s_median"])
+        save()
     if "handoff" in args.parts:
         print("handoff (one request at a time):", flush=True)
         report["handoff"] = handoff_part(params, cfg, handoff_prompts, repeats)
         report["handoff_overhead_ms_p50"] = report["handoff"]["handoff_overhead_ms_p50"]
+        save()
     if "engine" in args.parts:
         print("engine over device (speculative):", flush=True)
         short = [q["tokens"] for q in held_out if q["length"] == 128]
@@ -297,11 +307,16 @@ def main(argv=None) -> dict:
                                        else short, batches, steps, args.decode_steps)
         for b in batches:
             report[f"engine_over_device_b{b}"] = report["engine"][f"b{b}"]["ratio"]
+        save()
     if "load" in args.parts:
         print("load run through serve:", flush=True)
+        def progress(load):
+            report["load"] = load
+            save()
+
         report["load"] = load_part(params, cfg, load_prompts_,
                                    8 if args.quick else args.load_requests,
-                                   50.0 if args.quick else args.load_rate, new)
+                                   50.0 if args.quick else args.load_rate, new, progress)
     return report_goals("serving", report, GOAL_KEYS, args.out)
 
 

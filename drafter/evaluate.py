@@ -83,10 +83,15 @@ def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool,
 def device_rate(engine, steps: int, repeats: int, *, donate: bool = False) -> dict:
     """Device time per step and tokens per step, from a copy of the engine's state, or
     with `donate` from the state itself (no second copy of the cache in memory; the
-    engine is then spent: its state is the timed loop's, which its host side never saw)."""
-    cfg, spec = engine.cfg, engine.spec
+    engine is then spent: its state is the timed loop's, which its host side never saw).
+    Only the slots holding requests step and count: a free slot would add tokens no
+    request keeps."""
+    cfg = engine.cfg
     step_fn = decode_step if engine.speculative else plain_decode_step
-    slots = jnp.arange(spec.num_slots, dtype=jnp.int32)
+    held = sorted(seq.slot for seq in engine.scheduler.active.values())
+    if not held:
+        raise ValueError("device_rate needs an engine holding requests: add and prefill some")
+    slots = jnp.asarray(held, dtype=jnp.int32)
     longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + \
         (steps * (repeats + 1) + 2) * cfg.block_size
     width = engine._table_width(longest)
@@ -95,7 +100,7 @@ def device_rate(engine, steps: int, repeats: int, *, donate: bool = False) -> di
         return step_fn(params, state, slots, key, cfg=cfg, table_width=width)[0]
 
     def committed(state):
-        return int(np.asarray(state.kv.target_lens[:spec.num_slots]).sum())
+        return int(np.asarray(state.kv.target_lens)[held].sum())
 
     state = engine.state
     if donate:
