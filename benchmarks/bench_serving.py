@@ -212,7 +212,7 @@ def serve_stream(engine, lines, gaps) -> tuple[int, io.StringIO]:
 
 
 def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int,
-              progress=lambda out: None) -> dict:
+              progress=lambda out: None, max_num_batched_tokens: int | None = None) -> dict:
     """`progress(out)` after each mode: what is measured so far."""
     rng = np.random.default_rng(0)
     chosen = [prompts[i % len(prompts)] for i in rng.permutation(num_requests)]
@@ -221,7 +221,7 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
     gaps = rng.exponential(1.0 / rate, num_requests)
     out, tokens = {}, {}
     for mode in ("aggregated", "disagg-shared"):
-        engine = make_engine(mode, params, cfg)
+        engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
         engine.warmup()
         # Compile outside the timing: an untimed pass of the same stream first (the
         # shapes its arrivals make: prefill, export and import rows by page bucket).
@@ -248,6 +248,7 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
     out["identical_tokens"] = tokens["aggregated"] == tokens["disagg-shared"]
     out["prompt_tokens"] = sorted({len(x) for x in prompts})
     out["arrival_rate_per_s"] = rate
+    out["max_num_batched_tokens"] = engine.scheduler.budget
     return out
 
 
@@ -259,6 +260,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--load-requests", type=int, default=200)
     ap.add_argument("--load-rate", type=float, default=20.0, help="arrivals per second")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="load part: the engines' per-step token budget (default: Engine's)")
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
                     help="engine part: decode steps per call to compare (default: the "
                          "engine's own)")
@@ -316,7 +319,8 @@ def main(argv=None) -> dict:
 
         report["load"] = load_part(params, cfg, load_prompts_,
                                    8 if args.quick else args.load_requests,
-                                   50.0 if args.quick else args.load_rate, new, progress)
+                                   50.0 if args.quick else args.load_rate, new, progress,
+                                   args.max_num_batched_tokens)
     return report_goals("serving", report, GOAL_KEYS, args.out)
 
 

@@ -55,6 +55,10 @@ def build_parser():
                           "(first), or every step for every prompt length up to "
                           "--max-seq-len, greedy and sampled (all: no request then waits "
                           "on a compile; the compilation cache keeps them for restarts)")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                     help="per-step token budget: decode rows (a verify block each) plus "
+                          "prefill chunks; more batches more prompts' prefill into one step "
+                          "(default: every slot decoding plus two chunks)")
     processes.add_default_max_tokens_arg(srv)
     processes.add_parser(sub)
     return ap
@@ -74,7 +78,11 @@ def serve(args) -> None:
     weights = sum(x.nbytes for x in jax.tree.leaves(pair.params))
     print(f"serve: weights {weights / 2**30:.2f} GiB; "
           f"{capacity(pair.step_config.spec).describe()}", file=sys.stderr, flush=True)
-    engine = make_engine(args.draft_kv, pair)
+    try:
+        engine = make_engine(args.draft_kv, pair,
+                             max_num_batched_tokens=args.max_num_batched_tokens)
+    except ValueError as e:
+        raise SystemExit(f"serve: {e}")
     if args.http is not None:
         if args.request_timeout <= 0:
             raise SystemExit(f"--request-timeout must be > 0 seconds, got "

@@ -164,18 +164,25 @@ def split_meshes():
 
 
 def make_engine(mode: str, pair: ModelPair, *, move_path: str = "coalesced",
-                eos: bool = True) -> Engine:
+                eos: bool = True, max_num_batched_tokens: int | None = None) -> Engine:
     """The pair's engine in `mode` (MODES); `eos`: the tokenizer's end-of-sequence
-    ids end a request (unless it sets ignore_eos)."""
+    ids end a request (unless it sets ignore_eos); `max_num_batched_tokens`: each
+    engine's per-step token budget, at least one prefill chunk (None: Engine's default)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is unknown; use one of {MODES}")
+    chunk = pair.step_config.spec.max_step_tokens
+    if max_num_batched_tokens is not None and max_num_batched_tokens < chunk:
+        raise ValueError(f"--max-num-batched-tokens {max_num_batched_tokens} is below one "
+                         f"prefill chunk ({chunk} tokens): give at least {chunk}")
     mesh_ctx, mesh_gen = split_meshes()
     eos_ids = tuple(pair.tokenizer.eos_token_ids) if eos else ()
     if mode == "aggregated":
-        return Engine(pair.params, pair.step_config, mesh=mesh_gen, eos_token_ids=eos_ids)
+        return Engine(pair.params, pair.step_config, mesh=mesh_gen, eos_token_ids=eos_ids,
+                      max_num_batched_tokens=max_num_batched_tokens)
     return disaggregated_engine(pair.params, pair.step_config, mode=mode,
                                 context_meshes=(mesh_ctx,), mesh=mesh_gen,
-                                move_path=move_path, eos_token_ids=eos_ids)
+                                move_path=move_path, eos_token_ids=eos_ids,
+                                max_num_batched_tokens=max_num_batched_tokens)
 
 
 def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) -> float:

@@ -264,11 +264,15 @@ def _default_device():
 
 def disaggregated_engine(params, cfg: StepConfig, *, mode: str = "shared", context_meshes=(None,),
                          mesh=None, move_path: str = "coalesced", threaded: bool = False,
-                         head_slices: bool = False, **engine_kwargs) -> Engine:
-    """A generation Engine fed by context workers on `context_meshes` (one each)."""
-    contexts = [ContextWorker(params, cfg, mesh=m, mode=mode, name=f"context worker {k}")
+                         head_slices: bool = False, max_num_batched_tokens: int | None = None,
+                         **engine_kwargs) -> Engine:
+    """A generation Engine fed by context workers on `context_meshes` (one each);
+    `max_num_batched_tokens` is every engine's per-step token budget (None: Engine's)."""
+    contexts = [ContextWorker(params, cfg, mesh=m, mode=mode, name=f"context worker {k}",
+                              max_num_batched_tokens=max_num_batched_tokens)
                 for k, m in enumerate(context_meshes)]
     source = InProcessSource(contexts, mesh=mesh, kv_format=KVFormat.of(cfg.spec, mode),
                              move_path=move_path, threaded=threaded, head_slices=head_slices)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,
-                  speculative=cfg.draft is not None, **engine_kwargs)
+                  speculative=cfg.draft is not None,
+                  max_num_batched_tokens=max_num_batched_tokens, **engine_kwargs)

@@ -234,3 +234,35 @@ def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
     calls.clear()
     warm_up(engine, ByteTokenizer(), said.append)
     assert calls == [("generate", 1), ("generate", 2)]
+
+
+def test_max_num_batched_tokens_reaches_every_engine_and_batches_more_prefill():
+    """`serve --max-num-batched-tokens N`: the per-step budget of the generation engine
+    and of its context worker; a larger one puts more prompts' chunks into a step; one
+    below a prefill chunk is refused with the smallest value that works."""
+    from disagg.frontend import load_pair, make_engine
+    from drafter.request import Request, SamplingParams
+    from drafter.scheduler import Scheduler, Sequence
+    assert build_parser().parse_args(["serve"]).max_num_batched_tokens is None
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "2048"])
+    pair = load_pair(num_slots=4)
+    chunk = pair.step_config.spec.max_step_tokens
+    for mode in ("aggregated", "shared"):
+        engine = make_engine(mode, pair, max_num_batched_tokens=args.max_num_batched_tokens)
+        budgets = [engine.scheduler.budget] + [c.engine.scheduler.budget for c in
+                                               getattr(engine.kv_source, "contexts", [])]
+        assert budgets == [2048] * (1 if mode == "aggregated" else 2), (mode, budgets)
+        if engine.kv_source is not None:
+            engine.kv_source.close()
+    with pytest.raises(ValueError, match=f"below one prefill chunk .*give at least {chunk}"):
+        make_engine("aggregated", pair, max_num_batched_tokens=chunk - 1)
+
+    def chunks_in_first_step(budget):
+        sched = Scheduler(pair.step_config.spec, pair.step_config.block_size,
+                          max_num_batched_tokens=budget)
+        for i in range(4):
+            sched.add(Sequence(Request.make(f"r{i}", [1] * (2 * chunk),
+                                            SamplingParams(max_new_tokens=4),
+                                            vocab_size=pair.step_config.target.vocab_size), 0.0))
+        return len(sched.schedule().prefill)
+    assert chunks_in_first_step(2 * chunk) == 2 and chunks_in_first_step(4 * chunk) == 4
