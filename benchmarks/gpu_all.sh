@@ -4,7 +4,7 @@
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
 # STAGEs: tests, attention, decode (batch tables, cache baselines, decode speed),
-# attention_small, eval, transfer, serving, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
+# attention_small, eval, transfer, serving, load, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -20,18 +20,21 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|attention_small|decode|eval|transfer|serving|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|attention|attention_small|decode|eval|transfer|serving|load|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving scale
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving load scale
                                     scale_profile)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
   if [ -n "${DRY_RUN:-}" ]; then echo "[$limit s] $*"; return; fi
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
-  [ "${PIPESTATUS[0]}" = 124 ] && echo "$name: stopped at its ${limit}s limit" | tee -a "$OUT/$name.txt"
+  # -k: a step that drains on SIGTERM (serve's loop finishes its accepted requests, and a
+  # benchmark then goes on to its next pass) is killed 10 s later, so it cannot keep the
+  # GPU busy under the steps after it
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  case "${PIPESTATUS[0]}" in 124|137) echo "$name: stopped at its ${limit}s limit" | tee -a "$OUT/$name.txt" ;; esac
 }
 [ -z "${DRY_RUN:-}" ] && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem \
   --format=csv | tee "$OUT/gpu.txt"
@@ -65,9 +68,14 @@ for stage in "${stages[@]}"; do
       run 270 transfer python3 benchmarks/bench_transfer.py --out "$OUT" ;;
     serving)
       run 280 serving python3 benchmarks/bench_serving.py --out "$OUT" \
-        --parts demo handoff engine --repeats 3
+        --parts demo handoff --repeats 3
+      mkdir -p "$OUT/engine"
+      run 240 serving_engine python3 benchmarks/bench_serving.py --out "$OUT/engine" \
+        --parts engine ;;
+    load)
+      # 200 requests through serve, aggregated then disaggregated-shared, two passes each
       mkdir -p "$OUT/load"
-      run 300 serving_load python3 benchmarks/bench_serving.py --out "$OUT/load" --parts load ;;
+      run 580 serving_load python3 benchmarks/bench_serving.py --out "$OUT/load" --parts load ;;
     scale)
       # the Qwen3-8B-shaped pair, scanned layers (an unrolled 36-layer step compiles for
       # about a minute per program): batch 1 first (the goal keys), then batch 32
