@@ -33,6 +33,7 @@ Writes serving.json (keys in `GOAL_KEYS` first).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -211,16 +212,22 @@ def serve_stream(engine, lines, gaps) -> tuple[int, io.StringIO]:
     return errors, buf
 
 
+LOAD_MODES = ("aggregated", "disagg-shared")
+
+
 def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int,
-              progress=lambda out: None, max_num_batched_tokens: int | None = None) -> dict:
-    """`progress(out)` after each mode: what is measured so far."""
+              progress=lambda out: None, max_num_batched_tokens: int | None = None,
+              modes=LOAD_MODES) -> dict:
+    """`progress(out)` after each mode: what is measured so far. `identical_tokens`
+    compares the modes' answers when both ran; `tokens_sha256` digests a mode's answers,
+    so runs of one mode each compare too."""
     rng = np.random.default_rng(0)
     chosen = [prompts[i % len(prompts)] for i in rng.permutation(num_requests)]
     lines = [json.dumps({"id": f"q{i}", "tokens": prompt, "max_new_tokens": max_new})
              for i, prompt in enumerate(chosen)]
     gaps = rng.exponential(1.0 / rate, num_requests)
     out, tokens = {}, {}
-    for mode in ("aggregated", "disagg-shared"):
+    for mode in modes:
         engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
         engine.warmup()
         # Compile outside the timing: an untimed pass of the same stream first (the
@@ -232,6 +239,8 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
         answers = [json.loads(l) for l in buf.getvalue().splitlines()]
         done = [a for a in answers if "tokens" in a]
         tokens[mode] = {a["id"]: a["tokens"] for a in done}
+        # one digest of every answer: runs of one mode each compare by it
+        digest = hashlib.sha256(json.dumps(sorted(tokens[mode].items())).encode()).hexdigest()
         ttft = [1e3 * a["time_to_first_token_s"] for a in done]
         itl = [1e3 * a["decode_time_s"] / (len(a["tokens"]) - 1) for a in done
                if len(a["tokens"]) > 1]
@@ -239,13 +248,15 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
                      "seconds": seconds,
                      "tokens_per_s": sum(len(a["tokens"]) for a in done) / seconds,
                      "ttft_ms_p50": p(ttft, 50), "ttft_ms_p99": p(ttft, 99),
-                     "itl_ms_p50": p(itl, 50), "itl_ms_p99": p(itl, 99)}
+                     "itl_ms_p50": p(itl, 50), "itl_ms_p99": p(itl, 99),
+                     "tokens_sha256": digest}
         print(f"  {mode:>14}: {len(done)}/{num_requests} done, "
               f"{out[mode]['tokens_per_s']:.0f} tok/s, TTFT p50/p99 "
               f"{out[mode]['ttft_ms_p50']:.0f}/{out[mode]['ttft_ms_p99']:.0f} ms, ITL p50/p99 "
               f"{out[mode]['itl_ms_p50']:.2f}/{out[mode]['itl_ms_p99']:.2f} ms", flush=True)
         progress(out)
-    out["identical_tokens"] = tokens["aggregated"] == tokens["disagg-shared"]
+    if set(LOAD_MODES) <= set(tokens):
+        out["identical_tokens"] = tokens["aggregated"] == tokens["disagg-shared"]
     out["prompt_tokens"] = sorted({len(x) for x in prompts})
     out["arrival_rate_per_s"] = rate
     out["max_num_batched_tokens"] = engine.scheduler.budget
@@ -260,6 +271,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--load-requests", type=int, default=200)
     ap.add_argument("--load-rate", type=float, default=20.0, help="arrivals per second")
+    ap.add_argument("--load-modes", nargs="+", choices=LOAD_MODES, default=list(LOAD_MODES),
+                    help="load part: the modes to run (one each fits a 600 s call)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="load part: the engines' per-step token budget (default: Engine's)")
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
@@ -320,7 +333,7 @@ def main(argv=None) -> dict:
         report["load"] = load_part(params, cfg, load_prompts_,
                                    8 if args.quick else args.load_requests,
                                    50.0 if args.quick else args.load_rate, new, progress,
-                                   args.max_num_batched_tokens)
+                                   args.max_num_batched_tokens, args.load_modes)
     return report_goals("serving", report, GOAL_KEYS, args.out)
 
 
