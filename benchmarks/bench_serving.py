@@ -294,6 +294,7 @@ def main(argv=None) -> dict:
         demo_prompts = [q["tokens"] for q in held_out if q["length"] <= 512][:6]
         handoff_prompts, load_prompts_ = by_len, [q["tokens"] for q in held_out]
         repeats, new, batches, steps = args.repeats, 48, [1, 16], 32
+
     def save() -> None:
         """The parts so far: a run stopped at its time limit keeps what it measured."""
         if args.out:

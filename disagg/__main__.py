@@ -57,7 +57,7 @@ def build_parser():
                           "on a compile; the compilation cache keeps them for restarts)")
     srv.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                      help="per-step token budget: decode rows (a verify block each) plus "
-                          "prefill chunks; more batches more prompts' prefill into one step "
+                          "prefill chunks; a larger one puts more prompts' chunks into a step "
                           "(default: every slot decoding plus two chunks)")
     processes.add_default_max_tokens_arg(srv)
     processes.add_parser(sub)

@@ -167,13 +167,10 @@ def make_engine(mode: str, pair: ModelPair, *, move_path: str = "coalesced",
                 eos: bool = True, max_num_batched_tokens: int | None = None) -> Engine:
     """The pair's engine in `mode` (MODES); `eos`: the tokenizer's end-of-sequence
     ids end a request (unless it sets ignore_eos); `max_num_batched_tokens`: each
-    engine's per-step token budget, at least one prefill chunk (None: Engine's default)."""
+    engine's per-step token budget (None: Engine's default; Engine refuses one below a
+    prefill chunk)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is unknown; use one of {MODES}")
-    chunk = pair.step_config.spec.max_step_tokens
-    if max_num_batched_tokens is not None and max_num_batched_tokens < chunk:
-        raise ValueError(f"--max-num-batched-tokens {max_num_batched_tokens} is below one "
-                         f"prefill chunk ({chunk} tokens): give at least {chunk}")
     mesh_ctx, mesh_gen = split_meshes()
     eos_ids = tuple(pair.tokenizer.eos_token_ids) if eos else ()
     if mode == "aggregated":

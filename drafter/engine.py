@@ -82,8 +82,12 @@ class Engine:
         if decode_steps_per_call < 1:
             raise ValueError(f"decode_steps_per_call must be >= 1, got {decode_steps_per_call}")
         self.decode_steps = decode_steps_per_call
-        budget = max_num_batched_tokens or (cfg.spec.num_slots * cfg.block_size
-                                            + 2 * cfg.spec.max_step_tokens)
+        chunk = cfg.spec.max_step_tokens
+        if max_num_batched_tokens is not None and max_num_batched_tokens < chunk:
+            raise ValueError(f"max_num_batched_tokens (serve --max-num-batched-tokens) "
+                             f"{max_num_batched_tokens} is below one prefill chunk ({chunk} "
+                             f"tokens): give at least {chunk}")
+        budget = max_num_batched_tokens or (cfg.spec.num_slots * cfg.block_size + 2 * chunk)
         self.scheduler = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=budget,
                                    kv_from_source=kv_source is not None, export=export,
                                    lookahead=int(lookahead), eos_token_ids=eos_token_ids,

@@ -254,8 +254,10 @@ def test_max_num_batched_tokens_reaches_every_engine_and_batches_more_prefill():
         assert budgets == [2048] * (1 if mode == "aggregated" else 2), (mode, budgets)
         if engine.kv_source is not None:
             engine.kv_source.close()
-    with pytest.raises(ValueError, match=f"below one prefill chunk .*give at least {chunk}"):
-        make_engine("aggregated", pair, max_num_batched_tokens=chunk - 1)
+    for mode in ("aggregated", "shared"):   # the context worker's engine refuses it too
+        with pytest.raises(ValueError, match=f"--max-num-batched-tokens\\) {chunk - 1} is "
+                                             f"below one prefill chunk .*give at least {chunk}"):
+            make_engine(mode, pair, max_num_batched_tokens=chunk - 1)
 
     def chunks_in_first_step(budget):
         sched = Scheduler(pair.step_config.spec, pair.step_config.block_size,
