@@ -1,8 +1,10 @@
-"""drafter.evaluate's prompt cut: same continuation points, less context."""
+"""drafter.evaluate's prompt cut (same continuation points, less context) and device rate."""
 
 import pytest
 
-from drafter.evaluate import cut_to_context
+from drafter.engine import Engine
+from drafter.evaluate import cut_to_context, device_rate
+from tests.drafter.tiny import tiny_pair
 
 
 def test_a_cut_prompt_keeps_its_first_token_its_tail_and_its_length_label():
@@ -22,9 +24,6 @@ def test_a_cut_to_nothing_is_refused():
 def test_device_rate_steps_and_counts_only_the_slots_holding_requests():
     # One request in a 3-slot engine: a plain step commits one token for it. Counting
     # the free slots too would read 3 tokens a step (each stepped row grows).
-    from drafter.engine import Engine
-    from drafter.evaluate import device_rate
-    from tests.drafter.tiny import tiny_pair
     params, _, plain_cfg = tiny_pair(num_slots=3, max_seq_len=96)
     engine = Engine({"target": params["target"]}, plain_cfg, speculative=False)
     engine.add_request("only", list(range(1, 9)), 40)
@@ -35,9 +34,6 @@ def test_device_rate_steps_and_counts_only_the_slots_holding_requests():
 
 
 def test_device_rate_refuses_an_engine_without_requests():
-    from drafter.engine import Engine
-    from drafter.evaluate import device_rate
-    from tests.drafter.tiny import tiny_pair
     params, _, plain_cfg = tiny_pair(num_slots=2)
     engine = Engine({"target": params["target"]}, plain_cfg, speculative=False)
     with pytest.raises(ValueError, match="holding requests"):
