@@ -230,22 +230,19 @@ class Campaign:
         self.events += out.values()
         return out
 
-    def warm(self, payload) -> None:
-        """Compile what the rounds run (imports of 1 to all slots, decode at their
-        lengths), so that no detection time holds a compile."""
-        self.engine.warm_imports(payload)
+    def warm(self) -> None:
+        """Compile what the rounds run (imports and decode at their lengths), so that
+        no detection time holds a compile."""
         self.engine.warmup(len(PROMPT) + MAX_NEW, min_len=len(PROMPT))
 
     def round(self, k: int) -> None:
         """One life of the context (see the module docstring)."""
         if self.ctx is None or self.ctx.proc.poll() is not None:
             self.start_context()
-        source, arrived = self.engine.kv_source, []
-        if self.reference is None:   # the first request's KV warms the imports
-            source.after_pull[f"s{k}"] = lambda payload: arrived.append(payload) or payload
-        served = self.serve([f"s{k}"])[f"s{k}"]
+        source = self.engine.kv_source
         if self.reference is None:
-            self.warm(arrived[0])
+            self.warm()
+        served = self.serve([f"s{k}"])[f"s{k}"]
         self.reference = self.reference or served["tokens"]
         self.check_context()
 

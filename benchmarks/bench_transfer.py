@@ -38,6 +38,7 @@ benchmarks/bench_serving.py's.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import time
@@ -48,9 +49,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from benchmarks.timing import write_results
-from disagg.transfer import move_payload, pinned_host_sharding, receiver_shardings
+from disagg.transfer import move_payload, pinned_host_sharding
 from drafter.kv_io import (KVPayload, checksum, export_step, import_step, live_logical_pages,
-                           padded_pages, sent_pool_ids)
+                           padded_pages, receiver_shardings, sent_pool_ids)
 from drafter.steps import StepState, StepConfig
 from unified_kv import NULL_PAGE, CacheSpec, LayerSpec, grow, init_state, layer_name
 
@@ -230,8 +231,7 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     src_state = step_state(src)
 
     def export():
-        return export_step(src_state, np.zeros(1, np.int32), tuple(l[None] for l in logical),
-                           pool_ids=pool_ids)[0]
+        return export_step(src_state, np.int32(0), logical, pool_ids=pool_ids)
 
     buffers, sums, _ = export()
     row["moved_bytes"] = moved_bytes = sum(b.nbytes for b in buffers)
@@ -249,13 +249,15 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     # import_step donates the cache: thread it through the calls. No drafter: no redraft.
     cfg = StepConfig(target=None, spec=spec)
     state = {"s": step_state(dst)}
+    import_jit = jax.jit(functools.partial(import_step, cfg=cfg),
+                         static_argnames=("pool_ids", "mode"), donate_argnums=0)
+    no_resets = np.full(spec.num_slots, spec.dummy_slot, np.int32)
 
     def import_once():
-        state["s"], ok = import_step(
-            {}, state["s"], np.zeros(1, np.int32), np.full(1, tokens, np.int32),
-            np.full(1, tokens, np.int32), (moved.first_token,),
-            tuple(l[None] for l in moved.logical_pages), (moved.buffers,), (moved.checksums,),
-            cfg=cfg, pool_ids=pool_ids, mode="shared", table_width=1)
+        state["s"], ok = import_jit(
+            state["s"], np.int32(0), np.int32(tokens), np.int32(tokens), moved.first_token,
+            moved.logical_pages, moved.buffers, moved.checksums, no_resets,
+            pool_ids=pool_ids, mode="shared")
         return state["s"].kv.pools
 
     row["import_ms"] = 1e3 * median_seconds(import_once, chained=True)

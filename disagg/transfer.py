@@ -25,9 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from drafter.kv_io import KVPayload, checksum
+from drafter.kv_io import KVPayload, checksum, receiver_shardings
 from drafter.request import Request
 
 MOVE_PATHS = ("coalesced", "pinned_host", "host")
@@ -136,16 +135,6 @@ def move_payloads(payloads: list[KVPayload], mesh, *, path: str = "coalesced",
 def _placed(x, sharding) -> bool:
     """`x` is a device array already laid out as `sharding`."""
     return isinstance(x, jax.Array) and x.sharding == sharding
-
-
-def receiver_shardings(mesh, kv_head_axis: str | None = None):
-    """(the buffers' sharding: split along kv heads over `kv_head_axis`, default the
-    mesh's first axis; the scalars' sharding: replicated) on the receiver's mesh, or on
-    the first device when mesh is None."""
-    if mesh is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return device, device
-    return NamedSharding(mesh, P(kv_head_axis or mesh.axis_names[0])), NamedSharding(mesh, P())
 
 
 def split_heads(handoff: Handoff) -> list[Handoff]:

@@ -1,16 +1,16 @@
 """The engine: one request lifecycle over the jitted steps, for every serving role.
 
-    submit(request) ─> Scheduler.schedule() ─> StepPlan ─> dispatch: one import_step for the
-         ^                                                 arrived KV, mixed_step (reset, prefill
-         │                                                 chunks, decode rows), one export_step
+    submit(request) ─> Scheduler.schedule() ─> StepPlan ─> dispatch: import_step per arrived
+         ^                                                 KV and one redraft, mixed_step (reset,
+         │                                                 prefill chunks, decode rows), export_step
          └─ Results <── Scheduler.emit / finish <── read step N's outputs (after N+1 is
                                                     dispatched: the host runs one step ahead)
 
 Roles are configurations of this one loop:
   * aggregated: prompts prefill locally, in chunks batched with decode rows;
   * generation: admitted requests get their KV from a `KVSource` (another
-    mesh, several context workers, another process) and are imported by one
-    jitted step each;
+    mesh, several context workers, another process) and are imported by a
+    jitted step each, then drafted for by one;
   * context (`export=True`): prompts prefill, then leave as `Export`s (KV
     gathered into buffers on the device) instead of decoding.
 
@@ -278,31 +278,27 @@ class Engine:
         """Compile every call a step makes (decode of 1 and of `decode_steps` steps;
         prefill of one prompt, of a full step's rows, of none: resets alone) at every
         table width that rows of `min_len` to `max_len` tokens (default 0 to
-        max_seq_len) use; greedy, and with `sampled` also sampling; and the same for
-        an in-process KV source's context engines. Runs calls whose rows all pad,
-        which change nothing. Returns the number of widths."""
+        max_seq_len) use; greedy, and with `sampled` also sampling; the exports (a
+        context worker) or imports and redrafts (a worker fed by a KV source) of
+        prompts of those lengths; and the same for an in-process KV source's context
+        engines. Runs calls whose rows all pad, which change nothing. Returns the
+        number of widths."""
         max_len = self.spec.max_seq_len if max_len is None else max_len
         block = self.cfg.block_size
         widths = sorted({self._table_width(n + 2 * block) for n in
                          range(min_len, max_len + 1, self.spec.page_size)})
         prefill_rows = sorted({self._prefill_rows(n)   # 0: a call that only empties slots
-                               for n in range(0, self._most_prefill_rows() + 1)})
+                               for n in range(0, self.scheduler.max_prefill_rows + 1)})
         self.executor.warm(widths, decode_steps=sorted({1, self.decode_steps}),
                            prefill_rows=prefill_rows, sampled=sampled)
+        lengths = range(max(min_len, 1), max_len + 1)
+        if self.scheduler.export or self.kv_source is not None:   # one per page bucket
+            self.executor.warm_transfers(lengths, exports=self.scheduler.export,
+                                         imports=self.kv_source is not None)
         if (warm_source := getattr(self.kv_source, "warmup", None)) is not None:
             warm_source(max_len, min_len, sampled=sampled)   # in-process senders' steps
         jax.block_until_ready(self.state)
         return len(widths)
-
-    def warm_imports(self, payload) -> int:
-        """`Executor.warm_imports`: requests arriving together with payloads like
-        `payload` then wait on no compile. Changes nothing; returns the row counts."""
-        if self._inflight:   # their results are the caller's to read
-            raise RuntimeError("warm_imports: steps are in flight; read them first "
-                               "(Engine.flush) and call it again")
-        count = self.executor.warm_imports(payload)
-        jax.block_until_ready(self.state)
-        return count
 
     # ------------------------------------------------------------ internals
 
@@ -317,10 +313,7 @@ class Engine:
     def _prefill_rows(self, n: int) -> int:
         """Rows of a prefill call: 1, else the most a step can hold (two shapes
         to compile; a lone prompt pays no padding)."""
-        return n if n <= 1 else max(n, self._most_prefill_rows())
-
-    def _most_prefill_rows(self) -> int:
-        return min(self.spec.num_slots, max(1, self.scheduler.budget // self.spec.max_step_tokens))
+        return n if n <= 1 else self.scheduler.max_prefill_rows
 
     def _dispatch(self, plan):
         imported = self._import_arrived(plan.imports, plan.reset_slots)
@@ -333,16 +326,16 @@ class Engine:
         leaving = [(i, chunk.seq) for i, chunk in enumerate(plan.prefill)
                    if chunk.seq in plan.exports]
         if leaving:
-            payloads = self.executor.export(
-                [(seq.slot, len(seq.request.prompt), i) for i, seq in leaving], outputs[0][0])
+            payloads = self.executor.export([(seq.slot, len(seq.request.prompt))
+                                             for _, seq in leaving])
             for (_, seq), payload in zip(leaving, payloads):
                 self._exports.append(Export(seq.request, payload, seq.submitted))
                 self.scheduler.release_exported(seq)
         return plan, outputs, imported
 
     def _import_arrived(self, seqs, reset_slots) -> list:
-        """Dispatch the imports of arrived payloads (one call per buffer shape; the first
-        empties `reset_slots` before importing); per request (ok vector, row, first token)
+        """Dispatch the imports of arrived payloads (the first call empties `reset_slots`
+        before importing); per request (ok, first token, origin), ok and the token
         on the device, or None when its payload cannot be for this worker (the request
         fails)."""
         accepted, out = [], [None] * len(seqs)
@@ -357,8 +350,8 @@ class Engine:
                 accepted.append((k, seq, payload))
         done = self.executor.import_payloads([(seq.slot, payload, seq.request.params)
                                               for _, seq, payload in accepted], reset_slots)
-        for (k, _, payload), (ok, row) in zip(accepted, done):
-            out[k] = (ok, row, payload.first_token, payload.origin)
+        for (k, _, payload), ok in zip(accepted, done):
+            out[k] = (ok, payload.first_token, payload.origin)
         return out
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
@@ -374,8 +367,8 @@ class Engine:
         for seq, got in zip(plan.imports, imported):
             if got is None or seq.phase is Phase.DONE:
                 continue
-            oks, row, first, origin = got
-            if not oks[row]:
+            ok, first, origin = got
+            if not ok:
                 results.append(scheduler.finish(seq, now, "error",
                                                 import_failure(seq.request_id, origin)))
             elif not seq.tokens:  # not booked on arrival

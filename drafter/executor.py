@@ -15,7 +15,8 @@ import functools
 import jax
 import numpy as np
 
-from drafter.kv_io import KVPayload, export_payloads, import_step, pow2_rows
+from drafter.kv_io import (KVPayload, export_payloads, export_step, import_step, receiver_shardings,
+                           redraft_step, sent_pool_ids, transfer_shapes)
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
@@ -35,9 +36,14 @@ def _packed_step_for(cfg: StepConfig):
 
 @functools.lru_cache(maxsize=64)
 def _import_step_for(cfg: StepConfig):
-    return jax.jit(functools.partial(import_step, cfg=cfg),
-                   static_argnames=("pool_ids", "mode", "table_width"), donate_argnums=1,
-                   compiler_options=cfg.compiler_options)
+    return jax.jit(functools.partial(import_step, cfg=cfg), static_argnames=("pool_ids", "mode"),
+                   donate_argnums=0, compiler_options=cfg.compiler_options)
+
+
+@functools.lru_cache(maxsize=64)
+def _redraft_step_for(cfg: StepConfig):
+    return jax.jit(functools.partial(redraft_step, cfg=cfg), static_argnames=("table_width",),
+                   donate_argnums=1, compiler_options=cfg.compiler_options)
 
 
 def _traced_on_mesh(mesh, jitted):
@@ -67,7 +73,8 @@ class Executor:
         self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(_traced_on_mesh, mesh)
         self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))
-        self._export = on_mesh(export_payloads)
+        self._redraft, self._export = on_mesh(_redraft_step_for(cfg)), on_mesh(export_step)
+        self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
         self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
                                 if mesh is None else jax.sharding.NamedSharding(
                                     mesh, jax.sharding.PartitionSpec()))
@@ -217,71 +224,82 @@ class Executor:
 
     # ------------------------------------------------------------ KV in and out
 
-    def import_payloads(self, arrivals, reset_slots=()) -> list[tuple[jax.Array, int]]:
-        """Dispatch `import_step` for arrived payloads, one call per buffer shape; the
-        first call empties `reset_slots` before it imports (none without arrivals).
+    def import_payloads(self, arrivals, reset_slots=()) -> list[jax.Array]:
+        """Dispatch `import_step` for each arrived payload (the first call empties
+        `reset_slots` before it imports), then one `redraft_step` for them all.
 
-        arrivals: (slot, payload, SamplingParams) per request. Returns per request
-        (ok: bool[R] on the device, its row in it), in order.
+        arrivals: (slot, payload, SamplingParams) per request. Returns per request its
+        ok (bool[] on the device), in order.
         """
-        groups: dict[tuple, list[int]] = {}
-        for k, (_, payload, _) in enumerate(arrivals):
-            key = (tuple(payload.pool_ids), tuple(b.shape for b in payload.buffers))
-            groups.setdefault(key, []).append(k)
-        out: list = [None] * len(arrivals)
         resets = self._no_slots()
         resets[:len(reset_slots)] = reset_slots
         for slot in reset_slots:
             self.len_bound[slot] = 0
-        for members in groups.values():
-            n = pow2_rows(len(members))
-            rows = [arrivals[k] for k in members]
-            for slot, payload, params in rows:
-                self.set_sampling(slot, params)
-                self.len_bound[slot] = payload.target_len
-                self.bytes_imported += payload.nbytes
-            ok = self._import_padded([(slot, payload) for slot, payload, _ in rows], n,
-                                     rows[0][1], resets)
-            for row, k in enumerate(members):
-                out[k] = (ok, row)
+        out = []
+        for slot, payload, params in arrivals:
+            self.set_sampling(slot, params)
+            self.len_bound[slot] = payload.target_len
+            self.bytes_imported += payload.nbytes
+            out.append(self._import_one(slot, payload, resets))
             resets = self._no_slots()
+        if arrivals and self.cfg.draft is not None:
+            slots = self._no_slots()
+            slots[:len(arrivals)] = [slot for slot, _, _ in arrivals]
+            longest = max(payload.target_len for _, payload, _ in arrivals)
+            self._redraft_rows(slots, self.table_width(longest + self.cfg.block_size))
         return out
 
-    def warm_imports(self, payload: KVPayload) -> int:
-        """Compile `import_step` for payloads shaped and placed like `payload`, at every
-        row count an import call can have. Every row pads (the dummy slot, no pages,
-        no resets), as padding rows do in any import: nothing changes. Returns the
-        number of row counts."""
-        counts = sorted({pow2_rows(n) for n in range(1, self.spec.num_slots + 1)})
-        for n in counts:
-            self._import_padded([], n, payload, self._no_slots())
-        return len(counts)
+    def export(self, rows) -> list[KVPayload]:
+        """Dispatch `export_step` for slots whose prefill just ended (in a step already
+        dispatched). rows: (slot, prompt_len) per request."""
+        with_draft = self.cfg.draft is not None
+        return export_payloads(self.spec, self.state, [(slot, n, n if with_draft else 0)
+                                                       for slot, n in rows],
+                               mode=self.mode, export=self._export)
 
-    def _import_padded(self, rows, n: int, template: KVPayload, resets) -> jax.Array:
-        """One `import_step` call of `rows` ((slot, payload) each, one buffer shape) padded
-        to n rows; pads take the dummy slot and `template`'s buffers, checksums and first
-        token (one call signature per source). Returns ok: bool[n] on the device."""
-        pad = n - len(rows)
-        ints = lambda f, fill: np.array([f(r) for r in rows] + [fill] * pad, np.int32)
-        logical = tuple(np.stack([p.logical_pages[k] for _, p in rows] + [
-            np.full_like(template.logical_pages[k], BAD_PAGE_INDEX)] * pad)
-            for k in range(len(template.pool_ids)))
-        longest = max([p.target_len for _, p in rows] or [template.target_len])
+    def warm_transfers(self, lengths, *, exports: bool, imports: bool) -> int:
+        """Compile the export and/or import calls of prompts of `lengths` tokens (one
+        per page bucket) and the redraft of each table width they use. The calls take
+        the dummy slot, as a call that changes nothing. Returns the number of buckets."""
+        with_draft = self.cfg.draft is not None
+        shapes = transfer_shapes(self.spec, self.mode, lengths, with_draft=with_draft)
+        dummy = self.spec.dummy_slot
+        for buckets, n in shapes.items():
+            if exports:
+                self.export([(dummy, n)])
+            if imports:
+                self._import_one(dummy, self._empty_payload(buckets), self._no_slots())
+        if imports and with_draft:
+            block = self.cfg.block_size
+            for width in sorted({self.table_width(n + block) for n in lengths}):
+                self._redraft_rows(self._no_slots(), width)
+        return len(shapes)
+
+    def _import_one(self, slot: int, payload: KVPayload, resets) -> jax.Array:
+        """One `import_step` call. Its scalars are put on this worker's devices first
+        when they came as host values, so every arrival of one page bucket runs one
+        compiled program."""
+        first, sums = payload.first_token, payload.checksums
+        if not isinstance(first, jax.Array):
+            first = jax.device_put(np.int32(first), self._scalar_sharding)
+        if not isinstance(sums, jax.Array):
+            sums = jax.device_put(np.asarray(sums, np.uint32), self._scalar_sharding)
         self.state, ok = self._import(
-            self.params, self.state, ints(lambda r: r[0], self.spec.dummy_slot),
-            ints(lambda r: r[1].target_len, 0), ints(lambda r: r[1].draft_ctx_len, 0),
-            tuple(p.first_token for _, p in rows) + (template.first_token,) * pad, logical,
-            tuple(p.buffers for _, p in rows) + (template.buffers,) * pad,
-            tuple(p.checksums for _, p in rows) + (template.checksums,) * pad, resets,
-            pool_ids=tuple(template.pool_ids), mode=self.mode,
-            table_width=self.table_width(longest + self.cfg.block_size))
+            self.state, np.int32(slot), np.int32(payload.target_len),
+            np.int32(payload.draft_ctx_len), first, payload.logical_pages, payload.buffers, sums,
+            resets, pool_ids=tuple(payload.pool_ids), mode=self.mode)
         return ok
 
-    def export(self, rows, first_call_outputs) -> list[KVPayload]:
-        """Dispatch `export_step` for slots whose prefill just ended in the step's
-        first call. rows: (slot, prompt_len, prefill row) per request."""
-        base = self.spec.num_slots * (self.cfg.block_size + 2)
-        with_draft = self.cfg.draft is not None
-        return self._export(self.spec, self.state, [
-            (slot, n, n if with_draft else 0, base + 2 * row) for slot, n, row in rows],
-            first_call_outputs, mode=self.mode)
+    def _redraft_rows(self, slots, table_width: int) -> None:
+        self.state = self._redraft(self.params, self.state, slots, table_width=table_width)
+
+    def _empty_payload(self, buckets) -> KVPayload:
+        """A payload of these page buckets, placed as arrivals are, with no pages."""
+        pool_ids, pools = sent_pool_ids(self.spec, self.mode), self.state.kv.pools
+        buffers = tuple(jax.device_put(np.zeros((pools[i].shape[0], n, *pools[i].shape[2:]),
+                                                pools[i].dtype), self._buffer_sharding)
+                        for i, n in zip(pool_ids, buckets))
+        logical = tuple(np.full(n, BAD_PAGE_INDEX, np.int32) for n in buckets)
+        put = functools.partial(jax.device_put, device=self._scalar_sharding)
+        return KVPayload(0, 0, put(np.int32(0)), pool_ids, logical, buffers,
+                         put(np.zeros(len(pool_ids), np.uint32)), self.mode)

@@ -1,18 +1,21 @@
 """A request's KV out of one cache and into another: jitted export and import steps.
 
-    sender (context)                               receiver (generation)
-    export_step(state, slots, logical pages)       import_step(state, slots, lengths, first
-      gather each row's live pages of every pool     tokens, logical pages, buffers, checksums)
-      -> per row, one buffer per pool                allocate pages for the lengths, check the
-         [H, n, L, 2, ps, D] + u32 checksums         page ranges and checksums, scatter, zero the
-                                                     draft layers in private mode, redraft
-                                                     -> (state, ok per row)
+    sender (context)                           receiver (generation)
+    export_step(state, slot, logical pages)    import_step(state, slot, lengths, first token,
+      gather the row's live pages of every       logical pages, buffers, checksums)
+      pool -> one buffer per pool                allocate pages for the lengths, check the
+         [H, n, L, 2, ps, D] + u32 checksums     page ranges and checksums, scatter, zero the
+         + the first token                       draft layers in private mode -> (state, ok)
+                                               redraft_step(params, state, slots): a fresh
+                                                 draft block for every row imported
 
-Each is one call for every request a step sends or receives (rows padded to a
-power of two, one call per buffer shape), so a burst costs the host one launch
-a side, not one per request.
+One export and one import call per request, whose only shapes are the page
+buckets of its pools (`page_bucket`); one redraft call per step for all of its
+arrivals, whose only shape is the table width. So a stream of prompts of any
+length runs a few programs, all compiled before the first request
+(`transfer_shapes` lists them; `Engine.warmup` compiles them).
 
-Both run on the device with no host sync: the live logical pages of a row
+All run on the device with no host sync: the live logical pages of a row
 follow from its lengths and the pool's window (`live_logical_pages`), so the
 host computes them without reading the page tables. A receiver whose cache
 disagrees (windows, page size) or a buffer corrupted in transit comes back
@@ -38,10 +41,10 @@ from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
 
 def page_bucket(n: int) -> int:
     """Page counts are padded to a few sizes so export/import compile a few times:
-    powers of two up to 16 pages, then 8 sizes per octave (padding <= 1/8)."""
+    powers of two up to 16 pages, then 4 sizes per octave (padding <= 1/4)."""
     if n <= 16:
         return pow2_at_least(n)
-    step = 1 << ((n - 1).bit_length() - 4)
+    step = 1 << ((n - 1).bit_length() - 3)
     return -(-n // step) * step
 
 
@@ -55,6 +58,38 @@ def padded_pages(logical: np.ndarray) -> np.ndarray:
 def sent_pool_ids(spec: CacheSpec, mode: str) -> tuple[int, ...]:
     """Pools whose pages travel: all in shared mode; private mode keeps draft-only pools home."""
     return tuple(p.pool_id for p in spec.pools if not (mode == "private" and p.roles == {"draft"}))
+
+
+def sent_logical_pages(spec: CacheSpec, pool_ids, target_len: int,
+                       draft_ctx_len: int) -> tuple[np.ndarray, ...]:
+    """Per pool in `pool_ids`, the live logical pages of a row of these lengths,
+    BAD-padded to its page bucket: what an export gathers and an import expects."""
+    return tuple(padded_pages(live_logical_pages(spec, spec.pools[i], target_len, draft_ctx_len))
+                 for i in pool_ids)
+
+
+def transfer_shapes(spec: CacheSpec, mode: str, lengths, *,
+                    with_draft: bool) -> dict[tuple[int, ...], int]:
+    """The page buckets (per sent pool) of prompts of `lengths` tokens, each with one
+    length that has it: the export and import shapes a stream of those prompts runs."""
+    pool_ids, out = sent_pool_ids(spec, mode), {}
+    for n in lengths:
+        pages = sent_logical_pages(spec, pool_ids, n, n if with_draft else 0)
+        out.setdefault(tuple(len(p) for p in pages), n)
+    return out
+
+
+def receiver_shardings(mesh, kv_head_axis: str | None = None):
+    """(the buffers' sharding: split along kv heads over `kv_head_axis`, default the
+    mesh's first axis; the scalars' sharding: replicated) on the receiver's mesh, or on
+    the first device when mesh is None. Arrivals are placed so, and the import's
+    warm-up compiles for that placement."""
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return device, device
+    return (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        kv_head_axis or mesh.axis_names[0])),
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def checksum_of(buffer: jax.Array, first_head=0) -> jax.Array:
@@ -85,26 +120,21 @@ def _physical(row, logical):
 
 
 @functools.partial(jax.jit, static_argnames=("pool_ids",))
-def export_step(state: StepState, slots, logical_pages, tokens=None, token_indices=None, *,
-                pool_ids: tuple[int, ...]):
-    """Gather the live pages of each pool in `pool_ids` of R slots into contiguous buffers.
+def export_step(state: StepState, slot, logical_pages, *, pool_ids: tuple[int, ...]):
+    """Gather the live pages of each pool in `pool_ids` of one slot into contiguous buffers.
 
     Args:
-      slots: i32[R] (the dummy slot pads: its row gathers the null page);
-      logical_pages: per sent pool, i32[R, n_bucket] (BAD pads).
-      tokens, token_indices: row r's first token is tokens[token_indices[r]] (a
-        step's output vector, read here rather than by a separate device op).
+      slot: i32[] (the dummy slot gathers the null page: a call that changes nothing);
+      logical_pages: per sent pool, i32[n_bucket] (BAD pads).
     Returns:
-      per row: (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding
-      gathers the all-zero null page), checksums: u32[len(pool_ids)], first token i32[]).
+      (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding gathers the
+      all-zero null page), checksums: u32[len(pool_ids)], first token: i32[] (the
+      slot's anchor, which its prefill's last chunk set)).
     """
-    kv, rows = state.kv, []
-    for r in range(slots.shape[0]):
-        buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slots[r]], logical[r]),
-                                 axis=1) for i, logical in zip(pool_ids, logical_pages))
-        first = jnp.int32(0) if tokens is None else tokens[token_indices[r]]
-        rows.append((buffers, jnp.stack([checksum_of(b) for b in buffers]), first))
-    return tuple(rows)
+    kv = state.kv
+    buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slot], logical), axis=1)
+                    for i, logical in zip(pool_ids, logical_pages))
+    return buffers, jnp.stack([checksum_of(b) for b in buffers]), state.anchors[slot]
 
 
 def _pages_match(row, logical, num_pages: int):
@@ -115,68 +145,65 @@ def _pages_match(row, logical, num_pages: int):
     return jnp.all((row != BAD_PAGE_INDEX) == sent)
 
 
-@_at_precision
-def import_step(params, state: StepState, slots, target_lens, draft_ctx_lens, first_tokens,
-                logical_pages, buffers, checksums, reset_slots=None, *, cfg: StepConfig,
-                pool_ids: tuple[int, ...], mode: str,
-                table_width: int) -> tuple[StepState, jax.Array]:
-    """Receive R requests into empty slots: allocate, verify, scatter, redraft.
+def import_step(state: StepState, slot, target_len, draft_ctx_len, first_token, logical_pages,
+                buffers, checksums, reset_slots, *, cfg: StepConfig, pool_ids: tuple[int, ...],
+                mode: str) -> tuple[StepState, jax.Array]:
+    """Receive one request into an empty slot: allocate, verify, scatter.
 
     Args:
-      slots, target_lens, draft_ctx_lens: i32[R] (the dummy slot pads a row);
-      first_tokens: per row i32[] (a sender's device scalar or an int).
-      logical_pages: per pool in `pool_ids`, i32[R, n_bucket] (BAD pads are dropped);
-      buffers: per row, per pool, as `export_step` made them (one shape for all rows);
-      checksums: per row u32[len(pool_ids)], the sender's.
+      slot, target_len, draft_ctx_len, first_token: i32[] (the dummy slot: a call that
+        changes nothing);
+      logical_pages: per pool in `pool_ids`, i32[n_bucket] (BAD pads are dropped);
+      buffers: per pool, as `export_step` made them; checksums: u32[len(pool_ids)], the
+        sender's.
       reset_slots: i32[num_slots] slots emptied first (dummy pads), as a step's resets:
         the import carries a step's resets when it is the step's first call.
     Returns:
-      (state, ok bool[R]). With ok, the row's slot holds its request's KV, its anchor
-      is its first token with a fresh draft block, and it runs. Without (and for a
-      padding row), the slot is empty (pages returned); no other row is affected.
+      (state, ok bool[]). With ok, the slot holds its request's KV, its anchor is its
+      first token, and it runs (its draft block comes from `redraft_step`). Without,
+      the slot is empty (pages returned); nothing else changed.
     """
-    if reset_slots is not None:
-        state = empty_slots(cfg, state, reset_slots)
+    state = empty_slots(cfg, state, reset_slots)
     spec, kv = cfg.spec, state.kv
-    ids = slots
+    ids = slot[None]
     real = ids != spec.dummy_slot
-    firsts = jnp.stack([jnp.asarray(t, jnp.int32) for t in first_tokens])
+    kv = kv.replace(target_lens=kv.target_lens.at[ids].set(target_len),
+                    draft_ctx_lens=kv.draft_ctx_lens.at[ids].set(draft_ctx_len))
     # Lengths first, so a windowed pool allocates only its in-window tail.
-    kv = kv.replace(target_lens=kv.target_lens.at[ids].set(target_lens),
-                    draft_ctx_lens=kv.draft_ctx_lens.at[ids].set(draft_ctx_lens))
-    kv, ok = allocate_pages(spec, kv, ids, target_lens, draft_ctx_lens)
+    kv, ok = allocate_pages(spec, kv, ids, target_len[None], draft_ctx_len[None])
     ok &= real
     for k, (i, logical) in enumerate(zip(pool_ids, logical_pages)):
-        rows = kv.page_tables[i][ids]
-        ok &= jax.vmap(_pages_match, (0, 0, None))(rows, logical,
-                                                   spec.pools[i].max_pages_per_seq)
-        ok &= jnp.stack([checksum_of(bufs[k]) == sums[k]
-                         for bufs, sums in zip(buffers, checksums)])
+        ok &= _pages_match(kv.page_tables[i][slot], logical, spec.pools[i].max_pages_per_seq)
+    ok &= jnp.all(jnp.stack([checksum_of(b) for b in buffers]) == checksums)
     pools = list(kv.pools)
     for pool in spec.pools:
         i = pool.pool_id
-        rows = kv.page_tables[i][ids]                                  # [R, max_pages]
+        row = kv.page_tables[i][slot]
         if i in pool_ids:
-            k = pool_ids.index(i)
-            logical = logical_pages[k]
-            pages = jnp.where((logical >= 0) & ok[:, None],
-                              jax.vmap(_physical)(rows, logical), pool.num_pages)
-            buf = jnp.concatenate([bufs[k] for bufs in buffers], axis=1)  # [H, R*n, ...]
-            pools[i] = pools[i].at[:, pages.reshape(-1)].set(buf.astype(pools[i].dtype),
-                                                             mode="drop")
+            logical = logical_pages[pool_ids.index(i)]
+            pages = jnp.where((logical >= 0) & ok, _physical(row, logical), pool.num_pages)
+            pools[i] = pools[i].at[:, pages].set(buffers[pool_ids.index(i)].astype(
+                pools[i].dtype), mode="drop")
         draft_offsets = [o for o, name in enumerate(pool.layer_names)
                          if spec.layer(name).role == "draft"]
         if mode == "private" and draft_offsets:  # the drafter starts without the prompt
-            pages = jnp.where((rows != BAD_PAGE_INDEX) & ok[:, None], rows, pool.num_pages)
+            pages = jnp.where((row != BAD_PAGE_INDEX) & ok, row, pool.num_pages)
             for o in draft_offsets:
-                pools[i] = pools[i].at[:, pages.reshape(-1), o].set(0, mode="drop")
+                pools[i] = pools[i].at[:, pages, o].set(0, mode="drop")
     kv = release_slots(spec, kv.replace(pools=tuple(pools)), jnp.where(ok, spec.dummy_slot, ids))
     state = state.replace(kv=kv, anchors=state.anchors.at[ids].set(
-                              jnp.where(ok, firsts, state.anchors[ids])),
+                              jnp.where(ok, first_token, state.anchors[ids])),
                           running=state.running.at[ids].set(ok | state.running[ids] & ~real))
-    if cfg.draft is not None:
-        state = redraft_rows(params, state, ids, cfg=cfg, table_width=table_width, active=ok)
-    return state, ok
+    return state, ok[0]
+
+
+@_at_precision
+def redraft_step(params, state: StepState, slots, *, cfg: StepConfig,
+                 table_width: int) -> StepState:
+    """A fresh draft block for each of `slots` (i32[num_slots], dummy pads) that runs:
+    the rows a step's imports brought in (a failed import's slot does not run)."""
+    active = (slots != cfg.spec.dummy_slot) & state.running[slots]
+    return redraft_rows(params, state, slots, cfg=cfg, table_width=table_width, active=active)
 
 
 @dataclasses.dataclass
@@ -208,37 +235,15 @@ class KVPayload:
         return sum(b.nbytes for b in self.buffers)
 
 
-def pow2_rows(n: int) -> int:
-    """Rows of an export or import call for n requests: a power of two (few shapes)."""
-    return pow2_at_least(max(n, 1))
-
-
-def export_payloads(spec: CacheSpec, state: StepState, rows, tokens, *,
-                    mode: str) -> list[KVPayload]:
-    """Dispatch `export_step` for prefilled slots, one call per page bucket (no host sync).
-
-    rows: (slot, target_len, draft_ctx_len, token_index) per request, whose first
-    token is tokens[token_index]. Returns their payloads in order.
-    """
-    pool_ids = sent_pool_ids(spec, mode)
-    logical = [tuple(padded_pages(live_logical_pages(spec, spec.pools[i], t, d))
-                     for i in pool_ids) for _, t, d, _ in rows]
-    groups: dict[tuple, list[int]] = {}
-    for r, pages in enumerate(logical):
-        groups.setdefault(tuple(len(p) for p in pages), []).append(r)
-    out: list[KVPayload | None] = [None] * len(rows)
-    for members in groups.values():
-        n = pow2_rows(len(members))
-        pad = n - len(members)
-        slots = np.array([rows[r][0] for r in members] + [spec.dummy_slot] * pad, np.int32)
-        index = np.array([rows[r][3] for r in members] + [0] * pad, np.int32)
-        stacked = tuple(np.stack([logical[r][k] for r in members]
-                                 + [np.full_like(logical[members[0]][k], BAD_PAGE_INDEX)] * pad)
-                        for k in range(len(pool_ids)))
-        exported = export_step(state, slots, stacked, tokens, index, pool_ids=pool_ids)
-        for r, (buffers, sums, first) in zip(members, exported):
-            slot, t, d, _ = rows[r]
-            out[r] = KVPayload(t, d, first, pool_ids, logical[r], buffers, sums, mode)
+def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
+                    export=export_step) -> list[KVPayload]:
+    """Dispatch `export` (`export_step`, or it placed on a mesh) for prefilled slots, one
+    call each (no host sync). rows: (slot, target_len, draft_ctx_len) per request."""
+    pool_ids, out = sent_pool_ids(spec, mode), []
+    for slot, t, d in rows:
+        logical = sent_logical_pages(spec, pool_ids, t, d)
+        buffers, sums, first = export(state, np.int32(slot), logical, pool_ids=pool_ids)
+        out.append(KVPayload(t, d, first, pool_ids, logical, buffers, sums, mode))
     return out
 
 

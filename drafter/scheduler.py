@@ -119,6 +119,14 @@ class Scheduler:
         self.active: dict[str, Sequence] = {}      # admitted, not done
         self._resets: list[int] = []
 
+    @property
+    def max_prefill_rows(self) -> int:
+        """Prefill chunks one step holds at most: the budget in whole chunks (at least
+        one, at most a slot each). Short chunks do not raise it: a step's prefill rows
+        are padded to full chunks anyway, so the budget bounds its padded tokens, and
+        the row counts a step compiles for stay two (1 and this)."""
+        return min(self.spec.num_slots, max(1, self.budget // self.spec.max_step_tokens))
+
     # ----------------------------------------------------------- requests
 
     def reserved_len(self, request: Request) -> int:
@@ -193,6 +201,8 @@ class Scheduler:
         for seq in self.active.values():
             if seq.phase is not Phase.PREFILLING:
                 continue
+            if len(plan.prefill) == self.max_prefill_rows:
+                break
             n = min(chunk, len(seq.request.prompt) - seq.num_prefilled)
             if n > budget and (plan.prefill or plan.decode):
                 break

@@ -67,35 +67,38 @@ def _exports(sender, n):
     return out
 
 
-def test_a_burst_moves_in_one_export_and_one_import_and_a_bad_row_fails_alone(pair,
-                                                                               monkeypatch):
-    """Three prompts of one page bucket leave in one export call and arrive in one
-    import call; the row whose checksum is wrong fails, the others generate what
-    aggregated serving does, and every page comes back."""
+def counting(calls, name, fn):
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
+def test_a_burst_moves_a_call_a_request_one_redraft_and_a_bad_row_fails_alone(pair):
+    """Three prompts leave in an export call each and arrive in an import call each,
+    drafted for by one redraft call; the row whose checksum is wrong fails, the others
+    generate what aggregated serving does, and every page comes back."""
     params, cfg, _ = pair
     prompts = {f"r{i}": [(7 * i + j) % 60 + 1 for j in range(n)]
                for i, n in enumerate((17, 20, 22))}
     sender = Engine(params, cfg, export=True, speculative=False)
-    calls = {"export": 0, "import": 0}
-
-    real_export = kv_io.export_step
-    monkeypatch.setattr(kv_io, "export_step", lambda *a, **k: (
-        calls.__setitem__("export", calls["export"] + 1), real_export(*a, **k))[1])
+    calls = {"export": 0, "import": 0, "redraft": 0}
+    sender.executor._export = counting(calls, "export", sender.executor._export)
     for rid, prompt in prompts.items():
         sender.add_request(rid, prompt, 4)
     exports = _exports(sender, 3)
-    assert calls["export"] == 1 and len(exports) == 3
+    assert calls["export"] == 3 and len(exports) == 3
     payloads = {e.request.request_id: e.payload for e in exports}
     payloads["r1"] = dataclasses.replace(
         payloads["r1"], checksums=np.asarray(payloads["r1"].checksums) + np.uint32(1))
     receiver = Engine(params, cfg, kv_source=OneShot(payloads))
-    real_import = receiver.executor._import
-    receiver.executor._import = lambda *a, **k: (calls.__setitem__("import", calls["import"] + 1),
-                                                 real_import(*a, **k))[1]
+    for name in ("import", "redraft"):
+        attr = f"_{name}"
+        setattr(receiver.executor, attr, counting(calls, name, getattr(receiver.executor, attr)))
     for rid, prompt in prompts.items():
         receiver.add_request(rid, prompt, 6)
     results = {r.request_id: r for r in receiver.run()}
-    assert calls["import"] == 1
+    assert (calls["import"], calls["redraft"]) == (3, 1)
     assert not results["r1"].ok and "checksum" in results["r1"].error
     alone = Engine(params, cfg).generate([prompts["r0"], prompts["r2"]], 6)
     assert [results["r0"].tokens, results["r2"].tokens] == [r.tokens for r in alone]
@@ -134,42 +137,38 @@ def test_time_to_first_token_counts_the_poll_that_brought_the_kv(pair):
     assert result.ok and result.time_to_first_token_s >= 0.3, result.time_to_first_token_s
 
 
-def test_warm_imports_compile_every_row_count_and_change_nothing(pair, caplog):
-    """Warmed from one arrived payload, a receiver whose three requests then arrive
-    together (a 4-row import call) compiles no import; the warm-up changed nothing,
-    so they generate what aggregated serving does and every page comes back."""
-    params, cfg, _ = pair
-    prompts = {f"r{i}": [(3 * i + j) % 60 + 1 for j in range(n)]
-               for i, n in enumerate((17, 20, 22))}   # one page bucket
+def test_warmup_compiles_every_transfer_of_its_lengths_and_changes_nothing(caplog):
+    """After `warmup(max_len)`, prompts of three page buckets leave a context engine and
+    arrive at a generation engine (one arriving alone, two together) without compiling
+    an export, import or redraft; the warm-ups changed no state, so the requests
+    generate what aggregated serving does and every page comes back."""
+    # a config no other test compiles (compiled_in sees only this test's compiles)
+    params, cfg, _ = tiny_pair(num_slots=3, max_seq_len=152, block_size=3)
+    lengths = (5, 30, 70)   # 1, 4 and 16 full-pool pages: three buckets
+    prompts = {f"r{i}": [(3 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate(lengths)}
     sender = Engine(params, cfg, export=True, speculative=False)
-    for rid, prompt in prompts.items():
-        sender.add_request(rid, prompt, 4)
-    payloads = {e.request.request_id: e.payload for e in _exports(sender, 3)}
-    receiver = Engine(params, cfg, kv_source=OneShot(payloads))
-    before = jax.tree.map(np.asarray, receiver.state)
-    assert receiver.warm_imports(payloads["r0"]) == 3   # 1, 2 and 4 rows (3 slots)
-    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, receiver.state))
-    for rid, prompt in prompts.items():
-        receiver.add_request(rid, prompt, 6)
-    with compiled_in(caplog, "import_step") as compiled:
+    receiver = Engine(params, cfg, kv_source=OneShot({}))
+    before = [jax.tree.map(np.asarray, e.state) for e in (sender, receiver)]
+    max_len = max(lengths) + 12
+    sender.warmup(max_len)
+    receiver.warmup(max_len)
+    for engine, state in zip((sender, receiver), before):
+        jax.tree.map(np.testing.assert_array_equal, state, jax.tree.map(np.asarray, engine.state))
+    with compiled_in(caplog, "_step") as compiled:
+        for rid, prompt in prompts.items():
+            sender.add_request(rid, prompt, 4)
+        receiver.kv_source.items = {e.request.request_id: e.payload for e in _exports(sender, 3)}
+        receiver.add_request("r0", prompts["r0"], 6)
         results = {r.request_id: r for r in receiver.run()}
-    assert not compiled, compiled
+        for rid in ("r1", "r2"):
+            receiver.add_request(rid, prompts[rid], 6)
+        results.update((r.request_id, r) for r in receiver.run())
+    assert not [m for m in compiled if "export_step" in m or "import_step" in m
+                or "redraft_step" in m], compiled
     alone = Engine(params, cfg).generate(list(prompts.values()), 6)
     assert [results[rid].tokens for rid in prompts] == [r.tokens for r in alone]
     assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
                                                                for p in cfg.spec.pools]
-
-
-def test_warm_imports_refuse_while_steps_are_in_flight(pair):
-    params, cfg, _ = pair
-    engine = Engine(params, cfg, export=True, speculative=False)
-    engine.add_request("a", list(range(1, 20)), 4)
-    (export,) = _exports(engine, 1)
-    engine.add_request("b", list(range(1, 12)), 4)
-    engine.step()
-    with pytest.raises(RuntimeError, match="in flight"):
-        engine.warm_imports(export.payload)
-    engine.run()
 
 
 def test_slots_freed_and_admitted_while_kv_is_awaited_are_emptied_by_the_import(pair):

@@ -40,3 +40,17 @@ def test_resets_stay_unique_and_within_the_slots_under_random_churn():
         for seq in list(sched.active.values()):
             if rng.random() < 0.3:
                 sched.finish(seq, float(i), "error", "churn")
+
+
+def test_short_prompts_fill_at_most_the_budgets_whole_chunks_per_step():
+    """Prefill rows are padded to full chunks: four short prompts under a two-chunk
+    budget take two steps of two rows, not one of four (a row count never compiled)."""
+    _, cfg, _ = tiny_pair(num_slots=4)
+    chunk = cfg.spec.max_step_tokens
+    sched = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=2 * chunk)
+    assert sched.max_prefill_rows == 2
+    for i in range(4):
+        sched.add(make(f"r{i}", n=3))
+    assert [len(sched.schedule().prefill) for _ in range(3)] == [2, 2, 0]
+    lone = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=chunk // 2)
+    assert lone.max_prefill_rows == 1   # below one chunk: still one row a step
