@@ -5,7 +5,9 @@ too) and are re-exported here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -15,6 +17,28 @@ import jax
 from drafter.timing import machine, time_step_loop  # noqa: F401
 
 RESULTS_DIR = Path(__file__).parent / "results"
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Yields a list that collects the names of the XLA programs compiled inside the
+    block (from jax's compile log)."""
+    names = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Finished XLA compilation of "):
+                names.append(message.split()[4])
+
+    handler, log = Handler(), logging.getLogger("jax")
+    log.addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield names
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        log.removeHandler(handler)
 
 
 def time_call(fn, *args, iters: int = 50, repeats: int = 5, warmup: int = 3) -> float:
