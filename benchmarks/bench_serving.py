@@ -218,12 +218,25 @@ def serve_stream(engine, lines, gaps) -> tuple[int, io.StringIO]:
 LOAD_MODES = ("aggregated", "disagg-shared")
 
 
+def digests(tokens: dict) -> dict:
+    """Per request id, a short digest of its tokens: runs compare request by request."""
+    return {rid: hashlib.sha256(json.dumps(t).encode()).hexdigest()[:12]
+            for rid, t in sorted(tokens.items())}
+
+
+def differing(a: dict, b: dict) -> int:
+    return sum(a.get(rid) != b.get(rid) for rid in set(a) | set(b))
+
+
 def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int,
               progress=lambda out: None, max_num_batched_tokens: int | None = None,
-              modes=LOAD_MODES) -> dict:
-    """`progress(out)` after each mode: what is measured so far. `identical_tokens`
-    compares the modes' answers when both ran; `tokens_sha256` digests a mode's answers,
-    so runs of one mode each compare too."""
+              modes=LOAD_MODES, passes: int = 1) -> dict:
+    """`progress(out)` after each mode: what is measured so far. Figures are the first
+    pass's; later passes of the same stream on the same engine count the requests whose
+    answers changed (`requests_differing_between_passes`: the stream's batches form by
+    arrival timing, and a GPU's sums differ with batch shape). `requests_differing`
+    compares the modes request by request when both ran; `request_digests` lets runs of
+    one mode each compare too."""
     rng = np.random.default_rng(0)
     chosen = [prompts[i % len(prompts)] for i in rng.permutation(num_requests)]
     lines = [json.dumps({"id": f"q{i}", "tokens": prompt, "max_new_tokens": max_new})
@@ -241,9 +254,13 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
             seconds = time.perf_counter() - start
         answers = [json.loads(l) for l in buf.getvalue().splitlines()]
         done = [a for a in answers if "tokens" in a]
-        tokens[mode] = {a["id"]: a["tokens"] for a in done}
-        # one digest of every answer: runs of one mode each compare by it
-        digest = hashlib.sha256(json.dumps(sorted(tokens[mode].items())).encode()).hexdigest()
+        tokens[mode] = digests({a["id"]: a["tokens"] for a in done})
+        changed = []
+        for _ in range(passes - 1):
+            again = [json.loads(l) for l in serve_stream(engine, lines, gaps)[1].getvalue()
+                     .splitlines()]
+            changed.append(differing(tokens[mode], digests(
+                {a["id"]: a["tokens"] for a in again if "tokens" in a})))
         ttft = [1e3 * a["time_to_first_token_s"] for a in done]
         itl = [1e3 * a["decode_time_s"] / (len(a["tokens"]) - 1) for a in done
                if len(a["tokens"]) > 1]
@@ -252,16 +269,19 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
                      "tokens_per_s": sum(len(a["tokens"]) for a in done) / seconds,
                      "ttft_ms_p50": p(ttft, 50), "ttft_ms_p99": p(ttft, 99),
                      "itl_ms_p50": p(itl, 50), "itl_ms_p99": p(itl, 99),
-                     "tokens_sha256": digest, "warmup_s": warmup_s,
-                     "compiles": sorted(collections.Counter(compiled).items())}
+                     "warmup_s": warmup_s,
+                     "compiles": sorted(collections.Counter(compiled).items()),
+                     "requests_differing_between_passes": changed,
+                     "request_digests": tokens[mode]}
         print(f"  {mode:>14}: {len(done)}/{num_requests} done, "
               f"{out[mode]['tokens_per_s']:.0f} tok/s, TTFT p50/p99 "
               f"{out[mode]['ttft_ms_p50']:.0f}/{out[mode]['ttft_ms_p99']:.0f} ms, ITL p50/p99 "
               f"{out[mode]['itl_ms_p50']:.2f}/{out[mode]['itl_ms_p99']:.2f} ms; warm-up "
-              f"{warmup_s:.0f} s, {len(compiled)} compiles during the stream", flush=True)
+              f"{warmup_s:.0f} s, {len(compiled)} compiles during the stream; requests whose "
+              f"answer changed in later passes: {changed}", flush=True)
         progress(out)
     if set(LOAD_MODES) <= set(tokens):
-        out["identical_tokens"] = tokens["aggregated"] == tokens["disagg-shared"]
+        out["requests_differing"] = differing(tokens["aggregated"], tokens["disagg-shared"])
     out["prompt_tokens"] = sorted({len(x) for x in prompts})
     out["arrival_rate_per_s"] = rate
     out["max_num_batched_tokens"] = engine.scheduler.budget
@@ -275,6 +295,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--parts", nargs="+", default=["demo", "handoff", "engine", "load"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--load-requests", type=int, default=200)
+    ap.add_argument("--load-passes", type=int, default=1,
+                    help="streams per mode on one engine (later ones only compare answers)")
     ap.add_argument("--load-rate", type=float, default=20.0, help="arrivals per second")
     ap.add_argument("--load-modes", nargs="+", choices=LOAD_MODES, default=list(LOAD_MODES),
                     help="load part: the modes to run (one each fits a 600 s call)")
@@ -339,7 +361,8 @@ def main(argv=None) -> dict:
         report["load"] = load_part(params, cfg, load_prompts_,
                                    8 if args.quick else args.load_requests,
                                    50.0 if args.quick else args.load_rate, new, progress,
-                                   args.max_num_batched_tokens, args.load_modes)
+                                   args.max_num_batched_tokens, args.load_modes,
+                                   args.load_passes)
     return report_goals("serving", report, GOAL_KEYS, args.out)
 
 
