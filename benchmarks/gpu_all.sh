@@ -4,7 +4,7 @@
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
 # STAGEs: tests, attention, decode (batch tables, cache baselines, decode speed),
-# attention_small, eval, transfer, serving, load, load_disagg, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
+# attention_small, eval, transfer, serving, load, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -20,12 +20,12 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|attention_small|decode|eval|transfer|serving|load|load_disagg|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|attention|attention_small|decode|eval|transfer|serving|load|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving load load_disagg scale
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving load scale
                                     scale_profile)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
@@ -73,15 +73,11 @@ for stage in "${stages[@]}"; do
       run 240 serving_engine python3 benchmarks/bench_serving.py --out "$OUT/engine" \
         --parts engine ;;
     load)
-      # 200 requests through serve, two passes (compile, then timed): aggregated here,
-      # disaggregated-shared in load_disagg (each took most of a call on the H200)
+      # 200 requests through serve, both modes, each engine warmed first then two passes of
+      # the stream (requests differing between passes of one mode and between modes)
       mkdir -p "$OUT/load"
-      run 580 serving_load python3 benchmarks/bench_serving.py --out "$OUT/load" --parts load \
-        --load-modes aggregated ;;
-    load_disagg)
-      mkdir -p "$OUT/load_disagg"
-      run 580 serving_load_disagg python3 benchmarks/bench_serving.py --out "$OUT/load_disagg" \
-        --parts load --load-modes disagg-shared ;;
+      run 585 serving_load python3 benchmarks/bench_serving.py --out "$OUT/load" --parts load \
+        --load-modes aggregated disagg-shared --load-passes 2 ;;
     scale)
       # the Qwen3-8B-shaped pair, scanned layers (an unrolled 36-layer step compiles for
       # about a minute per program): batch 1 first (the goal keys), then batch 32
