@@ -233,14 +233,15 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     def export():
         return export_step(src_state, np.int32(0), logical, pool_ids=pool_ids)
 
-    buffers, sums, _ = export()
+    buffers, sums, _, drafts = export()
     row["moved_bytes"] = moved_bytes = sum(b.nbytes for b in buffers)
     row["gather_ms"] = 1e3 * median_seconds(lambda: _gather(src.pools, src_pages),
                                             out_bytes=moved_bytes)
     row["fragments"] = sum(b.shape[1] for b in buffers)
     row["checksum_ms"] = 1e3 * median_seconds(lambda: [checksum(b) for b in buffers])
     row["export_ms"] = 1e3 * median_seconds(lambda: export()[0], out_bytes=moved_bytes)
-    payload = KVPayload(tokens, tokens, np.int32(0), pool_ids, logical, buffers, sums, "shared")
+    payload = KVPayload(tokens, tokens, np.int32(0), drafts, pool_ids, logical, buffers, sums,
+                        "shared")
 
     paths = [p for p in PATHS if p != "fragments" or live <= fragments_max]
     row["move_ms"], row["errors"] = time_moves(payload, dst_mesh, paths, moved_bytes)
@@ -256,7 +257,7 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     def import_once():
         state["s"], ok = import_jit(
             state["s"], np.int32(0), np.int32(tokens), np.int32(tokens), moved.first_token,
-            moved.logical_pages, moved.buffers, moved.checksums, no_resets,
+            moved.drafts, moved.logical_pages, moved.buffers, moved.checksums, no_resets,
             pool_ids=pool_ids, mode="shared")
         return state["s"].kv.pools
 

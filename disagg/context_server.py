@@ -257,7 +257,8 @@ class ContextServer:
 
     def _offer(self, peer: _Peer, request_id: str, handoff) -> None:
         payload = handoff.payload
-        sums, first = jax.device_get((payload.checksums, payload.first_token))
+        sums, first, drafts = jax.device_get((payload.checksums, payload.first_token,
+                                              payload.drafts))
         uuid = secrets.randbits(62)   # single use: a fresh one per handoff
         pieces, pools = [], []
         for k, pool_id in enumerate(payload.pool_ids):
@@ -272,7 +273,8 @@ class ContextServer:
         self.transfer.await_pull(uuid, pieces, timeout=expiry)
         peer.send({"op": "handoff", "request_id": request_id,
                    "target_len": payload.target_len, "draft_ctx_len": payload.draft_ctx_len,
-                   "first_token": int(first), "mode": payload.mode, "uuid": uuid,
+                   "first_token": int(first), "drafts": np.asarray(drafts).tolist(),
+                   "mode": payload.mode, "uuid": uuid,
                    "pools": pools, "kv_format": kv_format_to_wire(handoff.kv_format)}, self.timeout)
         self.num_completed += 1
 

@@ -331,6 +331,7 @@ class RemoteSource:
         payload = KVPayload(
             target_len=message["target_len"], draft_ctx_len=message["draft_ctx_len"],
             first_token=np.int32(message["first_token"]),
+            drafts=np.asarray(message["drafts"], np.int32),
             pool_ids=tuple(p["pool_id"] for p in message["pools"]),
             logical_pages=tuple(np.asarray(p["logical_pages"], np.int32)
                                 for p in message["pools"]),

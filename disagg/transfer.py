@@ -106,6 +106,7 @@ def move_payload(payload: KVPayload, mesh, *, path: str = "coalesced",
     return dataclasses.replace(
         payload, buffers=tuple(move_buffer(b, sharding, path) for b in payload.buffers),
         first_token=jax.device_put(payload.first_token, replicated),
+        drafts=jax.device_put(payload.drafts, replicated),
         checksums=jax.device_put(payload.checksums, replicated))
 
 
@@ -118,8 +119,9 @@ def move_payloads(payloads: list[KVPayload], mesh, *, path: str = "coalesced",
     if path != "coalesced":
         return [move_payload(p, mesh, path=path, kv_head_axis=kv_head_axis) for p in payloads]
     sharding, replicated = receiver_shardings(mesh, kv_head_axis)
-    tree = [(p.buffers, p.first_token, p.checksums) for p in payloads]
-    where = [(tuple(sharding for _ in p.buffers), replicated, replicated) for p in payloads]
+    tree = [(p.buffers, p.first_token, p.drafts, p.checksums) for p in payloads]
+    where = [(tuple(sharding for _ in p.buffers), replicated, replicated, replicated)
+             for p in payloads]
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(where)
     moving = [k for k, (x, s) in enumerate(zip(leaves, targets)) if not _placed(x, s)]
@@ -128,8 +130,8 @@ def move_payloads(payloads: list[KVPayload], mesh, *, path: str = "coalesced",
                                                [targets[k] for k in moving])):
             leaves[k] = x
     moved = jax.tree.unflatten(treedef, leaves)
-    return [dataclasses.replace(p, buffers=tuple(b), first_token=f, checksums=c)
-            for p, (b, f, c) in zip(payloads, moved)]
+    return [dataclasses.replace(p, buffers=tuple(b), first_token=f, drafts=d, checksums=c)
+            for p, (b, f, d, c) in zip(payloads, moved)]
 
 
 def _placed(x, sharding) -> bool:
@@ -191,5 +193,6 @@ def assemble_heads(slices: list[Handoff], device, *, path: str = "coalesced") ->
     sums = sum(jax.device_put(s.payload.checksums, device) for s in slices)
     payload = dataclasses.replace(first.payload, buffers=tuple(buffers),
                                   checksums=sums.astype(jnp.uint32),
-                                  first_token=jax.device_put(first.payload.first_token, device))
+                                  first_token=jax.device_put(first.payload.first_token, device),
+                                  drafts=jax.device_put(first.payload.drafts, device))
     return dataclasses.replace(first, payload=payload, heads=None, slice_index=0, num_slices=1)

@@ -342,7 +342,8 @@ class Engine:
         for k, seq in enumerate(seqs):
             payload, seq.kv = seq.kv, None
             request = seq.request
-            problem = import_refusal(payload, self.spec, self.mode, len(request.prompt))
+            problem = import_refusal(payload, self.spec, self.mode, len(request.prompt),
+                                     self.state.drafts.shape[1])
             if problem is not None:
                 self.scheduler.finish(seq, time.perf_counter(), "error", f"request "
                                       f"{request.request_id!r}: KV import refused: {problem}")
@@ -365,7 +366,10 @@ class Engine:
                 results.append(r)
 
         for seq, got in zip(plan.imports, imported):
-            if got is None or seq.phase is Phase.DONE:
+            if got is None:  # refused on the host: its request ended at dispatch
+                results.append(seq.result)
+                continue
+            if seq.phase is Phase.DONE:
                 continue
             ok, first, origin = got
             if not ok:

@@ -84,6 +84,12 @@ class Executor:
         self.seeds = np.zeros(slots, np.uint32)
         self.len_bound = np.zeros(slots, np.int64)  # upper bound of each slot's length
         self.bytes_imported = 0
+        # A receiver drafts its arrivals' first block itself only without the sender's
+        # draft KV (private mode); in shared mode the sender's block arrives with the KV.
+        self._redrafts = cfg.draft is not None and mode == "private"
+        self._keeps_sender_drafts = mode == "shared"
+        self._no_drafts = jax.device_put(np.zeros(self.state.drafts.shape[1:], np.int32),
+                                         self._scalar_sharding)
 
     def _place(self, params):
         if self.mesh is None:
@@ -226,7 +232,8 @@ class Executor:
 
     def import_payloads(self, arrivals, reset_slots=()) -> list[jax.Array]:
         """Dispatch `import_step` for each arrived payload (the first call empties
-        `reset_slots` before it imports), then one `redraft_step` for them all.
+        `reset_slots` before it imports), then, in private mode, one `redraft_step` for
+        them all (in shared mode each arrives with its sender's draft block).
 
         arrivals: (slot, payload, SamplingParams) per request. Returns per request its
         ok (bool[] on the device), in order.
@@ -242,7 +249,7 @@ class Executor:
             self.bytes_imported += payload.nbytes
             out.append(self._import_one(slot, payload, resets))
             resets = self._no_slots()
-        if arrivals and self.cfg.draft is not None:
+        if arrivals and self._redrafts:
             slots = self._no_slots()
             slots[:len(arrivals)] = [slot for slot, _, _ in arrivals]
             longest = max(payload.target_len for _, payload, _ in arrivals)
@@ -259,7 +266,8 @@ class Executor:
 
     def warm_transfers(self, lengths, *, exports: bool, imports: bool) -> int:
         """Compile the export and/or import calls of prompts of `lengths` tokens (one
-        per page bucket) and the redraft of each table width they use. The calls take
+        per page bucket) and, in private mode, the redraft of each table width they use.
+        The calls take
         the dummy slot, as a call that changes nothing. Returns the number of buckets."""
         with_draft = self.cfg.draft is not None
         shapes = transfer_shapes(self.spec, self.mode, lengths, with_draft=with_draft)
@@ -269,7 +277,7 @@ class Executor:
                 self.export([(dummy, n)])
             if imports:
                 self._import_one(dummy, self._empty_payload(buckets), self._no_slots())
-        if imports and with_draft:
+        if imports and self._redrafts:
             block = self.cfg.block_size
             for width in sorted({self.table_width(n + block) for n in lengths}):
                 self._redraft_rows(self._no_slots(), width)
@@ -279,15 +287,19 @@ class Executor:
         """One `import_step` call. Its scalars are put on this worker's devices first
         when they came as host values, so every arrival of one page bucket runs one
         compiled program."""
-        first, sums = payload.first_token, payload.checksums
+        first, drafts, sums = payload.first_token, payload.drafts, payload.checksums
+        if not self._keeps_sender_drafts:  # any sender's block (none, if it has no drafter)
+            drafts = self._no_drafts
         if not isinstance(first, jax.Array):
             first = jax.device_put(np.int32(first), self._scalar_sharding)
+        if not isinstance(drafts, jax.Array):
+            drafts = jax.device_put(np.asarray(drafts, np.int32), self._scalar_sharding)
         if not isinstance(sums, jax.Array):
             sums = jax.device_put(np.asarray(sums, np.uint32), self._scalar_sharding)
         self.state, ok = self._import(
             self.state, np.int32(slot), np.int32(payload.target_len),
-            np.int32(payload.draft_ctx_len), first, payload.logical_pages, payload.buffers, sums,
-            resets, pool_ids=tuple(payload.pool_ids), mode=self.mode)
+            np.int32(payload.draft_ctx_len), first, drafts, payload.logical_pages,
+            payload.buffers, sums, resets, pool_ids=tuple(payload.pool_ids), mode=self.mode)
         return ok
 
     def _redraft_rows(self, slots, table_width: int) -> None:
@@ -301,5 +313,5 @@ class Executor:
                         for i, n in zip(pool_ids, buckets))
         logical = tuple(np.full(n, BAD_PAGE_INDEX, np.int32) for n in buckets)
         put = functools.partial(jax.device_put, device=self._scalar_sharding)
-        return KVPayload(0, 0, put(np.int32(0)), pool_ids, logical, buffers,
+        return KVPayload(0, 0, put(np.int32(0)), self._no_drafts, pool_ids, logical, buffers,
                          put(np.zeros(len(pool_ids), np.uint32)), self.mode)

@@ -2,18 +2,23 @@
 
     sender (context)                           receiver (generation)
     export_step(state, slot, logical pages)    import_step(state, slot, lengths, first token,
-      gather the row's live pages of every       logical pages, buffers, checksums)
+      gather the row's live pages of every       drafts, logical pages, buffers, checksums)
       pool -> one buffer per pool                allocate pages for the lengths, check the
-         [H, n, L, 2, ps, D] + u32 checksums     page ranges and checksums, scatter, zero the
-         + the first token                       draft layers in private mode -> (state, ok)
-                                               redraft_step(params, state, slots): a fresh
-                                                 draft block for every row imported
+         [H, n, L, 2, ps, D] + u32 checksums     page ranges and checksums, scatter; shared
+         + the first token and the first         mode: the sender's draft block; private
+           draft block its prefill made          mode: zero the draft layers -> (state, ok)
+                                               redraft_step(params, state, slots), private
+                                                 mode only: a draft block for every row
+                                                 imported, from the drafter's own cache
 
-One export and one import call per request, whose only shapes are the page
-buckets of its pools (`page_bucket`); one redraft call per step for all of its
-arrivals, whose only shape is the table width. So a stream of prompts of any
-length runs a few programs, all compiled before the first request
-(`transfer_shapes` lists them; `Engine.warmup` compiles them).
+In shared mode the receiver starts from exactly the draft block aggregated
+serving would have (the sender's prefill computed it), so a handoff adds one
+call on each side. One export and one import call per request, whose only
+shapes are the page buckets of its pools (`page_bucket`); in private mode
+one redraft call per step for all of its arrivals, whose only shape is the
+table width. So a stream of prompts of any length runs a few programs, all
+compiled before the first request (`transfer_shapes` lists them;
+`Engine.warmup` compiles them).
 
 All run on the device with no host sync: the live logical pages of a row
 follow from its lengths and the pool's window (`live_logical_pages`), so the
@@ -128,13 +133,15 @@ def export_step(state: StepState, slot, logical_pages, *, pool_ids: tuple[int, .
       logical_pages: per sent pool, i32[n_bucket] (BAD pads).
     Returns:
       (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding gathers the
-      all-zero null page), checksums: u32[len(pool_ids)], first token: i32[] (the
-      slot's anchor, which its prefill's last chunk set)).
+      all-zero null page), checksums: u32[len(pool_ids)], first token: i32[] and
+      drafts: i32[block_size - 1] (the slot's anchor and draft block, which its
+      prefill's last chunk set)).
     """
     kv = state.kv
     buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slot], logical), axis=1)
                     for i, logical in zip(pool_ids, logical_pages))
-    return buffers, jnp.stack([checksum_of(b) for b in buffers]), state.anchors[slot]
+    return (buffers, jnp.stack([checksum_of(b) for b in buffers]), state.anchors[slot],
+            state.drafts[slot])
 
 
 def _pages_match(row, logical, num_pages: int):
@@ -145,14 +152,15 @@ def _pages_match(row, logical, num_pages: int):
     return jnp.all((row != BAD_PAGE_INDEX) == sent)
 
 
-def import_step(state: StepState, slot, target_len, draft_ctx_len, first_token, logical_pages,
-                buffers, checksums, reset_slots, *, cfg: StepConfig, pool_ids: tuple[int, ...],
-                mode: str) -> tuple[StepState, jax.Array]:
+def import_step(state: StepState, slot, target_len, draft_ctx_len, first_token, drafts,
+                logical_pages, buffers, checksums, reset_slots, *, cfg: StepConfig,
+                pool_ids: tuple[int, ...], mode: str) -> tuple[StepState, jax.Array]:
     """Receive one request into an empty slot: allocate, verify, scatter.
 
     Args:
       slot, target_len, draft_ctx_len, first_token: i32[] (the dummy slot: a call that
-        changes nothing);
+        changes nothing); drafts: i32[block_size - 1], the sender's first draft block
+        (kept in shared mode; in private mode `redraft_step` makes the receiver's own);
       logical_pages: per pool in `pool_ids`, i32[n_bucket] (BAD pads are dropped);
       buffers: per pool, as `export_step` made them; checksums: u32[len(pool_ids)], the
         sender's.
@@ -160,7 +168,7 @@ def import_step(state: StepState, slot, target_len, draft_ctx_len, first_token, 
         the import carries a step's resets when it is the step's first call.
     Returns:
       (state, ok bool[]). With ok, the slot holds its request's KV, its anchor is its
-      first token, and it runs (its draft block comes from `redraft_step`). Without,
+      first token, its draft block is the sender's (shared mode), and it runs. Without,
       the slot is empty (pages returned); nothing else changed.
     """
     state = empty_slots(cfg, state, reset_slots)
@@ -191,9 +199,13 @@ def import_step(state: StepState, slot, target_len, draft_ctx_len, first_token, 
             for o in draft_offsets:
                 pools[i] = pools[i].at[:, pages, o].set(0, mode="drop")
     kv = release_slots(spec, kv.replace(pools=tuple(pools)), jnp.where(ok, spec.dummy_slot, ids))
-    state = state.replace(kv=kv, anchors=state.anchors.at[ids].set(
-                              jnp.where(ok, first_token, state.anchors[ids])),
-                          running=state.running.at[ids].set(ok | state.running[ids] & ~real))
+    out = state.replace(kv=kv, anchors=state.anchors.at[ids].set(
+                            jnp.where(ok, first_token, state.anchors[ids])),
+                        running=state.running.at[ids].set(ok | state.running[ids] & ~real))
+    if mode == "shared":
+        out = out.replace(drafts=state.drafts.at[ids].set(
+            jnp.where(ok, drafts, state.drafts[ids])))
+    state = out
     return state, ok[0]
 
 
@@ -213,6 +225,8 @@ class KVPayload:
     Attributes:
       target_len, draft_ctx_len: the sender's lengths (the prompt's).
       first_token: the token after the prompt (i32[] on a device, or an int).
+      drafts: the first draft block the sender's prefill made (i32[block_size - 1], on
+        a device or numpy).
       pool_ids: the pools sent (`sent_pool_ids`); logical_pages: per pool,
         i32[n_bucket] BAD-padded; buffers: per pool [H, n_bucket, L, 2, ps, D];
         checksums: u32[len(pool_ids)] (a device array or numpy).
@@ -223,6 +237,7 @@ class KVPayload:
     target_len: int
     draft_ctx_len: int
     first_token: object
+    drafts: object
     pool_ids: tuple[int, ...]
     logical_pages: tuple[np.ndarray, ...]
     buffers: tuple[jax.Array, ...]
@@ -242,8 +257,9 @@ def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
     pool_ids, out = sent_pool_ids(spec, mode), []
     for slot, t, d in rows:
         logical = sent_logical_pages(spec, pool_ids, t, d)
-        buffers, sums, first = export(state, np.int32(slot), logical, pool_ids=pool_ids)
-        out.append(KVPayload(t, d, first, pool_ids, logical, buffers, sums, mode))
+        buffers, sums, first, drafts = export(state, np.int32(slot), logical,
+                                              pool_ids=pool_ids)
+        out.append(KVPayload(t, d, first, drafts, pool_ids, logical, buffers, sums, mode))
     return out
 
 
@@ -281,10 +297,11 @@ def import_failure(request_id: str, origin: str = "") -> str:
             f"link and both workers' cache settings")
 
 
-def import_refusal(payload: KVPayload, spec: CacheSpec, mode: str,
-                   prompt_len: int) -> str | None:
-    """Why a worker of `spec` in draft-KV `mode` cannot import `payload` for a prompt of
-    `prompt_len` tokens (None: it can). Checked on the host before the import step."""
+def import_refusal(payload: KVPayload, spec: CacheSpec, mode: str, prompt_len: int,
+                   num_drafts: int) -> str | None:
+    """Why a worker of `spec` in draft-KV `mode`, drafting `num_drafts` tokens a block,
+    cannot import `payload` for a prompt of `prompt_len` tokens (None: it can). Checked
+    on the host before the import step."""
     want = sent_pool_ids(spec, mode)
     if payload.mode != mode or tuple(payload.pool_ids) != want:
         return (f"the sender's draft KV mode {payload.mode!r} (pools "
@@ -292,4 +309,8 @@ def import_refusal(payload: KVPayload, spec: CacheSpec, mode: str,
                 f"(pools {list(want)}); start both with the same mode")
     if payload.target_len != prompt_len:
         return f"the sender prefilled {payload.target_len} tokens, the prompt has {prompt_len}"
+    if mode == "shared" and tuple(np.shape(payload.drafts)) != (num_drafts,):
+        return (f"the sender's first draft block has shape {list(np.shape(payload.drafts))}, "
+                f"this worker drafts {num_drafts} tokens a block; serve both with the same "
+                f"drafter")
     return None

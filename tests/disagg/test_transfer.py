@@ -78,7 +78,8 @@ def test_unknown_move_path_is_named():
 
 def handoff_of(buf):
     pages = np.arange(buf.shape[1], dtype=np.int32)
-    payload = KVPayload(target_len=2, draft_ctx_len=2, first_token=np.int32(3), pool_ids=(0,),
+    payload = KVPayload(target_len=2, draft_ctx_len=2, first_token=np.int32(3),
+                        drafts=np.zeros(7, np.int32), pool_ids=(0,),
                         logical_pages=(pages,), buffers=(buf,),
                         checksums=np.asarray([checksum(buf)], np.uint32), mode="shared")
     return Handoff(Request("r0", (1, 2)), payload, kv_format=None)

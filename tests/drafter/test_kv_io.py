@@ -74,14 +74,17 @@ def counting(calls, name, fn):
     return call
 
 
-def test_a_burst_moves_a_call_a_request_one_redraft_and_a_bad_row_fails_alone(pair):
-    """Three prompts leave in an export call each and arrive in an import call each,
-    drafted for by one redraft call; the row whose checksum is wrong fails, the others
-    generate what aggregated serving does, and every page comes back."""
+@pytest.mark.parametrize("mode,redrafts", [("shared", 0), ("private", 1)])
+def test_a_burst_moves_a_call_a_request_and_a_bad_row_fails_alone(pair, mode, redrafts):
+    """Three prompts leave in an export call each and arrive in an import call each; in
+    shared mode each brings its sender's first draft block (no redraft: acceptance step
+    by step equals aggregated serving), in private mode one redraft call drafts for all.
+    The row whose checksum is wrong fails, the others generate what aggregated serving
+    does, and every page comes back."""
     params, cfg, _ = pair
     prompts = {f"r{i}": [(7 * i + j) % 60 + 1 for j in range(n)]
                for i, n in enumerate((17, 20, 22))}
-    sender = Engine(params, cfg, export=True, speculative=False)
+    sender = Engine(params, cfg, export=True, speculative=False, mode=mode)
     calls = {"export": 0, "import": 0, "redraft": 0}
     sender.executor._export = counting(calls, "export", sender.executor._export)
     for rid, prompt in prompts.items():
@@ -91,20 +94,45 @@ def test_a_burst_moves_a_call_a_request_one_redraft_and_a_bad_row_fails_alone(pa
     payloads = {e.request.request_id: e.payload for e in exports}
     payloads["r1"] = dataclasses.replace(
         payloads["r1"], checksums=np.asarray(payloads["r1"].checksums) + np.uint32(1))
-    receiver = Engine(params, cfg, kv_source=OneShot(payloads))
+    receiver = Engine(params, cfg, kv_source=OneShot(payloads), mode=mode)
     for name in ("import", "redraft"):
         attr = f"_{name}"
         setattr(receiver.executor, attr, counting(calls, name, getattr(receiver.executor, attr)))
     for rid, prompt in prompts.items():
         receiver.add_request(rid, prompt, 6)
     results = {r.request_id: r for r in receiver.run()}
-    assert (calls["import"], calls["redraft"]) == (3, 1)
+    assert (calls["import"], calls["redraft"]) == (3, redrafts)
     assert not results["r1"].ok and "checksum" in results["r1"].error
     alone = Engine(params, cfg).generate([prompts["r0"], prompts["r2"]], 6)
     assert [results["r0"].tokens, results["r2"].tokens] == [r.tokens for r in alone]
+    if mode == "shared":
+        assert [results["r0"].acceptance, results["r2"].acceptance] == [r.acceptance
+                                                                        for r in alone]
     assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
                                                                for p in cfg.spec.pools]
     assert not np.asarray(receiver.state.running).any()
+
+
+def test_a_draft_block_of_another_drafter_is_refused_for_its_request_alone(pair):
+    """A shared-mode payload whose first draft block has another length (another
+    drafter's) fails its own request with an error naming the fix; a good one beside it
+    generates what aggregated serving does."""
+    params, cfg, _ = pair
+    prompts = {"bad": [(3 * j) % 60 + 1 for j in range(18)],
+               "good": [(5 * j) % 60 + 1 for j in range(19)]}
+    sender = Engine(params, cfg, export=True, speculative=False)
+    for rid, prompt in prompts.items():
+        sender.add_request(rid, prompt, 4)
+    payloads = {e.request.request_id: e.payload for e in _exports(sender, 2)}
+    payloads["bad"] = dataclasses.replace(payloads["bad"], drafts=np.zeros(2, np.int32))
+    receiver = Engine(params, cfg, kv_source=OneShot(payloads))
+    for rid, prompt in prompts.items():
+        receiver.add_request(rid, prompt, 5)
+    results = {r.request_id: r for r in receiver.run()}
+    assert not results["bad"].ok and "same drafter" in results["bad"].error
+    assert results["good"].tokens == Engine(params, cfg).generate([prompts["good"]], 5)[0].tokens
+    assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
+                                                               for p in cfg.spec.pools]
 
 
 class SlowPoll(OneShot):
