@@ -10,6 +10,7 @@ this machine's first device (as the demo does on one GPU). Parts:
             aggregated / disaggregated-shared / -private, `--repeats` runs each:
             tokens/s and TTFT; `disagg_shared_over_aggregated` is the ratio of
             the median tokens/s, `ttft_disagg_over_aggregated_p50` of the TTFT p50s;
+            `calls_per_run`: the jitted calls a run dispatched, by kind, every worker;
             `disagg_shared_threaded_over_aggregated` the same with the context
             worker stepping in its own thread.
   handoff   one request at a time (nothing queued) per prompt length, one decode step
@@ -83,6 +84,17 @@ def p(values, q) -> float:
     return float(np.percentile(np.asarray(values, float), q))
 
 
+def executors(engine: Engine) -> list:
+    """The engine's executor and those of its in-process context workers."""
+    contexts = getattr(engine.kv_source, "contexts", ())
+    return [engine.executor] + [ctx.engine.executor for ctx in contexts]
+
+
+def calls_of(engine: Engine) -> collections.Counter:
+    """Jitted calls the engine and its context workers dispatched so far, by kind."""
+    return sum((e.calls for e in executors(engine)), collections.Counter())
+
+
 def demo_part(params, cfg, prompts, max_new: int, repeats: int) -> dict:
     out = {}
     for mode in DEMO_MODES:
@@ -91,19 +103,22 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int) -> dict:
         engine.generate(prompts, 4)
         rates, ttfts, als, tokens = [], [], [], None
         for _ in range(repeats):
+            before = calls_of(engine)
             start = time.perf_counter()
             results = engine.generate(prompts, max_new)
             rates.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - start))
             ttfts += [r.time_to_first_token_s for r in results]
             als.append(float(np.mean([a for r in results for a in r.acceptance])))
             tokens = [r.tokens for r in results]
+            calls = dict(sorted((calls_of(engine) - before).items()))
         close(engine)
         out[mode] = {"tokens_per_s_median": float(np.median(rates)),
                      "tokens_per_s_runs": rates, "ttft_ms_p50": 1e3 * p(ttfts, 50),
-                     "acceptance_length": als[-1], "tokens": tokens}
+                     "acceptance_length": als[-1], "calls_per_run": calls, "tokens": tokens}
         print(f"  {mode:>15}: {out[mode]['tokens_per_s_median']:.0f} tok/s "
               f"(runs {', '.join(f'{r:.0f}' for r in rates)}), TTFT p50 "
-              f"{out[mode]['ttft_ms_p50']:.1f} ms, AL {als[-1]:.2f}", flush=True)
+              f"{out[mode]['ttft_ms_p50']:.1f} ms, AL {als[-1]:.2f}; jitted calls per run "
+              f"{sum(calls.values())} {calls}", flush=True)
     agg = out["aggregated"]
     out["shared_equals_aggregated"] = all(out[m]["tokens"] == agg["tokens"] for m in
                                           ("disagg-shared", "disagg-shared-threaded"))

@@ -9,6 +9,7 @@ length for table widths). It never reads device outputs itself.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -84,6 +85,9 @@ class Executor:
         self.seeds = np.zeros(slots, np.uint32)
         self.len_bound = np.zeros(slots, np.int64)  # upper bound of each slot's length
         self.bytes_imported = 0
+        # Jitted calls dispatched, by kind (prefill, decode, export, import, redraft): on
+        # one GPU a call's host launch, not its device time, bounds small batches.
+        self.calls = collections.Counter()
         # A receiver drafts its arrivals' first block itself only without the sender's
         # draft KV (private mode); in shared mode the sender's block arrives with the KV.
         self._redrafts = cfg.draft is not None and mode == "private"
@@ -193,6 +197,7 @@ class Executor:
         else:
             device = jax.device_put(host, self._batch_sharding)
             self._sent = (host, device)
+        self.calls["decode" if decode else "prefill"] += 1
         self.state, out = self._step_fn(
             self.params, self.state, device, num_prefill=batch.prefill_slots.shape[0],
             table_width=table_width, decode=decode, speculative=self.speculative,
@@ -260,6 +265,7 @@ class Executor:
         """Dispatch `export_step` for slots whose prefill just ended (in a step already
         dispatched). rows: (slot, prompt_len) per request."""
         with_draft = self.cfg.draft is not None
+        self.calls["export"] += len(rows)
         return export_payloads(self.spec, self.state, [(slot, n, n if with_draft else 0)
                                                        for slot, n in rows],
                                mode=self.mode, export=self._export)
@@ -296,6 +302,7 @@ class Executor:
             drafts = jax.device_put(np.asarray(drafts, np.int32), self._scalar_sharding)
         if not isinstance(sums, jax.Array):
             sums = jax.device_put(np.asarray(sums, np.uint32), self._scalar_sharding)
+        self.calls["import"] += 1
         self.state, ok = self._import(
             self.state, np.int32(slot), np.int32(payload.target_len),
             np.int32(payload.draft_ctx_len), first, drafts, payload.logical_pages,
@@ -303,6 +310,7 @@ class Executor:
         return ok
 
     def _redraft_rows(self, slots, table_width: int) -> None:
+        self.calls["redraft"] += 1
         self.state = self._redraft(self.params, self.state, slots, table_width=table_width)
 
     def _empty_payload(self, buckets) -> KVPayload:
