@@ -231,7 +231,7 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     src_state = step_state(src)
 
     def export():
-        return export_step(src_state, np.int32(0), logical, pool_ids=pool_ids)
+        return export_step(src_state, ((np.int32(0), logical),), pool_ids=pool_ids)[0]
 
     buffers, sums, _, drafts = export()
     row["moved_bytes"] = moved_bytes = sum(b.nbytes for b in buffers)
@@ -255,10 +255,10 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     no_resets = np.full(spec.num_slots, spec.dummy_slot, np.int32)
 
     def import_once():
-        state["s"], ok = import_jit(
-            state["s"], np.int32(0), np.int32(tokens), np.int32(tokens), moved.first_token,
-            moved.drafts, moved.logical_pages, moved.buffers, moved.checksums, no_resets,
-            pool_ids=pool_ids, mode="shared")
+        arrival = (np.int32(0), np.int32(tokens), np.int32(tokens), moved.first_token,
+                   moved.drafts, moved.logical_pages, moved.buffers, moved.checksums)
+        state["s"], ok = import_jit(state["s"], (arrival,), no_resets, pool_ids=pool_ids,
+                                    mode="shared")
         return state["s"].kv.pools
 
     row["import_ms"] = 1e3 * median_seconds(import_once, chained=True)

@@ -92,8 +92,9 @@ class Engine:
                                    kv_from_source=kv_source is not None, export=export,
                                    lookahead=int(lookahead), eos_token_ids=eos_token_ids,
                                    decode_steps=self.decode_steps)
+        # a step exports at most its prefill rows; imports are grouped as many
         self.executor = Executor(params, cfg, mesh=mesh, speculative=self.speculative,
-                                 mode=mode)
+                                 mode=mode, transfer_rows=self.scheduler.max_prefill_rows)
         self._inflight: deque = deque()  # dispatched steps not yet read, oldest first
         self._exports: list[Export] = []
         self.arrivals = Arrivals(self.scheduler)

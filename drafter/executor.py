@@ -16,8 +16,9 @@ import functools
 import jax
 import numpy as np
 
-from drafter.kv_io import (KVPayload, export_payloads, export_step, import_step, receiver_shardings,
-                           redraft_step, sent_pool_ids, transfer_shapes)
+from drafter.kv_io import (KVPayload, call_groups, export_payloads, export_step, import_step,
+                           padded_rows, receiver_shardings, redraft_step, sent_pool_ids,
+                           transfer_shapes)
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
@@ -62,10 +63,14 @@ def _traced_on_mesh(mesh, jitted):
 
 class Executor:
     """Args: params, cfg, mesh (None: the default device), speculative, mode
-    ("shared" / "private": which pools an export sends and an import expects)."""
+    ("shared" / "private": which pools an export sends and an import expects),
+    transfer_rows (requests of one page bucket an export or import call takes; a call
+    runs 1 row or this many)."""
 
-    def __init__(self, params, cfg: StepConfig, *, mesh, speculative: bool, mode: str):
+    def __init__(self, params, cfg: StepConfig, *, mesh, speculative: bool, mode: str,
+                 transfer_rows: int = 1):
         self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
+        self.transfer_rows = transfer_rows
         self.speculative, self.mode = speculative, mode
         # Layers as the steps run them: stacked once for a scan (stacking copies), else
         # one dict of arrays per layer.
@@ -92,6 +97,7 @@ class Executor:
         # draft KV (private mode); in shared mode the sender's block arrives with the KV.
         self._redrafts = cfg.draft is not None and mode == "private"
         self._keeps_sender_drafts = mode == "shared"
+        self._empty_payloads: dict = {}
         self._no_drafts = jax.device_put(np.zeros(self.state.drafts.shape[1:], np.int32),
                                          self._scalar_sharding)
 
@@ -247,12 +253,18 @@ class Executor:
         resets[:len(reset_slots)] = reset_slots
         for slot in reset_slots:
             self.len_bound[slot] = 0
-        out = []
         for slot, payload, params in arrivals:
             self.set_sampling(slot, params)
             self.len_bound[slot] = payload.target_len
             self.bytes_imported += payload.nbytes
-            out.append(self._import_one(slot, payload, resets))
+        out = [None] * len(arrivals)
+        keys = [tuple(len(p) for p in payload.logical_pages) for _, payload, _ in arrivals]
+        for key, idx in call_groups(keys, self.transfer_rows):
+            pad = padded_rows(len(idx), self.transfer_rows) - len(idx)
+            rows = [arrivals[i][:2] for i in idx] + [(self.spec.dummy_slot,
+                                                      self._empty_payload(key))] * pad
+            for i, ok in zip(idx, self._import_rows(rows, resets)):
+                out[i] = ok
             resets = self._no_slots()
         if arrivals and self._redrafts:
             slots = self._no_slots()
@@ -263,63 +275,77 @@ class Executor:
 
     def export(self, rows) -> list[KVPayload]:
         """Dispatch `export_step` for slots whose prefill just ended (in a step already
-        dispatched). rows: (slot, prompt_len) per request."""
+        dispatched), `transfer_rows` a call. rows: (slot, prompt_len) per request."""
         with_draft = self.cfg.draft is not None
-        self.calls["export"] += len(rows)
         return export_payloads(self.spec, self.state, [(slot, n, n if with_draft else 0)
                                                        for slot, n in rows],
-                               mode=self.mode, export=self._export)
+                               mode=self.mode, export=self._counted_export,
+                               rows_per_call=self.transfer_rows)
 
     def warm_transfers(self, lengths, *, exports: bool, imports: bool) -> int:
-        """Compile the export and/or import calls of prompts of `lengths` tokens (one
-        per page bucket) and, in private mode, the redraft of each table width they use.
-        The calls take
-        the dummy slot, as a call that changes nothing. Returns the number of buckets."""
+        """Compile the export and/or import calls of prompts of `lengths` tokens (per
+        page bucket, of 1 and of `transfer_rows` rows) and, in private mode, the redraft
+        of each table width they use. The calls take the dummy slot, as calls that
+        change nothing. Returns the number of buckets."""
         with_draft = self.cfg.draft is not None
         shapes = transfer_shapes(self.spec, self.mode, lengths, with_draft=with_draft)
         dummy = self.spec.dummy_slot
         for buckets, n in shapes.items():
-            if exports:
-                self.export([(dummy, n)])
-            if imports:
-                self._import_one(dummy, self._empty_payload(buckets), self._no_slots())
+            for rows in sorted({1, self.transfer_rows}):
+                if exports:
+                    self.export([(dummy, n)] * rows)
+                if imports:
+                    self._import_rows([(dummy, self._empty_payload(buckets))] * rows,
+                                      self._no_slots())
         if imports and self._redrafts:
             block = self.cfg.block_size
             for width in sorted({self.table_width(n + block) for n in lengths}):
                 self._redraft_rows(self._no_slots(), width)
         return len(shapes)
 
-    def _import_one(self, slot: int, payload: KVPayload, resets) -> jax.Array:
-        """One `import_step` call. Its scalars are put on this worker's devices first
-        when they came as host values, so every arrival of one page bucket runs one
-        compiled program."""
-        first, drafts, sums = payload.first_token, payload.drafts, payload.checksums
-        if not self._keeps_sender_drafts:  # any sender's block (none, if it has no drafter)
-            drafts = self._no_drafts
-        if not isinstance(first, jax.Array):
-            first = jax.device_put(np.int32(first), self._scalar_sharding)
-        if not isinstance(drafts, jax.Array):
-            drafts = jax.device_put(np.asarray(drafts, np.int32), self._scalar_sharding)
-        if not isinstance(sums, jax.Array):
-            sums = jax.device_put(np.asarray(sums, np.uint32), self._scalar_sharding)
+    def _counted_export(self, *args, **kwargs):
+        self.calls["export"] += 1
+        return self._export(*args, **kwargs)
+
+    def _import_rows(self, rows, resets) -> tuple:
+        """One `import_step` call for (slot, payload) rows of one page bucket. Scalars
+        are put on this worker's devices first when they came as host values, so every
+        arrival of one page bucket runs one compiled program."""
+        args = []
+        for slot, payload in rows:
+            first, drafts, sums = payload.first_token, payload.drafts, payload.checksums
+            if not self._keeps_sender_drafts:  # any sender's block (none, without a drafter)
+                drafts = self._no_drafts
+            if not isinstance(first, jax.Array):
+                first = jax.device_put(np.int32(first), self._scalar_sharding)
+            if not isinstance(drafts, jax.Array):
+                drafts = jax.device_put(np.asarray(drafts, np.int32), self._scalar_sharding)
+            if not isinstance(sums, jax.Array):
+                sums = jax.device_put(np.asarray(sums, np.uint32), self._scalar_sharding)
+            args.append((np.int32(slot), np.int32(payload.target_len),
+                         np.int32(payload.draft_ctx_len), first, drafts,
+                         payload.logical_pages, payload.buffers, sums))
         self.calls["import"] += 1
-        self.state, ok = self._import(
-            self.state, np.int32(slot), np.int32(payload.target_len),
-            np.int32(payload.draft_ctx_len), first, drafts, payload.logical_pages,
-            payload.buffers, sums, resets, pool_ids=tuple(payload.pool_ids), mode=self.mode)
-        return ok
+        self.state, oks = self._import(self.state, tuple(args), resets,
+                                       pool_ids=tuple(rows[0][1].pool_ids), mode=self.mode)
+        return oks
 
     def _redraft_rows(self, slots, table_width: int) -> None:
         self.calls["redraft"] += 1
         self.state = self._redraft(self.params, self.state, slots, table_width=table_width)
 
     def _empty_payload(self, buckets) -> KVPayload:
-        """A payload of these page buckets, placed as arrivals are, with no pages."""
+        """A payload of these page buckets, placed as arrivals are, with no pages (made
+        once a bucket: padding rows of import calls)."""
+        if buckets in self._empty_payloads:
+            return self._empty_payloads[buckets]
         pool_ids, pools = sent_pool_ids(self.spec, self.mode), self.state.kv.pools
         buffers = tuple(jax.device_put(np.zeros((pools[i].shape[0], n, *pools[i].shape[2:]),
                                                 pools[i].dtype), self._buffer_sharding)
                         for i, n in zip(pool_ids, buckets))
         logical = tuple(np.full(n, BAD_PAGE_INDEX, np.int32) for n in buckets)
         put = functools.partial(jax.device_put, device=self._scalar_sharding)
-        return KVPayload(0, 0, put(np.int32(0)), self._no_drafts, pool_ids, logical, buffers,
-                         put(np.zeros(len(pool_ids), np.uint32)), self.mode)
+        payload = KVPayload(0, 0, put(np.int32(0)), self._no_drafts, pool_ids, logical,
+                            buffers, put(np.zeros(len(pool_ids), np.uint32)), self.mode)
+        self._empty_payloads[buckets] = payload
+        return payload

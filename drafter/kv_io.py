@@ -1,8 +1,9 @@
 """A request's KV out of one cache and into another: jitted export and import steps.
 
     sender (context)                           receiver (generation)
-    export_step(state, slot, logical pages)    import_step(state, slot, lengths, first token,
-      gather the row's live pages of every       drafts, logical pages, buffers, checksums)
+    export_step(state, rows: slot, logical     import_step(state, rows: slot, lengths, first
+      pages) per request                         token, drafts, logical pages, buffers,
+      gather the row's live pages of every       checksums) per request
       pool -> one buffer per pool                allocate pages for the lengths, check the
          [H, n, L, 2, ps, D] + u32 checksums     page ranges and checksums, scatter; shared
          + the first token and the first         mode: the sender's draft block; private
@@ -12,12 +13,13 @@
                                                  imported, from the drafter's own cache
 
 In shared mode the receiver starts from exactly the draft block aggregated
-serving would have (the sender's prefill computed it), so a handoff adds one
-call on each side. One export and one import call per request, whose only
-shapes are the page buckets of its pools (`page_bucket`); in private mode
-one redraft call per step for all of its arrivals, whose only shape is the
-table width. So a stream of prompts of any length runs a few programs, all
-compiled before the first request (`transfer_shapes` lists them;
+serving would have (the sender's prefill computed it), so a handoff needs no
+call beyond the export and the import. Requests of one page bucket
+(`page_bucket`) share an export or import call, up to `rows_per_call` of
+them, padded with rows that change nothing to 1 or `rows_per_call` rows;
+in private mode one redraft call per step covers its arrivals (shape: the
+table width). So a stream of prompts of any length runs a few programs, all
+compiled before the first request (`transfer_shapes` lists the buckets;
 `Engine.warmup` compiles them).
 
 All run on the device with no host sync: the live logical pages of a row
@@ -124,24 +126,43 @@ def _physical(row, logical):
     return jnp.where(logical >= 0, pages, NULL_PAGE)
 
 
+def call_groups(keys, rows_per_call: int):
+    """(key, indices) per transfer call: items of one key (page bucket) together, at
+    most `rows_per_call` a call. A call of n items runs `padded_rows(n, rows_per_call)`
+    rows (two shapes a bucket)."""
+    by_key: dict = {}
+    for i, key in enumerate(keys):
+        by_key.setdefault(key, []).append(i)
+    for key, idx in by_key.items():
+        for j in range(0, len(idx), rows_per_call):
+            yield key, idx[j:j + rows_per_call]
+
+
+def padded_rows(n: int, rows_per_call: int) -> int:
+    return 1 if n == 1 else rows_per_call
+
+
 @functools.partial(jax.jit, static_argnames=("pool_ids",))
-def export_step(state: StepState, slot, logical_pages, *, pool_ids: tuple[int, ...]):
-    """Gather the live pages of each pool in `pool_ids` of one slot into contiguous buffers.
+def export_step(state: StepState, rows, *, pool_ids: tuple[int, ...]):
+    """Gather the live pages of each pool in `pool_ids` of each row's slot into
+    contiguous buffers.
 
     Args:
-      slot: i32[] (the dummy slot gathers the null page: a call that changes nothing);
-      logical_pages: per sent pool, i32[n_bucket] (BAD pads).
+      rows: per request (slot: i32[] (the dummy slot gathers the null page: a row that
+        changes nothing), logical_pages: per sent pool, i32[n_bucket] (BAD pads)).
     Returns:
-      (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding gathers the
-      all-zero null page), checksums: u32[len(pool_ids)], first token: i32[] and
+      per row (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding gathers
+      the all-zero null page), checksums: u32[len(pool_ids)], first token: i32[] and
       drafts: i32[block_size - 1] (the slot's anchor and draft block, which its
       prefill's last chunk set)).
     """
-    kv = state.kv
-    buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slot], logical), axis=1)
-                    for i, logical in zip(pool_ids, logical_pages))
-    return (buffers, jnp.stack([checksum_of(b) for b in buffers]), state.anchors[slot],
-            state.drafts[slot])
+    kv, out = state.kv, []
+    for slot, logical_pages in rows:
+        buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slot], logical),
+                                 axis=1) for i, logical in zip(pool_ids, logical_pages))
+        out.append((buffers, jnp.stack([checksum_of(b) for b in buffers]),
+                    state.anchors[slot], state.drafts[slot]))
+    return tuple(out)
 
 
 def _pages_match(row, logical, num_pages: int):
@@ -152,26 +173,33 @@ def _pages_match(row, logical, num_pages: int):
     return jnp.all((row != BAD_PAGE_INDEX) == sent)
 
 
-def import_step(state: StepState, slot, target_len, draft_ctx_len, first_token, drafts,
-                logical_pages, buffers, checksums, reset_slots, *, cfg: StepConfig,
-                pool_ids: tuple[int, ...], mode: str) -> tuple[StepState, jax.Array]:
-    """Receive one request into an empty slot: allocate, verify, scatter.
+def import_step(state: StepState, rows, reset_slots, *, cfg: StepConfig,
+                pool_ids: tuple[int, ...], mode: str) -> tuple[StepState, tuple]:
+    """Receive requests into empty slots: allocate, verify, scatter, row by row.
 
     Args:
-      slot, target_len, draft_ctx_len, first_token: i32[] (the dummy slot: a call that
-        changes nothing); drafts: i32[block_size - 1], the sender's first draft block
-        (kept in shared mode; in private mode `redraft_step` makes the receiver's own);
-      logical_pages: per pool in `pool_ids`, i32[n_bucket] (BAD pads are dropped);
-      buffers: per pool, as `export_step` made them; checksums: u32[len(pool_ids)], the
-        sender's.
+      rows: per request (slot, target_len, draft_ctx_len, first_token: i32[] (the dummy
+        slot: a row that changes nothing); drafts: i32[block_size - 1], the sender's
+        first draft block (kept in shared mode; in private mode `redraft_step` makes the
+        receiver's own); logical_pages: per pool in `pool_ids`, i32[n_bucket] (BAD pads
+        are dropped); buffers: per pool, as `export_step` made them; checksums:
+        u32[len(pool_ids)], the sender's).
       reset_slots: i32[num_slots] slots emptied first (dummy pads), as a step's resets:
         the import carries a step's resets when it is the step's first call.
     Returns:
-      (state, ok bool[]). With ok, the slot holds its request's KV, its anchor is its
-      first token, its draft block is the sender's (shared mode), and it runs. Without,
-      the slot is empty (pages returned); nothing else changed.
+      (state, per row ok bool[]). With ok, the slot holds its request's KV, its anchor
+      is its first token, its draft block is the sender's (shared mode), and it runs.
+      Without, the slot is empty (pages returned); nothing else changed.
     """
-    state = empty_slots(cfg, state, reset_slots)
+    state, oks = empty_slots(cfg, state, reset_slots), []
+    for row in rows:
+        state, ok = _import_row(state, *row, cfg=cfg, pool_ids=pool_ids, mode=mode)
+        oks.append(ok)
+    return state, tuple(oks)
+
+
+def _import_row(state: StepState, slot, target_len, draft_ctx_len, first_token, drafts,
+                logical_pages, buffers, checksums, *, cfg, pool_ids, mode):
     spec, kv = cfg.spec, state.kv
     ids = slot[None]
     real = ids != spec.dummy_slot
@@ -180,7 +208,7 @@ def import_step(state: StepState, slot, target_len, draft_ctx_len, first_token, 
     # Lengths first, so a windowed pool allocates only its in-window tail.
     kv, ok = allocate_pages(spec, kv, ids, target_len[None], draft_ctx_len[None])
     ok &= real
-    for k, (i, logical) in enumerate(zip(pool_ids, logical_pages)):
+    for i, logical in zip(pool_ids, logical_pages):
         ok &= _pages_match(kv.page_tables[i][slot], logical, spec.pools[i].max_pages_per_seq)
     ok &= jnp.all(jnp.stack([checksum_of(b) for b in buffers]) == checksums)
     pools = list(kv.pools)
@@ -205,8 +233,7 @@ def import_step(state: StepState, slot, target_len, draft_ctx_len, first_token, 
     if mode == "shared":
         out = out.replace(drafts=state.drafts.at[ids].set(
             jnp.where(ok, drafts, state.drafts[ids])))
-    state = out
-    return state, ok[0]
+    return out, ok[0]
 
 
 @_at_precision
@@ -251,15 +278,22 @@ class KVPayload:
 
 
 def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
-                    export=export_step) -> list[KVPayload]:
-    """Dispatch `export` (`export_step`, or it placed on a mesh) for prefilled slots, one
-    call each (no host sync). rows: (slot, target_len, draft_ctx_len) per request."""
-    pool_ids, out = sent_pool_ids(spec, mode), []
-    for slot, t, d in rows:
-        logical = sent_logical_pages(spec, pool_ids, t, d)
-        buffers, sums, first, drafts = export(state, np.int32(slot), logical,
-                                              pool_ids=pool_ids)
-        out.append(KVPayload(t, d, first, drafts, pool_ids, logical, buffers, sums, mode))
+                    export=export_step, rows_per_call: int = 1) -> list[KVPayload]:
+    """Dispatch `export` (`export_step`, or it placed on a mesh) for prefilled slots
+    (no host sync), grouped by `call_groups`. rows: (slot, target_len, draft_ctx_len)
+    per request; payloads in their order."""
+    pool_ids, out = sent_pool_ids(spec, mode), [None] * len(rows)
+    logicals = [sent_logical_pages(spec, pool_ids, t, d) for _, t, d in rows]
+    keys = [tuple(len(p) for p in logical) for logical in logicals]
+    for key, idx in call_groups(keys, rows_per_call):
+        pad = (np.int32(spec.dummy_slot), tuple(np.full(n, BAD_PAGE_INDEX, np.int32)
+                                                for n in key))
+        args = tuple((np.int32(rows[i][0]), logicals[i]) for i in idx)
+        got = export(state, args + (pad,) * (padded_rows(len(idx), rows_per_call) - len(idx)),
+                     pool_ids=pool_ids)
+        for i, (buffers, sums, first, drafts) in zip(idx, got):
+            _, t, d = rows[i]
+            out[i] = KVPayload(t, d, first, drafts, pool_ids, logicals[i], buffers, sums, mode)
     return out
 
 

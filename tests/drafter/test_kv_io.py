@@ -68,12 +68,13 @@ def _exports(sender, n):
 
 
 @pytest.mark.parametrize("mode,redrafts", [("shared", 0), ("private", 1)])
-def test_a_burst_moves_a_call_a_request_and_a_bad_row_fails_alone(pair, mode, redrafts):
-    """Three prompts leave in an export call each and arrive in an import call each; in
-    shared mode each brings its sender's first draft block (no redraft: acceptance step
-    by step equals aggregated serving), in private mode one redraft call drafts for all.
-    The row whose checksum is wrong fails, the others generate what aggregated serving
-    does, and every page comes back."""
+def test_a_burst_of_one_bucket_moves_in_one_call_each_way_and_a_bad_row_fails_alone(
+        pair, mode, redrafts):
+    """Three prompts of one page bucket, prefilled in one step, leave in one export call
+    and arrive in one import call; in shared mode each brings its sender's first draft
+    block (no redraft: acceptance step by step equals aggregated serving), in private
+    mode one redraft call drafts for all. The row whose checksum is wrong fails, the
+    others generate what aggregated serving does, and every page comes back."""
     params, cfg, _ = pair
     prompts = {f"r{i}": [(7 * i + j) % 60 + 1 for j in range(n)]
                for i, n in enumerate((17, 20, 22))}
@@ -81,7 +82,7 @@ def test_a_burst_moves_a_call_a_request_and_a_bad_row_fails_alone(pair, mode, re
     for rid, prompt in prompts.items():
         sender.add_request(rid, prompt, 4)
     exports = _exports(sender, 3)
-    assert sender.executor.calls["export"] == 3 and len(exports) == 3
+    assert sender.executor.calls["export"] == 1 and len(exports) == 3
     payloads = {e.request.request_id: e.payload for e in exports}
     payloads["r1"] = dataclasses.replace(
         payloads["r1"], checksums=np.asarray(payloads["r1"].checksums) + np.uint32(1))
@@ -90,7 +91,7 @@ def test_a_burst_moves_a_call_a_request_and_a_bad_row_fails_alone(pair, mode, re
         receiver.add_request(rid, prompt, 6)
     results = {r.request_id: r for r in receiver.run()}
     calls = receiver.executor.calls
-    assert (calls["import"], calls["redraft"], calls["export"]) == (3, redrafts, 0)
+    assert (calls["import"], calls["redraft"], calls["export"]) == (1, redrafts, 0)
     assert not results["r1"].ok and "checksum" in results["r1"].error
     alone = Engine(params, cfg).generate([prompts["r0"], prompts["r2"]], 6)
     assert [results["r0"].tokens, results["r2"].tokens] == [r.tokens for r in alone]
@@ -100,6 +101,33 @@ def test_a_burst_moves_a_call_a_request_and_a_bad_row_fails_alone(pair, mode, re
     assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
                                                                for p in cfg.spec.pools]
     assert not np.asarray(receiver.state.running).any()
+
+
+def test_a_burst_of_two_buckets_moves_in_a_call_per_bucket_each_way(pair):
+    """Two short prompts and a long one prefilled in one step: one export call and one
+    import call per page bucket (the pair's call padded to the step's rows), and every
+    request generates its own aggregated tokens (outputs go back to the right rows)."""
+    params, cfg, _ = pair
+    prompts = {"a": [(3 * j) % 60 + 1 for j in range(17)],
+               "long": [(5 * j) % 60 + 1 for j in range(70)],
+               "b": [(11 * j) % 60 + 1 for j in range(20)]}
+    sender = Engine(params, cfg, export=True, speculative=False)
+    for rid, prompt in prompts.items():
+        sender.add_request(rid, prompt, 4)
+    exports = _exports(sender, 3)
+    assert sender.executor.transfer_rows == 3
+    assert sender.executor.calls["export"] == 2
+    receiver = Engine(params, cfg, kv_source=OneShot({e.request.request_id: e.payload
+                                                      for e in exports}))
+    for rid, prompt in prompts.items():
+        receiver.add_request(rid, prompt, 6)
+    results = {r.request_id: r for r in receiver.run()}
+    assert receiver.executor.calls["import"] == 2
+    alone = Engine(params, cfg).generate(list(prompts.values()), 6)
+    assert [results[rid].tokens for rid in prompts] == [r.tokens for r in alone]
+    assert [results[rid].acceptance for rid in prompts] == [r.acceptance for r in alone]
+    assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
+                                                               for p in cfg.spec.pools]
 
 
 def test_a_draft_block_of_another_drafter_is_refused_for_its_request_alone(pair):
