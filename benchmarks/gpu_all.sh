@@ -4,7 +4,7 @@
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
 # STAGEs: tests, attention, decode (batch tables, cache baselines, decode speed),
-# attention_small, eval, transfer, serving, load, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
+# attention_small, eval, transfer, serving, engine, load, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -20,12 +20,12 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|attention_small|decode|eval|transfer|serving|load|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|attention|attention_small|decode|eval|transfer|serving|engine|load|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving load scale
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving engine load scale
                                     scale_profile)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
@@ -67,10 +67,12 @@ for stage in "${stages[@]}"; do
     transfer)
       run 270 transfer python3 benchmarks/bench_transfer.py --out "$OUT" ;;
     serving)
-      run 280 serving python3 benchmarks/bench_serving.py --out "$OUT" \
-        --parts demo handoff --repeats 3
+      run 400 serving python3 benchmarks/bench_serving.py --out "$OUT" \
+        --parts demo handoff --repeats 3 ;;
+    engine)
+      # batch 1 then batch 16 (each compiles its own steps: one call for both)
       mkdir -p "$OUT/engine"
-      run 240 serving_engine python3 benchmarks/bench_serving.py --out "$OUT/engine" \
+      run 560 serving_engine python3 benchmarks/bench_serving.py --out "$OUT/engine" \
         --parts engine ;;
     load)
       # 200 requests through serve, both modes, each engine warmed first then two passes of

@@ -276,8 +276,9 @@ class Engine:
 
     def warmup(self, max_len: int | None = None, min_len: int = 0, *,
                sampled: bool = False) -> int:
-        """Compile every call a step makes (decode of 1 and of `decode_steps` steps;
-        prefill of one prompt, of a full step's rows, of none: resets alone) at every
+        """Compile every call a step of this engine's role makes (decode of 1 and of
+        `decode_steps` steps, unless it exports; prefill of one prompt and of a full
+        step's rows, unless its KV comes from a source; of none: resets alone) at every
         table width that rows of `min_len` to `max_len` tokens (default 0 to
         max_seq_len) use; greedy, and with `sampled` also sampling; the exports (a
         context worker) or imports and redrafts (a worker fed by a KV source) of
@@ -288,10 +289,14 @@ class Engine:
         block = self.cfg.block_size
         widths = sorted({self._table_width(n + 2 * block) for n in
                          range(min_len, max_len + 1, self.spec.page_size)})
+        # Only what this role runs: a context (export) never decodes, and a worker fed
+        # by a KV source never prefills (its calls without decode rows only empty slots).
         prefill_rows = sorted({self._prefill_rows(n)   # 0: a call that only empties slots
-                               for n in range(0, self.scheduler.max_prefill_rows + 1)})
-        self.executor.warm(widths, decode_steps=sorted({1, self.decode_steps}),
-                           prefill_rows=prefill_rows, sampled=sampled)
+                               for n in range(0, self.scheduler.max_prefill_rows + 1)}
+                              if self.kv_source is None else {0})
+        decode_steps = [] if self.export else sorted({1, self.decode_steps})
+        self.executor.warm(widths, decode_steps=decode_steps, prefill_rows=prefill_rows,
+                           sampled=sampled)
         lengths = range(max(min_len, 1), max_len + 1)
         if self.scheduler.export or self.kv_source is not None:   # one per page bucket
             self.executor.warm_transfers(lengths, exports=self.scheduler.export,
