@@ -96,7 +96,6 @@ class Executor:
         # A receiver drafts its arrivals' first block itself only without the sender's
         # draft KV (private mode); in shared mode the sender's block arrives with the KV.
         self._redrafts = cfg.draft is not None and mode == "private"
-        self._keeps_sender_drafts = mode == "shared"
         self._empty_payloads: dict = {}
         self._no_drafts = jax.device_put(np.zeros(self.state.drafts.shape[1:], np.int32),
                                          self._scalar_sharding)
@@ -314,7 +313,7 @@ class Executor:
         args = []
         for slot, payload in rows:
             first, drafts, sums = payload.first_token, payload.drafts, payload.checksums
-            if not self._keeps_sender_drafts:  # any sender's block (none, without a drafter)
+            if self.mode != "shared":  # any sender's block (none, without a drafter)
                 drafts = self._no_drafts
             if not isinstance(first, jax.Array):
                 first = jax.device_put(np.int32(first), self._scalar_sharding)
