@@ -227,13 +227,14 @@ def _import_row(state: StepState, slot, target_len, draft_ctx_len, first_token, 
             for o in draft_offsets:
                 pools[i] = pools[i].at[:, pages, o].set(0, mode="drop")
     kv = release_slots(spec, kv.replace(pools=tuple(pools)), jnp.where(ok, spec.dummy_slot, ids))
-    out = state.replace(kv=kv, anchors=state.anchors.at[ids].set(
-                            jnp.where(ok, first_token, state.anchors[ids])),
-                        running=state.running.at[ids].set(ok | state.running[ids] & ~real))
-    if mode == "shared":
-        out = out.replace(drafts=state.drafts.at[ids].set(
-            jnp.where(ok, drafts, state.drafts[ids])))
-    return out, ok[0]
+    if mode == "shared":  # private mode: redraft_step drafts the slot
+        drafts = state.drafts.at[ids].set(jnp.where(ok, drafts, state.drafts[ids]))
+    else:
+        drafts = state.drafts
+    return state.replace(kv=kv, drafts=drafts, anchors=state.anchors.at[ids].set(
+                             jnp.where(ok, first_token, state.anchors[ids])),
+                         running=state.running.at[ids].set(ok | state.running[ids] & ~real)
+                         ), ok[0]
 
 
 @_at_precision
