@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from drafter.shapes import qwen3_8b_pair, random_params
 from drafter.steps import StepConfig, decode_step, init_step_state, plain_decode_step, prefill_step
-from models.layers import stack_params, unstack_params
+from models.layers import step_params
 from unified_kv import CacheSpec, bucket_width, init_state
 
 
@@ -42,8 +42,8 @@ def step_config(tcfg, dcfg, *, batch: int, context: int, chunk: int, impl: str,
 
 def abstract_args(cfg: StepConfig, batch: int, chunk: int):
     """(params, state, slot_ids, tokens, lens, is_last, key) as ShapeDtypeStructs."""
-    form = stack_params if cfg.scans_layers else unstack_params
-    params = jax.eval_shape(lambda: form(random_params(cfg.target, cfg.draft)))
+    params = jax.eval_shape(lambda: step_params(random_params(cfg.target, cfg.draft),
+                                                cfg.scans_layers))
     state = jax.eval_shape(lambda: init_step_state(cfg, init_state(cfg.spec)))
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))

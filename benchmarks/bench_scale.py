@@ -37,7 +37,7 @@ from benchmarks.timing import (device_copy_bandwidth, device_matmul_peak, report
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
-from models.layers import stack_params, unstack_params
+from models.layers import step_params
 from drafter.steps import StepConfig
 from disagg.frontend import kv_budget_bytes
 from unified_kv import CacheSpec, budget_for, capacity
@@ -127,7 +127,8 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
             row["compute_bound_ms"] = compute * 1e3
             row["over_compute_bound"] = dev["device_step_ms"] * 1e-3 / compute
         print(f"  b{batch} ctx {context} {name}: device step {dev['device_step_ms']:.2f} ms "
-              f"(roofline {roof * 1e3:.2f} ms)", flush=True)
+              f"(roofline {roof * 1e3:.2f} ms), {dev['rows']} rows, "
+              f"{dev['tokens_per_step']:.2f} tokens a step", flush=True)
         if host:
             row.update(host)
             row["engine_over_device"] = row["engine_tokens_per_s"] / dev["device_tokens_per_s"]
@@ -190,7 +191,7 @@ def main(argv=None) -> dict:
     # once, in the form the steps run (the engines then take them as they are)
     probe = step_config(tcfg, dcfg, 1, 1024, args.layer_loop)
     params = random_params(tcfg, dcfg)
-    params = stack_params(params) if probe.scans_layers else unstack_params(params)
+    params = step_params(params, probe.scans_layers)
     report = {"device": jax.devices()[0].device_kind, "target_layers": args.layers,
               "layer_loop": "scan" if probe.scans_layers else "unrolled",
               "weight_bytes": {"target": param_bytes(params["target"]),

@@ -38,7 +38,7 @@ from drafter.default import default_step_config, load_default
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import qwen3_8b_pair, random_params
-from models.layers import stack_params, unstack_params
+from models.layers import step_params
 
 # launches that are the profiler's own or the host's, not the step's kernels
 _NOT_KERNELS = re.compile(r"^(Memcpy|Memset|cuda|cu[A-Z]|ThunkExecutor|\$)")
@@ -128,7 +128,7 @@ def load_pair(args):
                                **({"vocab_size": 4096} if args.quick else {}))
     probe = step_config(tcfg, dcfg, args.batch, args.context, args.layer_loop)
     params = random_params(tcfg, dcfg)
-    params = stack_params(params) if probe.scans_layers else unstack_params(params)
+    params = step_params(params, probe.scans_layers)
     return params, tcfg, dcfg, lambda draft: dataclasses.replace(
         step_config(tcfg, draft, args.batch, args.context, args.layer_loop),
         matmul_precision=args.precision)

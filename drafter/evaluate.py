@@ -111,7 +111,7 @@ def device_rate(engine, steps: int, repeats: int, *, donate: bool = False) -> di
     tokens = [(after - before) / steps for before, after in zip(lens, lens[1:])]
     step_s, per_step = float(np.median(seconds)), float(np.mean(tokens))
     return {"device_step_ms": step_s * 1e3, "tokens_per_step": per_step,
-            "device_tokens_per_s": per_step / step_s}
+            "device_tokens_per_s": per_step / step_s, "rows": len(held)}
 
 
 def tokens_per_second(params, tcfg, dcfg, prompts, batch, *, steps: int = 32,

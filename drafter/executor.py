@@ -22,7 +22,7 @@ from drafter.kv_io import (KVPayload, call_groups, export_payloads, export_step,
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
-from models.layers import stack_params, unstack_params
+from models.layers import step_params
 from unified_kv import BAD_PAGE_INDEX, bucket_width, init_state
 
 
@@ -72,10 +72,9 @@ class Executor:
         self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
         self.transfer_rows = transfer_rows
         self.speculative, self.mode = speculative, mode
-        # Layers as the steps run them: stacked once for a scan (stacking copies), else
-        # one dict of arrays per layer.
-        self.params = self._place(stack_params(params) if cfg.scans_layers
-                                  else unstack_params(params))
+        # Layers as the steps run them (stacked for a scan, else one dict per layer;
+        # projections fused), converted once: it copies every layer weight.
+        self.params = self._place(step_params(params, cfg.scans_layers))
         self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(_traced_on_mesh, mesh)
         self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))

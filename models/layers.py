@@ -7,8 +7,9 @@ Layers are held in one of two forms, and the form picks how a step runs them:
     stacked (scan)         params["layers"] = {name: [num_layers, ...] array}
 
 Checkpoints and training hold the first. `stack_params` / `unstack_params` turn
-one into the other; executors call one of them once at load (StepConfig.layer_loop),
-since stacking copies every weight.
+one into the other; executors call `step_params` once at load (StepConfig.layer_loop),
+which also fuses the projections that share an input (q|k|v, gate|up), since
+stacking and fusing copy every weight.
 
 A layer's static needs are its pool, window, KV dtype and fp8 scales (its *kind*);
 its offset inside the pool is data. `layer_runs` cuts a role's layers into runs
@@ -65,6 +66,34 @@ def stack_params(params: dict) -> dict:
 def unstack_params(params: dict) -> dict:
     """Step params with every model's layers as a list of per-layer dicts."""
     return {name: dict(model, layers=unstack_layers(model["layers"]))
+            if isinstance(model, dict) and "layers" in model else model
+            for name, model in params.items()}
+
+
+# Projections of one input that the step form holds as one matrix each: one matmul
+# launch instead of two or three, and nothing to concatenate per call (XLA merges dots
+# that share an input by concatenating their weights, which in a scanned step copies
+# them on every layer of every call).
+FUSED_PROJECTIONS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+
+
+def fuse_projections(layer: dict) -> dict:
+    """A layer's weights (one layer's dict, or stacked) with each FUSED_PROJECTIONS group
+    concatenated along the output axis (already fused, or no such group: as is)."""
+    out = dict(layer)
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if all(name in out for name in parts):
+            out[fused] = jnp.concatenate([out.pop(name) for name in parts], axis=-1)
+    return out
+
+
+def step_params(params: dict, scan: bool) -> dict:
+    """Params ({"target": ..., "draft": ...}) in the form the steps read: layers stacked
+    for a scan (`scan`) or one dict per layer, projections fused (`fuse_projections`).
+    Executors convert once at load, since both copy every layer weight."""
+    params = stack_params(params) if scan else unstack_params(params)
+    return {name: dict(model, layers=fuse_projections(model["layers"]) if scan
+                       else [fuse_projections(layer) for layer in model["layers"]])
             if isinstance(model, dict) and "layers" in model else model
             for name, model in params.items()}
 

@@ -159,16 +159,26 @@ def rope(x, positions, theta, scaling: RopeScaling | None = None):
 
 
 def mlp(p, x):
-    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+    """SwiGLU over separate gate / up weights, or the step form's fused "gate_up"."""
+    if "gate_up" in p:
+        gate, up = jnp.split(x @ p["gate_up"], 2, axis=-1)
+    else:
+        gate, up = x @ p["gate"], x @ p["up"]
+    return (jax.nn.silu(gate) * up) @ p["down"]
 
 
 def qkv(p, x, positions, num_heads, num_kv_heads, head_dim, theta, eps,
         scaling: RopeScaling | None = None):
     """Projections, per-head q/k RMSNorm, RoPE. x: [B, T, H] -> q [B,T,Hq,D], k, v [B,T,Hkv,D]."""
     b, t, _ = x.shape
-    q = (x @ p["q"]).reshape(b, t, num_heads, head_dim)
-    k = (x @ p["k"]).reshape(b, t, num_kv_heads, head_dim)
-    v = (x @ p["v"]).reshape(b, t, num_kv_heads, head_dim)
+    if "qkv" in p:  # the step form (models/layers.py, `fuse_projections`)
+        q, k, v = jnp.split(x @ p["qkv"], [num_heads * head_dim,
+                                           (num_heads + num_kv_heads) * head_dim], axis=-1)
+    else:
+        q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+    q = q.reshape(b, t, num_heads, head_dim)
+    k = k.reshape(b, t, num_kv_heads, head_dim)
+    v = v.reshape(b, t, num_kv_heads, head_dim)
     q = rope(rms_norm(q, p["q_norm"], eps), positions, theta, scaling)
     k = rope(rms_norm(k, p["k_norm"], eps), positions, theta, scaling)
     return q, k, v

@@ -2,11 +2,13 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from models.checkpoint import fingerprint
-from models.layers import layer_runs, stack_params, unstack_layers
-from models.qwen3 import Qwen3Config, init_params
+from models.layers import (FUSED_PROJECTIONS, layer_runs, stack_params, step_params,
+                           unstack_layers, unstack_params)
+from models.qwen3 import Qwen3Config, dense_forward, init_params
 from unified_kv import CacheSpec
 
 
@@ -52,3 +54,22 @@ def test_stacked_and_listed_layers_are_the_same_weights():
     assert fingerprint(changed) != fingerprint(params)
 
 
+
+
+def test_step_params_fuse_projections_and_the_forward_is_unchanged():
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    params = {"target": init_params(cfg, jax.random.key(0))}
+    tokens = jnp.arange(10, dtype=jnp.int32)[None] % 64
+    want = dense_forward(params["target"], cfg, tokens)[0]
+    for scan in (False, True):
+        fused = step_params(params, scan)
+        layers = fused["target"]["layers"]
+        first = layers if scan else layers[0]
+        assert set(FUSED_PROJECTIONS) <= set(first)
+        assert not {"q", "k", "v", "gate", "up"} & set(first)
+        assert first["qkv"].shape[-1] == (4 + 2 + 2) * 8
+        again = step_params(fused, scan)  # already in step form: unchanged
+        assert jax.tree.map(jnp.shape, again) == jax.tree.map(jnp.shape, fused)
+        got = dense_forward(unstack_params(fused)["target"], cfg, tokens)[0]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
