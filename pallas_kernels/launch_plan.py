@@ -22,8 +22,8 @@ from pallas_kernels.pool_layout import pow2_at_least
 MIN_ROWS = 16    # Triton's dot needs at least 16 rows
 FEW_Q_MAX = 16   # "few-query" calls have up to this many query tokens per row: decode, verify, draft block
 FEW_Q_ROWS = 32  # at most this many query rows per block for those (2 warps)
-# Key pages per split for those, when rows x kv heads cannot fill the GPU (measured on the
-# H200 against 32-page splits: docs/decisions.md).
+# Key pages per split: for few-query calls when rows x kv heads cannot fill the GPU
+# (measured on the H200 against 32-page splits: docs/decisions.md), and for prefill always.
 FEW_Q_SPLIT_PAGES = 128
 
 
@@ -94,6 +94,11 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     fewer rows than head_dim (16 at head dim 32) unless q heads per kv head
     alone reach it (docs/decisions.md, "Exactness").
 
+    Prefill (more than FEW_Q_MAX query tokens) always splits keys in
+    FEW_Q_SPLIT_PAGES-page pieces, whatever its rows and table width, so a
+    prompt's KV and logits do not depend on which other prompts share its call
+    or how long they are.
+
     `kv_fp8` (the call reads fp8 KV) sets the fp8 defaults up to FEW_Q_MAX
     query tokens: decode prefetches the page ids one block ahead, verify takes
     5 stages, and both rescale lazily (rescale_threshold=8); docs/decisions.md
@@ -109,19 +114,17 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     pages_per_block = min(pages_per_block, pow2_at_least(table_width))
     programs = batch * num_kv_heads * (1 if few_q else num_q_blocks)
     num_sms = num_sms or device_info().num_sms
-    if num_splits is None and few_q and programs < 2 * num_sms:
-        # Splits of a fixed size: a row's split boundaries, and so its bits,
-        # must not follow the table width, which follows the batch's longest
-        # row and differs between a plain decode step and a verify step at
-        # the same position. Splits past a row's keys add exact zeros.
+    if num_splits is None and few_q and programs >= 2 * num_sms:
+        num_splits = 1  # the rows alone fill the GPU: no split, so no boundary at all
+    if num_splits is None:
+        # Splits of a fixed size: a row's split boundaries, and so its bits, must not
+        # follow the table width (which follows the batch's longest row and differs
+        # between a plain decode step and a verify step at the same position) nor,
+        # for prefill, the batch (which follows who shares the call). Splits past a
+        # row's keys add exact zeros.
         pages_per_split = pl.cdiv(FEW_Q_SPLIT_PAGES, pages_per_block) * pages_per_block
         num_splits = pl.cdiv(table_width, pages_per_split)
     else:
-        if num_splits is None:  # split the keys when the programs cannot fill the GPU twice
-            max_splits = max(table_width // (4 * pages_per_block), 1)
-            num_splits = 1
-            while programs * num_splits < 2 * num_sms and num_splits * 2 <= max_splits:
-                num_splits *= 2
         pages_per_split = (pl.cdiv(pl.cdiv(table_width, num_splits), pages_per_block)
                            * pages_per_block)
     if rescale_threshold is not None and not 0 <= rescale_threshold <= 16:

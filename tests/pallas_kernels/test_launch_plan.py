@@ -38,7 +38,7 @@ def test_measured_defaults():
     assert plan_launch(max_q=2048, kv_fp8=True, **shape) == plan_launch(max_q=2048, **shape)
     prefill = plan_launch(max_q=2048, **shape)
     assert (prefill.rows, prefill.num_warps, prefill.num_q_blocks, prefill.num_splits) == (
-        128, 4, 64, 1)
+        128, 4, 64, 2048 // FEW_Q_SPLIT_PAGES)
     # A 16-token verify at GQA 8 is 128 rows: four 32-row blocks, decode's
     # splits (4 rows x kv heads: splits of FEW_Q_SPLIT_PAGES pages).
     small = dict(batch=2, q_per_kv=8, num_kv_heads=2, head_dim=128, table_width=4096)
@@ -76,3 +76,18 @@ def test_few_query_split_boundaries_do_not_follow_the_table_width(batch, num_kv_
         assert splits == {-(-width // FEW_Q_SPLIT_PAGES) for width in widths}
     else:
         assert splits == {1}  # one split per row: no boundary at all
+
+
+def test_prefill_arithmetic_follows_neither_the_batch_nor_the_table_width():
+    """Under a stream, who shares a prompt's prefill call (its rows) and the longest
+    of them (the table width) follow arrival timing; the prompt's bits must not."""
+    fields = set()
+    for batch in (1, 3, 8, 64):
+        for width in (16, 64, 1024, 4096):
+            for max_q in (256, 512):
+                plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=4, num_kv_heads=8,
+                                   head_dim=128, table_width=width)
+                # the split count only covers the width: boundaries sit at the same pages
+                assert plan.num_splits == -(-width // FEW_Q_SPLIT_PAGES)
+                fields.add(arithmetic(plan._replace(num_splits=0)))
+    assert len(fields) == 1

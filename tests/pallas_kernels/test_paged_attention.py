@@ -312,3 +312,18 @@ def test_prefetched_page_ids_change_no_bit(interpret, name):
         np.asarray(paged_attention(q, pool, table, kv_lens, q_lens,
                                    options=options._replace(prefetch_page_ids=True), **args)),
         np.asarray(paged_attention(q, pool, table, kv_lens, q_lens, options=options, **args)))
+
+
+def test_a_prefill_rows_bits_follow_neither_its_call_nor_the_table_width(interpret,
+                                                                         monkeypatch):
+    """Under a stream, which prompts share a prefill call and the longest of them
+    (the table width) follow arrival timing: a prompt's attention must not."""
+    import pallas_kernels.launch_plan as launch_plan
+    monkeypatch.setattr(launch_plan, "FEW_Q_SPLIT_PAGES", 4)  # several splits per row
+    q, pool, table, kv_lens, q_lens = make_case(
+        np.random.default_rng(11), batch=3, max_q=24, num_q_heads=4, num_kv_heads=2,
+        kv_lens=[120, 300, 40], q_lens=[24, 24, 10])
+    kw = dict(layer_offset=1, options=LaunchOptions(pages_per_block=2), interpret=interpret)
+    together = paged_attention(q, pool, table, kv_lens, q_lens, **kw)
+    alone = paged_attention(q[:1], pool, table[:1, :15], kv_lens[:1], q_lens[:1], **kw)
+    np.testing.assert_array_equal(np.asarray(together[0]), np.asarray(alone[0]))
