@@ -4,7 +4,7 @@
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
 # STAGEs: tests, attention, decode (batch tables, cache baselines, decode speed),
-# attention_small, eval, transfer, serving, engine, load, scale, scale_profile. Each fits one 600 s device call (the device tool's limit): every
+# attention_small, eval, transfer, serving, engine, load, scale, scale_long, scale_profile. Each fits one 600 s device call (the device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -20,13 +20,13 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|attention_small|decode|eval|transfer|serving|engine|load|scale|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|attention|attention_small|decode|eval|transfer|serving|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
 [ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving engine load scale
-                                    scale_profile)
+                                    scale_long scale_profile)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
   if [ -n "${DRY_RUN:-}" ]; then echo "[$limit s] $*"; return; fi
@@ -83,19 +83,25 @@ for stage in "${stages[@]}"; do
     scale)
       # the Qwen3-8B-shaped pair, scanned layers (an unrolled 36-layer step compiles for
       # about a minute per program): batch 1 first (the goal keys), then batch 32
-      run 500 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32 \
-        --layer-loop scan --steps 8 ;;
+      run 470 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32 \
+        --layer-loop scan --steps 8
+      # speculative == plain greedy at a real per-layer shape, the shipped precision
+      run 100 precision python3 -m pytest -q -p no:cacheprovider tests/drafter/test_precision.py ;;
+    scale_long)
+      # 8K prompts at batch 1: prefill utilisation and the step over a longer context
+      run 500 scale_long python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
+        --contexts 8192 --layer-loop scan --steps 8 --tag _8k ;;
     scale_profile)
       # kernel by kernel at 8 layers: unrolled (the GPU default) and scanned, same run
       run 170 profile_unrolled python3 benchmarks/profile_step.py --layers 8 \
-        --layer-loop unrolled --precision default --out "$OUT"
+        --layer-loop unrolled --precision auto --out "$OUT"
       run 170 profile_scan python3 benchmarks/profile_step.py --layers 8 \
-        --layer-loop scan --precision default --out "$OUT"
+        --layer-loop scan --precision auto --out "$OUT"
       # the embedded pair at batch 16: the engine's calls beside the device loop, kernel by
       # kernel (engine_over_device_b16)
       run 120 profile_engine_b16 python3 benchmarks/profile_step.py --pair embedded \
         --batch 16 --context 128 --engine 8 --out "$OUT"
-      run 120 precision python3 -m pytest -q -p no:cacheprovider tests/drafter/test_precision.py ;;
+      ;;
     two_gpu)
       # every part a child process under its own limit (130 + 90 + 300 s)
       run 590 two_gpu python3 benchmarks/bench_two_gpu.py --out "$OUT" --parts tp hetero remote ;;

@@ -1,7 +1,7 @@
 """Where a decode step's device time goes, kernel by kernel, at the 8B shape.
 
     PYTHONPATH=. python benchmarks/profile_step.py [--layers 36] [--batch 1]
-        [--context 1024] [--layer-loop auto] [--precision highest] [--top 25]
+        [--context 1024] [--layer-loop auto] [--precision auto] [--top 25]
         [--engine CALLS] [--pair 8b|embedded] [--out DIR]
 
 Prefills `batch` random prompts of `context` tokens, then runs the plain and
@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unrolled"))
-    ap.add_argument("--precision", default="highest",
+    ap.add_argument("--precision", default="auto",
                     help="StepConfig.matmul_precision: highest, default or auto")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)

@@ -63,13 +63,14 @@ class StepConfig:
     spec: CacheSpec
     draft: DFlashConfig | None = None
     impl: str = "auto"
-    # f32-exact matmuls by default. On GPUs XLA's default rounds f32 inputs to
-    # TF32, and the 1-token plain step and the K+1-token verify then round
-    # differently enough to flip near-tied argmaxes: greedy speculative output
-    # would stop matching plain greedy decoding. "auto" (`matmul_precision_for`)
-    # runs bf16 weights at the default precision; it is not the default because
-    # greedy equality under it is not established on the GPU.
-    matmul_precision: str = "highest"
+    # "auto" (`matmul_precision_for`): f32-exact matmuls when any weight is f32, else
+    # the default precision. On GPUs XLA's default rounds f32 inputs to TF32, and the
+    # 1-token plain step and the K+1-token verify then round differently enough to flip
+    # near-tied argmaxes, so f32 weights get "highest". bf16 weights gain no exactness
+    # from it (their products are exact in f32 either way; at 8B shape both settings
+    # part only at near-ties, docs/decisions.md), and it costs the 1-row decode step its
+    # cuBLAS matmuls: XLA rewrites them as f32 reductions at half the speed.
+    matmul_precision: str = "auto"
     # How a step runs a model's layers (models/layers.py): "scan" compiles one
     # body per run of alike layers, over stacked weights read by a traced index;
     # "unrolled" traces every layer over its own weight arrays. "auto": unrolled

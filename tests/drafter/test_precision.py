@@ -2,6 +2,8 @@
 plain greedy output under it (on the GPU at a real per-layer shape, up to near-ties of
 the exact logits)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,9 @@ import pytest
 
 from drafter.engine import Engine
 from drafter.shapes import qwen3_8b_pair, random_params
-from drafter.steps import StepConfig, matmul_precision_for
-from models.qwen3 import dense_forward
-from unified_kv import CacheSpec
+from drafter.steps import StepConfig, init_step_state, matmul_precision_for, plain_decode_step
+from models.qwen3 import Qwen3Config, dense_forward, init_params
+from unified_kv import CacheSpec, init_state
 
 
 def test_precision_follows_the_weight_dtype():
@@ -21,6 +23,24 @@ def test_precision_follows_the_weight_dtype():
     assert matmul_precision_for(mixed) == "highest"   # any f32 weight: f32-exact matmuls
     assert matmul_precision_for(bf16, "highest") == "highest"  # an explicit choice wins
     assert matmul_precision_for({"w": jnp.zeros(2)}, "auto") == "highest"
+
+
+@pytest.mark.parametrize("dtype,highest", [(jnp.bfloat16, False), (jnp.float32, True)])
+def test_the_shipped_steps_run_bf16_weights_at_the_default_precision(dtype, highest):
+    """A StepConfig left at its default traces bf16 weights without f32-exact matmuls
+    (on GPUs those turn the 1-row decode step's matmuls into slow f32 reductions) and
+    f32 weights with them."""
+    tcfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+                       num_heads=4, num_kv_heads=2, head_dim=8)
+    params = {"target": init_params(tcfg, jax.random.key(0), dtype)}
+    spec = CacheSpec(page_size=8, layers=tuple(tcfg.layer_specs("bf16")), num_slots=2,
+                     max_seq_len=64, memory_budget_bytes=1 << 20, max_step_tokens=16)
+    cfg = StepConfig(tcfg, spec)
+    state = init_step_state(cfg, init_state(spec))
+    step = jax.jit(functools.partial(plain_decode_step, cfg=cfg, table_width=8))
+    hlo = step.lower(params, state, jnp.zeros(1, jnp.int32), jax.random.key(0)).as_text()
+    assert " dot(" in hlo or "dot_general" in hlo
+    assert ("HIGHEST" in hlo) == highest
 
 
 # A divergence between speculative and plain greedy output is a numeric near-tie, not a
