@@ -84,13 +84,14 @@ for stage in "${stages[@]}"; do
       # the Qwen3-8B-shaped pair, scanned layers (an unrolled 36-layer step compiles for
       # about a minute per program): batch 1 first (the goal keys), then batch 32
       run 470 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32 \
-        --layer-loop scan --steps 8
-      # speculative == plain greedy at a real per-layer shape, the shipped precision
-      run 100 precision python3 -m pytest -q -p no:cacheprovider tests/drafter/test_precision.py ;;
+        --layer-loop scan --steps 8 ;;
     scale_long)
       # 8K prompts at batch 1: prefill utilisation and the step over a longer context
-      run 500 scale_long python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
-        --contexts 8192 --layer-loop scan --steps 8 --tag _8k ;;
+      run 330 scale_long python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
+        --contexts 8192 --layer-loop scan --steps 8 --tag _8k
+      # speculative == plain greedy at a real per-layer shape, the shipped precision
+      run 240 precision python3 -m pytest -q -p no:cacheprovider -rA \
+        tests/drafter/test_precision.py ;;
     scale_profile)
       # kernel by kernel at 8 layers: unrolled (the GPU default) and scanned, same run
       run 170 profile_unrolled python3 benchmarks/profile_step.py --layers 8 \

@@ -26,7 +26,9 @@ def run_both(params, speculative_cfg, plain_cfg, prompts, max_new, arrivals=None
     (3, 6, dict(block_size=8, target_window=8, draft_window=8)),  # windows of one page
 ])
 def test_speculative_equals_plain_greedy(num_slots, num_prompts, kwargs):
-    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=num_slots, **kwargs)
+    # room for the GPU engine's lookahead: 8 decode steps a call, each reserving a block
+    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=num_slots, max_seq_len=256,
+                                                   **kwargs)
     rng = np.random.default_rng(num_slots)
     # Lengths around page (8) and window (8/16) boundaries.
     lengths = rng.choice([1, 7, 8, 9, 15, 16, 17, 31, 33], num_prompts)
