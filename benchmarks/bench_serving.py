@@ -308,6 +308,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test on CPU")
     ap.add_argument("--parts", nargs="+", default=["demo", "handoff", "engine", "load"])
+    ap.add_argument("--engine-batches", type=int, nargs="+", default=[1, 16],
+                    help="batches the engine part measures")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--load-requests", type=int, default=200)
     ap.add_argument("--load-passes", type=int, default=1,
@@ -335,7 +337,7 @@ def main(argv=None) -> dict:
     else:
         demo_prompts = [q["tokens"] for q in held_out if q["length"] <= 512][:6]
         handoff_prompts, load_prompts_ = by_len, [q["tokens"] for q in held_out]
-        repeats, new, batches, steps = args.repeats, 48, [1, 16], 32
+        repeats, new, batches, steps = args.repeats, 48, args.engine_batches, 32
 
     def save() -> None:
         """The parts so far: a run stopped at its time limit keeps what it measured."""

@@ -3,8 +3,10 @@
 #
 #   OUT=DIR bash benchmarks/gpu_all.sh [STAGE...]   # default: every stage, in this order
 #
-# STAGEs: tests, attention, decode (batch tables, cache baselines, decode speed),
-# attention_small, eval, transfer, serving, engine, load, scale, scale_long, scale_profile. Each fits one 600 s device call (the device tool's limit): every
+# STAGEs: tests, lossless (speculative == plain greedy on the GPU), attention, decode
+# (batch tables, cache baselines, decode speed), attention_small, eval, transfer, serving,
+# engine, load, scale, scale_long, scale_profile. Each fits one 600 s device call (the
+# device tool's limit): every
 # step has its own timeout, so a slow or hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
@@ -20,12 +22,12 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|attention|attention_small|decode|eval|transfer|serving|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|lossless|attention|attention_small|decode|eval|transfer|serving|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention attention_small decode eval transfer serving engine load scale
+[ ${#stages[@]} -eq 0 ] && stages=(tests lossless attention attention_small decode eval transfer serving engine load scale
                                     scale_long scale_profile)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
@@ -47,6 +49,10 @@ for stage in "${stages[@]}"; do
         tests/pallas_kernels/test_gpu_compiled.py \
         tests/pallas_kernels/test_paged_attention_gluon.py tests/pallas_kernels/test_gluon_call.py \
         tests/drafter/test_tensor_parallel.py ;;
+    lossless)
+      # speculative == plain greedy token for token with the GPU's kernels and lookahead
+      run 400 pytest_lossless python3 -m pytest -q -p no:cacheprovider \
+        tests/drafter/test_lossless.py tests/drafter/test_precision.py ;;
     attention)
       run 330 paged_attention python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         "${bench_args[@]}"
