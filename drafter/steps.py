@@ -33,6 +33,11 @@ from unified_kv import (CacheSpec, KVState, allocate_pages, grow, release_slots,
                         retire_window_pages)
 
 
+# Deepest model a GPU step unrolls under layer_loop="auto" (docs/decisions.md, Layers in
+# a step): compile time grows with depth, step time gains little past this.
+MAX_UNROLLED_GPU_LAYERS = 8
+
+
 @flax.struct.dataclass
 class StepState:
     """The device state every step threads through (donated): the cache and each
@@ -73,9 +78,11 @@ class StepConfig:
     matmul_precision: str = "auto"
     # How a step runs a model's layers (models/layers.py): "scan" compiles one
     # body per run of alike layers, over stacked weights read by a traced index;
-    # "unrolled" traces every layer over its own weight arrays. "auto": unrolled
-    # on GPUs, where its Triton matmuls beat the cuBLAS ones a GPU scan needs
-    # (`compiler_options`), scan elsewhere.
+    # "unrolled" traces every layer over its own weight arrays. "auto": unrolled on
+    # GPUs for models of at most MAX_UNROLLED_GPU_LAYERS layers (Triton matmuls beat
+    # the cuBLAS ones a GPU scan needs, `compiler_options`), scan for deeper ones
+    # (an unrolled 36-layer step compiles for about a minute per program) and on
+    # every other backend.
     layer_loop: str = "auto"
 
     @property
@@ -84,7 +91,8 @@ class StepConfig:
             raise ValueError(f"layer_loop {self.layer_loop!r} is unknown; use 'auto', 'scan' "
                              "or 'unrolled'")
         if self.layer_loop == "auto":
-            return jax.default_backend() != "gpu"
+            depth = max(self.target.num_layers, self.draft.num_layers if self.draft else 0)
+            return jax.default_backend() != "gpu" or depth > MAX_UNROLLED_GPU_LAYERS
         return self.layer_loop == "scan"
 
     @property

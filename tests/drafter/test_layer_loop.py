@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from drafter.engine import Engine
+from drafter.steps import MAX_UNROLLED_GPU_LAYERS
 from tests.drafter.tiny import tiny_pair
 
 
@@ -23,9 +24,17 @@ def test_scanned_and_unrolled_layers_generate_the_same_tokens_and_acceptance():
     assert runs["scan"] == runs["unrolled"]
 
 
-def test_layer_loop_auto_scans_except_on_gpus_and_unknown_names_are_refused():
+def test_layer_loop_auto_scans_except_shallow_models_on_gpus_and_unknown_names_are_refused(
+        monkeypatch):
     _, cfg, _ = tiny_pair()
     assert cfg.scans_layers == (jax.default_backend() != "gpu")
+    depth = MAX_UNROLLED_GPU_LAYERS + 1
+    deep = dataclasses.replace(cfg, target=dataclasses.replace(
+        cfg.target, num_layers=depth, layer_types=(cfg.target.layer_types[0],) * depth))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not cfg.scans_layers and deep.scans_layers  # a deep model compiles one body
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert cfg.scans_layers and deep.scans_layers
     with pytest.raises(ValueError, match="layer_loop 'loop'"):
         dataclasses.replace(cfg, layer_loop="loop").scans_layers
 
