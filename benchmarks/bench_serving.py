@@ -364,11 +364,13 @@ def main(argv=None) -> dict:
     if "engine" in args.parts:
         print("engine over device (speculative):", flush=True)
         short = [q["tokens"] for q in held_out if q["length"] == 128]
-        report["engine"] = engine_part(params, tcfg, dcfg, [s[:40] for s in short] if args.quick
-                                       else short, batches, steps, args.decode_steps)
-        for b in batches:
+        report["engine"] = {}
+        for b in batches:  # saved after each batch: a run cut at its limit keeps the first
+            report["engine"].update(engine_part(
+                params, tcfg, dcfg, [s[:40] for s in short] if args.quick else short, [b],
+                steps, args.decode_steps))
             report[f"engine_over_device_b{b}"] = report["engine"][f"b{b}"]["ratio"]
-        save()
+            save()
     if "load" in args.parts:
         print("load run through serve:", flush=True)
         def progress(load):

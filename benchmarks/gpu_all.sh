@@ -76,10 +76,11 @@ for stage in "${stages[@]}"; do
       run 400 serving python3 benchmarks/bench_serving.py --out "$OUT" \
         --parts demo handoff --repeats 3 ;;
     engine)
-      # batch 1 then batch 16 (each compiles its own steps: one call for both)
+      # batch 16 then batch 1 (each compiles its own steps: one call for both; the part
+      # writes after each batch, so a run cut at its limit keeps batch 16)
       mkdir -p "$OUT/engine"
       run 560 serving_engine python3 benchmarks/bench_serving.py --out "$OUT/engine" \
-        --parts engine ;;
+        --parts engine --engine-batches 16 1 ;;
     load)
       # 200 requests through serve, both modes, each engine warmed first then two passes of
       # the stream (requests differing between passes of one mode and between modes)
