@@ -25,6 +25,7 @@ from disagg.kv_format import KVFormat, PairMismatch, check_kv_formats
 from disagg.transfer import TransferError
 from disagg.wire import kv_format_from_wire, kv_format_to_wire
 from models.checkpoint import fingerprint
+from models.layers import fused_parts
 
 
 class ModelMismatch(PairMismatch):
@@ -39,10 +40,15 @@ class Weights:
     draft: str | None
 
     @classmethod
-    def of(cls, params) -> "Weights":
-        draft = params.get("draft")
-        return cls(fingerprint(params["target"]),
-                   fingerprint(draft) if draft is not None else None)
+    def of(cls, params, cfg=None) -> "Weights":
+        """Of checkpoint-form `params`, or with `cfg` (their StepConfig) of the step form
+        an engine holds (projections fused): the same weights fingerprint alike."""
+        def of_model(name, model_cfg):
+            fused = fused_parts(model_cfg) if cfg is not None else None
+            return fingerprint(params[name], fused=fused)
+        return cls(of_model("target", cfg and cfg.target),
+                   of_model("draft", cfg and cfg.draft) if params.get("draft") is not None
+                   else None)
 
 
 def check_weights(context: Weights, generation: Weights, mode: str) -> None:

@@ -51,7 +51,7 @@ class ContextWorker:
     @functools.cached_property
     def weights(self) -> Weights:
         """Fingerprints of the weights served (disagg.handshake.Weights), computed once."""
-        return Weights.of(self.engine.params)
+        return Weights.of(self.engine.params, self.engine.cfg)
 
     def submit(self, request: Request) -> None:
         self.engine.submit(request)

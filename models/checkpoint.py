@@ -29,6 +29,7 @@ weights being served (one pass on the device), for handshakes between workers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -101,11 +102,16 @@ def _digest(a):
                       for s in (0x1B873593, 0xE6546B64, 0x68E31DA4, 0x27D4EB2F)])
 
 
-_leaf_digest = jax.jit(_digest)
-_stacked_digest = jax.jit(jax.vmap(_digest))  # u32[num_layers, 4]: one per layer slice
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _piece_digest(a, columns, stacked: bool):
+    """u32[4] of `a` (u32[num_layers, 4], one per layer slice, when `stacked`), or of
+    its last-axis `columns` (start, stop) only."""
+    if columns is not None:
+        a = a[..., columns[0]:columns[1]]
+    return jax.vmap(_digest)(a) if stacked else _digest(a)
 
 
-def fingerprint(params) -> str:
+def fingerprint(params, fused=None) -> str:
     """A 32-hex-digit identity of a params pytree, computed on the device in one pass.
 
     Covers every leaf's tree path, shape and values (floats as f32, so a bf16
@@ -113,24 +119,41 @@ def fingerprint(params) -> str:
     weights give equal fingerprints on any device or sharding; a changed
     value changes it. It detects different or damaged weights, not an
     adversary (128 bits of integer mixing, not a cryptographic hash).
+    Layers stacked (models/layers.py) or listed give the same fingerprint, and so
+    do fused projections when `fused` names their parts (`fused_parts`:
+    fused leaf name -> ((part name, width along the last axis), ...)).
     """
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     if not flat:
         return hashlib.sha256(b"empty").hexdigest()[:32]
-    # one call per leaf, on the leaf's own device(s): target and drafter may sit apart
-    digests = jax.device_get([_stacked_digest(leaf) if _stacked_at(path) is not None
-                              else _leaf_digest(leaf) for path, leaf in flat])
+    pieces = []  # (checkpoint path, leaf, last-axis columns or None)
+    for path, leaf in flat:
+        parts = (fused or {}).get(getattr(path[-1], "key", None))
+        if parts is None:
+            pieces.append((path, leaf, None))
+            continue
+        start = 0
+        for name, width in parts:
+            pieces.append((path[:-1] + (jax.tree_util.DictKey(name),), leaf,
+                           (start, start + width)))
+            start += width
+        if start != leaf.shape[-1]:
+            raise ValueError(f"{jax.tree_util.keystr(path)}: parts {parts} cover {start} "
+                             f"columns of {leaf.shape[-1]}")
+    # one call per piece, on the leaf's own device(s): target and drafter may sit apart
+    digests = jax.device_get([_piece_digest(leaf, columns, _stacked_at(path) is not None)
+                              for path, leaf, columns in pieces])
     entries = []
-    for (path, leaf), d in zip(flat, digests):
+    for (path, leaf, columns), d in zip(pieces, digests):
+        shape = leaf.shape if columns is None else (*leaf.shape[:-1], columns[1] - columns[0])
         j = _stacked_at(path)
         if j is None:
-            entries.append((path, leaf.shape, d))
+            entries.append((path, shape, d))
         else:  # a stacked layer leaf counts as its per-layer slices
-            entries += [(path[:j] + (jax.tree_util.SequenceKey(i),) + path[j:], leaf.shape[1:],
-                         d[i]) for i in range(leaf.shape[0])]
-    if len(entries) != len(flat):  # the list form's order: by path, layer index included
-        entries.sort(key=lambda e: tuple(getattr(k, "key", getattr(k, "idx", None))
-                                         for k in e[0]))
+            entries += [(path[:j] + (jax.tree_util.SequenceKey(i),) + path[j:], shape[1:],
+                         d[i]) for i in range(shape[0])]
+    # the list form's order (tree_flatten's): by path, layer index included
+    entries.sort(key=lambda e: tuple(getattr(k, "key", getattr(k, "idx", None)) for k in e[0]))
     h = hashlib.sha256()
     for path, shape, d in entries:
         h.update(f"{jax.tree_util.keystr(path)}:{tuple(shape)}:".encode())

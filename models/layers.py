@@ -87,6 +87,15 @@ def fuse_projections(layer: dict) -> dict:
     return out
 
 
+def fused_parts(cfg) -> dict:
+    """How a model's fused leaves split back into its checkpoint's (`fingerprint`'s
+    `fused`): fused name -> ((part, width along the last axis), ...). `cfg`: a
+    Qwen3Config or DFlashConfig."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv": (("q", q), ("k", kv), ("v", kv)),
+            "gate_up": (("gate", cfg.intermediate_size), ("up", cfg.intermediate_size))}
+
+
 def step_params(params: dict, scan: bool) -> dict:
     """Params ({"target": ..., "draft": ...}) in the form the steps read: layers stacked
     for a scan (`scan`) or one dict per layer, projections fused (`fuse_projections`).

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from models.checkpoint import fingerprint
-from models.layers import (FUSED_PROJECTIONS, layer_runs, stack_params, step_params,
-                           unstack_layers, unstack_params)
+from models.layers import (FUSED_PROJECTIONS, fused_parts, layer_runs, stack_params,
+                           step_params, unstack_layers, unstack_params)
 from models.qwen3 import Qwen3Config, dense_forward, init_params
 from unified_kv import CacheSpec
 
@@ -73,3 +73,19 @@ def test_step_params_fuse_projections_and_the_forward_is_unchanged():
         assert jax.tree.map(jnp.shape, again) == jax.tree.map(jnp.shape, fused)
         got = dense_forward(unstack_params(fused)["target"], cfg, tokens)[0]
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_step_form_fingerprints_like_the_checkpoint():
+    """Stacked or listed, fused or not: the same weights, the same fingerprint (a pair
+    of workers compares them at connect), and a changed value still changes it."""
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    params = init_params(cfg, jax.random.key(0))
+    want = fingerprint(params)
+    for scan in (False, True):
+        model = step_params({"target": params}, scan)["target"]
+        assert fingerprint(model, fused=fused_parts(cfg)) == want
+        assert fingerprint(model) != want  # the fused leaves as they are: another tree
+    changed = step_params({"target": params}, False)["target"]
+    changed["layers"][1]["qkv"] = changed["layers"][1]["qkv"].at[0, -1].add(1.0)  # a v weight
+    assert fingerprint(changed, fused=fused_parts(cfg)) != want
