@@ -68,13 +68,10 @@ class StepConfig:
     spec: CacheSpec
     draft: DFlashConfig | None = None
     impl: str = "auto"
-    # "auto" (`matmul_precision_for`): f32-exact matmuls when any weight is f32, else
-    # the default precision. On GPUs XLA's default rounds f32 inputs to TF32, and the
-    # 1-token plain step and the K+1-token verify then round differently enough to flip
-    # near-tied argmaxes, so f32 weights get "highest". bf16 weights gain no exactness
-    # from it (their products are exact in f32 either way; at 8B shape both settings
-    # part only at near-ties, docs/decisions.md), and it costs the 1-row decode step its
-    # cuBLAS matmuls: XLA rewrites them as f32 reductions at half the speed.
+    # "auto" (`matmul_precision_for`): f32 weights get f32-exact matmuls (GPUs' default
+    # TF32 rounds a 1-token step and a K+1-token verify apart at near-tied argmaxes);
+    # bf16 weights the default, which loses them no exactness and keeps the 1-row
+    # step's matmuls in cuBLAS (docs/decisions.md, Exactness).
     matmul_precision: str = "auto"
     # How a step runs a model's layers (models/layers.py): "scan" compiles one
     # body per run of alike layers, over stacked weights read by a traced index;
