@@ -44,8 +44,8 @@ class Weights:
         """Of checkpoint-form `params`, or with `cfg` (their StepConfig) of the step form
         an engine holds (projections fused): the same weights fingerprint alike."""
         def of_model(name, model_cfg):
-            fused = fused_parts(model_cfg) if cfg is not None else None
-            return fingerprint(params[name], fused=fused)
+            return fingerprint(params[name],
+                               fused=fused_parts(model_cfg) if model_cfg is not None else None)
         return cls(of_model("target", cfg and cfg.target),
                    of_model("draft", cfg and cfg.draft) if params.get("draft") is not None
                    else None)

@@ -152,8 +152,9 @@ def fingerprint(params, fused=None) -> str:
         else:  # a stacked layer leaf counts as its per-layer slices
             entries += [(path[:j] + (jax.tree_util.SequenceKey(i),) + path[j:], shape[1:],
                          d[i]) for i in range(shape[0])]
-    # the list form's order (tree_flatten's): by path, layer index included
-    entries.sort(key=lambda e: tuple(getattr(k, "key", getattr(k, "idx", None)) for k in e[0]))
+    if len(entries) != len(flat):  # the list form's order: by path, layer index included
+        entries.sort(key=lambda e: tuple(getattr(k, "key", getattr(k, "idx", None))
+                                         for k in e[0]))
     h = hashlib.sha256()
     for path, shape, d in entries:
         h.update(f"{jax.tree_util.keystr(path)}:{tuple(shape)}:".encode())
