@@ -34,7 +34,7 @@ from unified_kv import (CacheSpec, KVState, allocate_pages, grow, release_slots,
 
 
 # Deepest model a GPU step unrolls under layer_loop="auto" (docs/decisions.md, Layers in
-# a step): compile time grows with depth, step time gains little past this.
+# a step): an unrolled step's compile time grows with depth.
 MAX_UNROLLED_GPU_LAYERS = 8
 
 

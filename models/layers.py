@@ -91,9 +91,11 @@ def fused_parts(cfg) -> dict:
     """How a model's fused leaves split back into its checkpoint's (`fingerprint`'s
     `fused`): fused name -> ((part, width along the last axis), ...). `cfg`: a
     Qwen3Config or DFlashConfig."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"qkv": (("q", q), ("k", kv), ("v", kv)),
-            "gate_up": (("gate", cfg.intermediate_size), ("up", cfg.intermediate_size))}
+    kv = cfg.num_kv_heads * cfg.head_dim
+    widths = {"q": cfg.num_heads * cfg.head_dim, "k": kv, "v": kv,
+              "gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+    return {fused: tuple((name, widths[name]) for name in parts)
+            for fused, parts in FUSED_PROJECTIONS.items()}
 
 
 def step_params(params: dict, scan: bool) -> dict:
