@@ -95,10 +95,11 @@ def calls_of(engine: Engine) -> collections.Counter:
     return sum((e.calls for e in executors(engine)), collections.Counter())
 
 
-def demo_part(params, cfg, prompts, max_new: int, repeats: int) -> dict:
+def demo_part(params, cfg, prompts, max_new: int, repeats: int,
+              max_num_batched_tokens: int | None = None) -> dict:
     out = {}
     for mode in DEMO_MODES:
-        engine = make_engine(mode, params, cfg)
+        engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
         engine.generate(prompts[:2], 2)   # compile outside the timing
         engine.generate(prompts, 4)
         rates, ttfts, als, tokens = [], [], [], None
@@ -318,7 +319,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--load-modes", nargs="+", choices=LOAD_MODES, default=list(LOAD_MODES),
                     help="load part: the modes to run (one each fits a 600 s call)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="load part: the engines' per-step token budget (default: Engine's)")
+                    help="demo and load parts: the engines' per-step token budget, the same "
+                         "for every mode (default: Engine's)")
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
                     help="engine part: decode steps per call to compare (default: the "
                          "engine's own)")
@@ -346,7 +348,8 @@ def main(argv=None) -> dict:
 
     if "demo" in args.parts:
         print("demo workload:", flush=True)
-        report["demo"] = demo_part(params, cfg, demo_prompts, new, repeats)
+        report["demo"] = demo_part(params, cfg, demo_prompts, new, repeats,
+                                   args.max_num_batched_tokens)
         d = report["demo"]
         report["disagg_shared_over_aggregated"] = (d["disagg-shared"]["tokens_per_s_median"]
                                                    / d["aggregated"]["tokens_per_s_median"])
