@@ -47,8 +47,8 @@ GOAL_KEYS = ("plain_b1_over_roofline", "plain_b32_over_roofline",
              "prefill_utilisation", "prefill_8k_utilisation", "compile_s",
              "projected_b1_tokens_per_s", "engine_over_device_b1")
 DESIGN_AL = 6.5  # DFlash's reported acceptance length for Qwen3-8B-b16 (math / code, greedy)
-
-
+# Prefill chunk (the cache's max_step_tokens): at 1,024 tokens a chunk's matmuls outweigh
+# one read of the weights; 256-token chunks at this shape are close to bound by that read.
 PREFILL_CHUNK = 1024
 
 
@@ -57,8 +57,6 @@ def step_config(tcfg, dcfg, batch: int, context: int, layer_loop: str = "auto") 
     max_len = context + 1024
     budget = (int(1.3 * (batch + 1) * (max_len + PREFILL_CHUNK) * kv_bytes_per_token(layers))
               + (64 << 20))
-    # 1,024-token prefill chunks: a chunk's matmuls then outweigh one read of the weights
-    # (256-token chunks at this shape are close to bound by that read)
     spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=batch + 1,
                      max_seq_len=max_len, memory_budget_bytes=budget,
                      max_step_tokens=PREFILL_CHUNK)
