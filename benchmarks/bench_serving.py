@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import hashlib
 import io
 import json
 import os
+import pstats
 import threading
 import time
 
@@ -96,22 +98,33 @@ def calls_of(engine: Engine) -> collections.Counter:
 
 
 def demo_part(params, cfg, prompts, max_new: int, repeats: int,
-              max_num_batched_tokens: int | None = None) -> dict:
+              max_num_batched_tokens: int | None = None, profile_dir: str | None = None) -> dict:
+    """`profile_dir`: each mode's timed runs under cProfile (host time by function:
+    where a mode's extra host time goes), written there as demo_profile_<mode>.txt."""
     out = {}
     for mode in DEMO_MODES:
         engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
         engine.generate(prompts[:2], 2)   # compile outside the timing
         engine.generate(prompts, 4)
         rates, ttfts, als, tokens = [], [], [], None
+        profiler = cProfile.Profile() if profile_dir else None
         for _ in range(repeats):
             before = calls_of(engine)
             start = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             results = engine.generate(prompts, max_new)
+            if profiler is not None:
+                profiler.disable()
             rates.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - start))
             ttfts += [r.time_to_first_token_s for r in results]
             als.append(float(np.mean([a for r in results for a in r.acceptance])))
             tokens = [r.tokens for r in results]
             calls = dict(sorted((calls_of(engine) - before).items()))
+        if profiler is not None:
+            write_profile(profiler, os.path.join(profile_dir, f"demo_profile_{mode}.txt"))
+            out.setdefault("device_ms_per_run", {})[mode] = device_ms_per_run(
+                engine, prompts, max_new, profile_dir, mode)
         close(engine)
         out[mode] = {"tokens_per_s_median": float(np.median(rates)),
                      "tokens_per_s_runs": rates, "ttft_ms_p50": 1e3 * p(ttfts, 50),
@@ -126,6 +139,25 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
     for mode in DEMO_MODES:
         out[mode].pop("tokens")
     return out
+
+
+def device_ms_per_run(engine, prompts, max_new: int, profile_dir: str, mode: str) -> float:
+    """One more run under the jax profiler: its kernels' device time summed (against
+    the run's wall time, what the host adds), the top kernels printed."""
+    from benchmarks.profile_step import kernel_times, print_kernels
+    trace_dir = os.path.join(profile_dir, f"trace_{mode}")
+    start = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        engine.generate(prompts, max_new)
+    wall = 1e3 * (time.perf_counter() - start)
+    got = print_kernels(kernel_times(trace_dir, 1), 12, f"{mode}: one run, {wall:.1f} ms wall")
+    return got["kernels_ms"]
+
+
+def write_profile(profiler: cProfile.Profile, path: str, top: int = 45) -> None:
+    with open(path, "w") as f:
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(top)
 
 
 def move_ms(payload) -> float:
@@ -321,6 +353,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="demo and load parts: the engines' per-step token budget, the same "
                          "for every mode (default: Engine's)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="demo part: profile each mode's timed runs on the host (cProfile) "
+                         "into DIR/demo_profile_<mode>.txt")
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
                     help="engine part: decode steps per call to compare (default: the "
                          "engine's own)")
@@ -349,7 +384,7 @@ def main(argv=None) -> dict:
     if "demo" in args.parts:
         print("demo workload:", flush=True)
         report["demo"] = demo_part(params, cfg, demo_prompts, new, repeats,
-                                   args.max_num_batched_tokens)
+                                   args.max_num_batched_tokens, args.profile)
         d = report["demo"]
         report["disagg_shared_over_aggregated"] = (d["disagg-shared"]["tokens_per_s_median"]
                                                    / d["aggregated"]["tokens_per_s_median"])
