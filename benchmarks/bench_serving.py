@@ -104,8 +104,7 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
     out = {}
     for mode in DEMO_MODES:
         engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
-        engine.generate(prompts[:2], 2)   # compile outside the timing
-        engine.generate(prompts, 4)
+        engine.generate(prompts, max_new)   # compile outside the timing (every width too)
         rates, ttfts, als, tokens = [], [], [], None
         profiler = cProfile.Profile() if profile_dir else None
         for _ in range(repeats):
@@ -144,13 +143,16 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
 def device_ms_per_run(engine, prompts, max_new: int, profile_dir: str, mode: str) -> float:
     """One more run under the jax profiler: its kernels' device time summed (against
     the run's wall time, what the host adds), the top kernels printed."""
-    from benchmarks.profile_step import kernel_times, print_kernels
+    from benchmarks.profile_step import kernel_times, module_kernels, print_kernels
     trace_dir = os.path.join(profile_dir, f"trace_{mode}")
     start = time.perf_counter()
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         engine.generate(prompts, max_new)
     wall = 1e3 * (time.perf_counter() - start)
     got = print_kernels(kernel_times(trace_dir, 1), 12, f"{mode}: one run, {wall:.1f} ms wall")
+    for name, m in sorted(module_kernels(trace_dir).items(), key=lambda x: -x[1]["kernels"]):
+        print(f"  program {name[:60]}: {m['runs']} runs, {m['kernels']} kernels, "
+              f"{m['kernel_ms']:.2f} ms", flush=True)
     return got["kernels_ms"]
 
 

@@ -51,7 +51,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from benchmarks.timing import write_results
 from disagg.transfer import move_payload, pinned_host_sharding
 from drafter.kv_io import (KVPayload, checksum, export_step, import_step, live_logical_pages,
-                           padded_pages, receiver_shardings, sent_pool_ids)
+                           pack_export_index, pack_import_index, padded_pages,
+                           receiver_shardings, sent_pool_ids)
 from drafter.steps import StepState, StepConfig
 from unified_kv import NULL_PAGE, CacheSpec, LayerSpec, grow, init_state, layer_name
 
@@ -231,7 +232,8 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
     src_state = step_state(src)
 
     def export():
-        return export_step(src_state, ((np.int32(0), logical),), pool_ids=pool_ids)[0]
+        return export_step(src_state, pack_export_index([(0, logical)]), pool_ids=pool_ids,
+                           buckets=tuple(len(x) for x in logical))[0]
 
     buffers, sums, _, drafts = export()
     row["moved_bytes"] = moved_bytes = sum(b.nbytes for b in buffers)
@@ -254,10 +256,11 @@ def bench_size(size: int, src_mesh: Mesh, dst_mesh: Mesh, *, fragments_max: int)
                          static_argnames=("pool_ids", "mode"), donate_argnums=0)
     no_resets = np.full(spec.num_slots, spec.dummy_slot, np.int32)
 
+    index = pack_import_index(no_resets, [(0, tokens, tokens, moved.logical_pages)])
+
     def import_once():
-        arrival = (np.int32(0), np.int32(tokens), np.int32(tokens), moved.first_token,
-                   moved.drafts, moved.logical_pages, moved.buffers, moved.checksums)
-        state["s"], ok = import_jit(state["s"], (arrival,), no_resets, pool_ids=pool_ids,
+        arrival = (moved.first_token, moved.drafts, moved.buffers, moved.checksums)
+        state["s"], ok = import_jit(state["s"], index, (arrival,), pool_ids=pool_ids,
                                     mode="shared")
         return state["s"].kv.pools
 

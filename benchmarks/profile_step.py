@@ -18,6 +18,7 @@ compare them by running this once per setting; a step's own compiler options
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import dataclasses
 import glob
@@ -44,9 +45,9 @@ from models.layers import step_params
 _NOT_KERNELS = re.compile(r"^(Memcpy|Memset|cuda|cu[A-Z]|ThunkExecutor|\$)")
 
 
-def kernel_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
-    """(kernel name, device ms per call, launches per call), largest first, from
-    the Perfetto trace the profiler wrote under `trace_dir`."""
+def _device_lines(trace_dir: str):
+    """(events, device pids, {(pid, tid): line name} of device lines) of the Perfetto
+    trace the profiler wrote under `trace_dir`."""
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"no Perfetto trace under {trace_dir}")
@@ -59,20 +60,52 @@ def kernel_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"
                and e["pid"] in device_pids}
+    return events, device_pids, threads
+
+
+def _kernel_events(events, device_pids, threads):
     # kernels sit on stream lines; other device lines (XLA modules, ops) summarise them
     streams = {key for key, name in threads.items() if name.startswith("Stream")}
-    print(f"device lines: {sorted(set(threads.values()))}", flush=True)
-    total, count = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in device_pids:
             continue
         if streams and (e["pid"], e.get("tid")) not in streams:
             continue
-        if _NOT_KERNELS.match(e["name"]):
-            continue
+        if not _NOT_KERNELS.match(e["name"]):
+            yield e
+
+
+def kernel_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
+    """(kernel name, device ms per call, launches per call), largest first, from
+    the Perfetto trace the profiler wrote under `trace_dir`."""
+    events, device_pids, threads = _device_lines(trace_dir)
+    print(f"device lines: {sorted(set(threads.values()))}", flush=True)
+    total, count = collections.Counter(), collections.Counter()
+    for e in _kernel_events(events, device_pids, threads):
         total[e["name"]] += e["dur"] / 1e3
         count[e["name"]] += 1
     return [(n, t / calls, count[n] // calls) for n, t in total.most_common()]
+
+
+def module_kernels(trace_dir: str) -> dict[str, dict]:
+    """Per XLA program (the device's "XLA Modules" line): its runs, kernels launched
+    and their device ms, summed over the trace; kernels are counted in the program
+    whose run covers their start."""
+    events, device_pids, threads = _device_lines(trace_dir)
+    modules = sorted((e["ts"], e["ts"] + e["dur"], re.sub(r"\(\d+\)$", "", e["name"]))
+                     for e in events if e.get("ph") == "X" and e.get("pid") in device_pids
+                     and threads.get((e["pid"], e.get("tid")), "").startswith("XLA Modules"))
+    out: dict[str, dict] = {}
+    for start, _, name in modules:
+        out.setdefault(name, {"runs": 0, "kernels": 0, "kernel_ms": 0.0})["runs"] += 1
+    starts = [m[0] for m in modules]
+    for e in _kernel_events(events, device_pids, threads):
+        k = bisect.bisect_right(starts, e["ts"]) - 1
+        if k >= 0 and e["ts"] <= modules[k][1]:
+            got = out[modules[k][2]]
+            got["kernels"] += 1
+            got["kernel_ms"] += e["dur"] / 1e3
+    return out
 
 
 def print_kernels(kernels, top: int, title: str) -> dict:

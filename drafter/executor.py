@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from drafter.kv_io import (KVPayload, call_groups, export_payloads, export_step, import_step,
-                           padded_rows, receiver_shardings, redraft_step, sent_pool_ids,
-                           transfer_shapes)
+                           pack_import_index, padded_rows, receiver_shardings, redraft_step,
+                           sent_pool_ids, transfer_shapes)
 from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
@@ -309,7 +309,7 @@ class Executor:
         """One `import_step` call for (slot, payload) rows of one page bucket. Scalars
         are put on this worker's devices first when they came as host values, so every
         arrival of one page bucket runs one compiled program."""
-        args = []
+        index, payloads = [], []
         for slot, payload in rows:
             first, drafts, sums = payload.first_token, payload.drafts, payload.checksums
             if self.mode != "shared":  # any sender's block (none, without a drafter)
@@ -320,12 +320,13 @@ class Executor:
                 drafts = jax.device_put(np.asarray(drafts, np.int32), self._scalar_sharding)
             if not isinstance(sums, jax.Array):
                 sums = jax.device_put(np.asarray(sums, np.uint32), self._scalar_sharding)
-            args.append((np.int32(slot), np.int32(payload.target_len),
-                         np.int32(payload.draft_ctx_len), first, drafts,
-                         payload.logical_pages, payload.buffers, sums))
+            index.append((slot, payload.target_len, payload.draft_ctx_len,
+                          payload.logical_pages))
+            payloads.append((first, drafts, payload.buffers, sums))
         self.calls["import"] += 1
-        self.state, oks = self._import(self.state, tuple(args), resets,
-                                       pool_ids=tuple(rows[0][1].pool_ids), mode=self.mode)
+        self.state, oks = self._import(
+            self.state, jax.device_put(pack_import_index(resets, index), self._scalar_sharding),
+            tuple(payloads), pool_ids=tuple(rows[0][1].pool_ids), mode=self.mode)
         return oks
 
     def _redraft_rows(self, slots, table_width: int) -> None:

@@ -1,9 +1,9 @@
 """A request's KV out of one cache and into another: jitted export and import steps.
 
     sender (context)                           receiver (generation)
-    export_step(state, rows: slot, logical     import_step(state, rows: slot, lengths, first
-      pages) per request                         token, drafts, logical pages, buffers,
-      gather the row's live pages of every       checksums) per request
+    export_step(state, index: slot, logical    import_step(state, index: slot, lengths,
+      pages per request)                         logical pages; payloads: first token,
+      gather the row's live pages of every       drafts, buffers, checksums) per request
       pool -> one buffer per pool                allocate pages for the lengths, check the
          [H, n, L, 2, ps, D] + u32 checksums     page ranges and checksums, scatter; shared
          + the first token and the first         mode: the sender's draft block; private
@@ -27,6 +27,10 @@ follow from its lengths and the pool's window (`live_logical_pages`), so the
 host computes them without reading the page tables. A receiver whose cache
 disagrees (windows, page size) or a buffer corrupted in transit comes back
 as `ok` False; the slot is then empty again and nothing else changed.
+A call's host inputs (slots, lengths, logical pages, resets) travel packed in
+one i32 array (`pack_export_index`, `pack_import_index`): on a GPU every
+host array a call takes is a transfer of its own, which costs more host time
+than the call's kernels.
 """
 
 from __future__ import annotations
@@ -142,14 +146,44 @@ def padded_rows(n: int, rows_per_call: int) -> int:
     return 1 if n == 1 else rows_per_call
 
 
-@functools.partial(jax.jit, static_argnames=("pool_ids",))
-def export_step(state: StepState, rows, *, pool_ids: tuple[int, ...]):
+def pack_export_index(rows) -> np.ndarray:
+    """An export call's host inputs as one i32[rows, 1 + sum(buckets)] array (one
+    transfer a call): per row its slot, then its logical pages of each sent pool.
+    rows: (slot, logical_pages: per pool i32[n_bucket]) per request."""
+    return np.stack([np.concatenate([np.int32([slot]), *logical]).astype(np.int32)
+                     for slot, logical in rows])
+
+
+def pack_import_index(reset_slots, rows) -> np.ndarray:
+    """An import call's host inputs as one i32 vector (one transfer a call): the
+    slots to empty first (i32[num_slots], dummy pads), then per row its slot,
+    target_len, draft_ctx_len and logical pages of each sent pool.
+    rows: (slot, target_len, draft_ctx_len, logical_pages) per request."""
+    parts = [np.asarray(reset_slots, np.int32)]
+    for slot, target_len, draft_ctx_len, logical in rows:
+        parts += [np.int32([slot, target_len, draft_ctx_len]), *logical]
+    return np.concatenate(parts).astype(np.int32)
+
+
+def _split(vector, sizes):
+    """`vector` cut into consecutive pieces of static `sizes`."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(vector[at:at + n])
+        at += n
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("pool_ids", "buckets"))
+def export_step(state: StepState, index, *, pool_ids: tuple[int, ...],
+                buckets: tuple[int, ...]):
     """Gather the live pages of each pool in `pool_ids` of each row's slot into
     contiguous buffers.
 
     Args:
-      rows: per request (slot: i32[] (the dummy slot gathers the null page: a row that
-        changes nothing), logical_pages: per sent pool, i32[n_bucket] (BAD pads)).
+      index: `pack_export_index` of the rows: per request its slot (the dummy slot
+        gathers the null page: a row that changes nothing) and per sent pool its
+        logical pages, i32[bucket] (BAD pads); `buckets`: those sizes, per pool.
     Returns:
       per row (buffers: per sent pool [H, n_bucket, L, 2, page_size, D] (padding gathers
       the all-zero null page), checksums: u32[len(pool_ids)], first token: i32[] and
@@ -157,7 +191,9 @@ def export_step(state: StepState, rows, *, pool_ids: tuple[int, ...]):
       prefill's last chunk set)).
     """
     kv, out = state.kv, []
-    for slot, logical_pages in rows:
+    for row in index:
+        slot, *logical_pages = _split(row, (1, *buckets))
+        slot = slot[0]
         buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slot], logical),
                                  axis=1) for i, logical in zip(pool_ids, logical_pages))
         out.append((buffers, jnp.stack([checksum_of(b) for b in buffers]),
@@ -173,27 +209,35 @@ def _pages_match(row, logical, num_pages: int):
     return jnp.all((row != BAD_PAGE_INDEX) == sent)
 
 
-def import_step(state: StepState, rows, reset_slots, *, cfg: StepConfig,
+def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
                 pool_ids: tuple[int, ...], mode: str) -> tuple[StepState, tuple]:
     """Receive requests into empty slots: allocate, verify, scatter, row by row.
 
     Args:
-      rows: per request (slot, target_len, draft_ctx_len, first_token: i32[] (the dummy
-        slot: a row that changes nothing); drafts: i32[block_size - 1], the sender's
-        first draft block (kept in shared mode; in private mode `redraft_step` makes the
-        receiver's own); logical_pages: per pool in `pool_ids`, i32[n_bucket] (BAD pads
-        are dropped); buffers: per pool, as `export_step` made them; checksums:
-        u32[len(pool_ids)], the sender's).
-      reset_slots: i32[num_slots] slots emptied first (dummy pads), as a step's resets:
-        the import carries a step's resets when it is the step's first call.
+      index: `pack_import_index`: the slots to empty first (as a step's resets: the
+        import carries a step's resets when it is the step's first call), then per
+        request its slot (the dummy slot: a row that changes nothing), target_len,
+        draft_ctx_len and logical pages per pool in `pool_ids` (BAD pads are dropped).
+      payloads: per request (first_token: i32[]; drafts: i32[block_size - 1], the
+        sender's first draft block (kept in shared mode; in private mode `redraft_step`
+        makes the receiver's own); buffers: per pool, as `export_step` made them, which
+        give the page buckets; checksums: u32[len(pool_ids)], the sender's).
     Returns:
       (state, per row ok bool[]). With ok, the slot holds its request's KV, its anchor
       is its first token, its draft block is the sender's (shared mode), and it runs.
       Without, the slot is empty (pages returned); nothing else changed.
     """
-    state, oks = empty_slots(cfg, state, reset_slots), []
-    for row in rows:
-        state, ok = _import_row(state, *row, cfg=cfg, pool_ids=pool_ids, mode=mode)
+    num_slots = cfg.spec.num_slots
+    buckets = tuple(b.shape[1] for b in payloads[0][2]) if payloads else ()
+    width = 3 + sum(buckets)
+    resets, rows = index[:num_slots], index[num_slots:].reshape(len(payloads), width)
+    state, oks = empty_slots(cfg, state, resets), []
+    for row, (first_token, drafts, buffers, checksums) in zip(rows, payloads):
+        (slot, target_len, draft_ctx_len), *logical_pages = (
+            row[:3], *_split(row[3:], buckets))
+        state, ok = _import_row(state, slot, target_len, draft_ctx_len, first_token, drafts,
+                                tuple(logical_pages), buffers, checksums, cfg=cfg,
+                                pool_ids=pool_ids, mode=mode)
         oks.append(ok)
     return state, tuple(oks)
 
@@ -287,11 +331,11 @@ def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
     logicals = [sent_logical_pages(spec, pool_ids, t, d) for _, t, d in rows]
     keys = [tuple(len(p) for p in logical) for logical in logicals]
     for key, idx in call_groups(keys, rows_per_call):
-        pad = (np.int32(spec.dummy_slot), tuple(np.full(n, BAD_PAGE_INDEX, np.int32)
-                                                for n in key))
-        args = tuple((np.int32(rows[i][0]), logicals[i]) for i in idx)
-        got = export(state, args + (pad,) * (padded_rows(len(idx), rows_per_call) - len(idx)),
-                     pool_ids=pool_ids)
+        pad = (spec.dummy_slot, tuple(np.full(n, BAD_PAGE_INDEX, np.int32) for n in key))
+        args = [(rows[i][0], logicals[i]) for i in idx]
+        index = pack_export_index(args + [pad] * (padded_rows(len(idx), rows_per_call)
+                                                  - len(idx)))
+        got = export(state, index, pool_ids=pool_ids, buckets=key)
         for i, (buffers, sums, first, drafts) in zip(idx, got):
             _, t, d = rows[i]
             out[i] = KVPayload(t, d, first, drafts, pool_ids, logicals[i], buffers, sums, mode)

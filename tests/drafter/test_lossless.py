@@ -60,7 +60,9 @@ def test_speculative_equals_plain_greedy_on_the_gluon_kernel(monkeypatch):
     # every call the Gluon kernel takes is preferred to it, whatever the batch
     monkeypatch.setattr(kernels, "_gluon_preferred", lambda *a, **k: True)
     monkeypatch.setattr(kernels, "select_backend", select_and_record)
-    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=8, kv_dtype="bf16",
+    # max_seq_len: a GPU engine's 8 decode steps a call and one call ahead reserve
+    # 2 x 8 verify blocks beyond prompt + outputs
+    params, speculative_cfg, plain_cfg = tiny_pair(num_slots=8, max_seq_len=256, kv_dtype="bf16",
                                                    target_kv_dtype="fp8_e4m3", impl="pallas",
                                                    head_dim=32, block_size=8)
     rng = np.random.default_rng(5)
