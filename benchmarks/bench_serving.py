@@ -98,11 +98,12 @@ def calls_of(engine: Engine) -> collections.Counter:
 
 
 def demo_part(params, cfg, prompts, max_new: int, repeats: int,
-              max_num_batched_tokens: int | None = None, profile_dir: str | None = None) -> dict:
+              max_num_batched_tokens: int | None = None, profile_dir: str | None = None,
+              modes=DEMO_MODES) -> dict:
     """`profile_dir`: each mode's timed runs under cProfile (host time by function:
     where a mode's extra host time goes), written there as demo_profile_<mode>.txt."""
     out = {}
-    for mode in DEMO_MODES:
+    for mode in modes:
         engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
         engine.generate(prompts, max_new)   # compile outside the timing (every width too)
         rates, ttfts, als, tokens = [], [], [], None
@@ -134,8 +135,9 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
               f"{sum(calls.values())} {calls}", flush=True)
     agg = out["aggregated"]
     out["shared_equals_aggregated"] = all(out[m]["tokens"] == agg["tokens"] for m in
-                                          ("disagg-shared", "disagg-shared-threaded"))
-    for mode in DEMO_MODES:
+                                          ("disagg-shared", "disagg-shared-threaded")
+                                          if m in out)
+    for mode in modes:
         out[mode].pop("tokens")
     return out
 
@@ -355,6 +357,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="demo and load parts: the engines' per-step token budget, the same "
                          "for every mode (default: Engine's)")
+    ap.add_argument("--demo-modes", nargs="+", choices=DEMO_MODES, default=list(DEMO_MODES),
+                    help="demo part: the modes to run (aggregated always runs: the baseline)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="demo part: profile each mode's timed runs on the host (cProfile) "
                          "into DIR/demo_profile_<mode>.txt")
@@ -385,16 +389,17 @@ def main(argv=None) -> dict:
 
     if "demo" in args.parts:
         print("demo workload:", flush=True)
-        report["demo"] = demo_part(params, cfg, demo_prompts, new, repeats,
-                                   args.max_num_batched_tokens, args.profile)
-        d = report["demo"]
-        report["disagg_shared_over_aggregated"] = (d["disagg-shared"]["tokens_per_s_median"]
-                                                   / d["aggregated"]["tokens_per_s_median"])
-        report["ttft_disagg_over_aggregated_p50"] = (d["disagg-shared"]["ttft_ms_p50"]
-                                                     / d["aggregated"]["ttft_ms_p50"])
-        report["disagg_shared_threaded_over_aggregated"] = (
-            d["disagg-shared-threaded"]["tokens_per_s_median"]
-            / d["aggregated"]["tokens_per_s_median"])
+        modes = ["aggregated"] + [m for m in args.demo_modes if m != "aggregated"]
+        report["demo"] = d = demo_part(params, cfg, demo_prompts, new, repeats,
+                                       args.max_num_batched_tokens, args.profile, modes)
+        base = d["aggregated"]
+        for mode, key in (("disagg-shared", "disagg_shared_over_aggregated"),
+                          ("disagg-shared-threaded", "disagg_shared_threaded_over_aggregated")):
+            if mode in d:
+                report[key] = d[mode]["tokens_per_s_median"] / base["tokens_per_s_median"]
+        if "disagg-shared" in d:
+            report["ttft_disagg_over_aggregated_p50"] = (d["disagg-shared"]["ttft_ms_p50"]
+                                                         / base["ttft_ms_p50"])
         save()
     if "handoff" in args.parts:
         print("handoff (one request at a time):", flush=True)

@@ -211,7 +211,7 @@ def _pages_match(row, logical, num_pages: int):
 
 def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
                 pool_ids: tuple[int, ...], mode: str) -> tuple[StepState, tuple]:
-    """Receive requests into empty slots: allocate, verify, scatter, row by row.
+    """Receive requests into empty slots: allocate, verify, scatter.
 
     Args:
       index: `pack_import_index`: the slots to empty first (as a step's resets: the
@@ -227,58 +227,54 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
       is its first token, its draft block is the sender's (shared mode), and it runs.
       Without, the slot is empty (pages returned); nothing else changed.
     """
-    num_slots = cfg.spec.num_slots
-    buckets = tuple(b.shape[1] for b in payloads[0][2]) if payloads else ()
-    width = 3 + sum(buckets)
-    resets, rows = index[:num_slots], index[num_slots:].reshape(len(payloads), width)
-    state, oks = empty_slots(cfg, state, resets), []
-    for row, (first_token, drafts, buffers, checksums) in zip(rows, payloads):
-        (slot, target_len, draft_ctx_len), *logical_pages = (
-            row[:3], *_split(row[3:], buckets))
-        state, ok = _import_row(state, slot, target_len, draft_ctx_len, first_token, drafts,
-                                tuple(logical_pages), buffers, checksums, cfg=cfg,
-                                pool_ids=pool_ids, mode=mode)
-        oks.append(ok)
-    return state, tuple(oks)
-
-
-def _import_row(state: StepState, slot, target_len, draft_ctx_len, first_token, drafts,
-                logical_pages, buffers, checksums, *, cfg, pool_ids, mode):
-    spec, kv = cfg.spec, state.kv
-    ids = slot[None]
+    spec = cfg.spec
+    buckets = tuple(b.shape[1] for b in payloads[0][2])
+    rows = index[spec.num_slots:].reshape(len(payloads), 3 + sum(buckets))
+    state = empty_slots(cfg, state, index[:spec.num_slots])
+    # Every row at once (one allocation, one release), so the call's kernels, which
+    # bound its host launch time, do not grow with its rows.
+    ids, target_lens, draft_ctx_lens = rows[:, 0], rows[:, 1], rows[:, 2]
+    logical_pages = dict(zip(pool_ids, _split(rows[:, 3:].T, buckets)))  # pool -> [n, R]
     real = ids != spec.dummy_slot
-    kv = kv.replace(target_lens=kv.target_lens.at[ids].set(target_len),
-                    draft_ctx_lens=kv.draft_ctx_lens.at[ids].set(draft_ctx_len))
+    kv = state.kv
+    kv = kv.replace(target_lens=kv.target_lens.at[ids].set(target_lens),
+                    draft_ctx_lens=kv.draft_ctx_lens.at[ids].set(draft_ctx_lens))
     # Lengths first, so a windowed pool allocates only its in-window tail.
-    kv, ok = allocate_pages(spec, kv, ids, target_len[None], draft_ctx_len[None])
+    kv, ok = allocate_pages(spec, kv, ids, target_lens, draft_ctx_lens)
     ok &= real
-    for i, logical in zip(pool_ids, logical_pages):
-        ok &= _pages_match(kv.page_tables[i][slot], logical, spec.pools[i].max_pages_per_seq)
-    ok &= jnp.all(jnp.stack([checksum_of(b) for b in buffers]) == checksums)
+    for i, logical in logical_pages.items():
+        ok &= jax.vmap(_pages_match, in_axes=(0, 1, None))(
+            kv.page_tables[i][ids], logical, spec.pools[i].max_pages_per_seq)
+    ok &= jnp.stack([jnp.all(jnp.stack([checksum_of(b) for b in buffers]) == sums)
+                     for _, _, buffers, sums in payloads])
     pools = list(kv.pools)
     for pool in spec.pools:
         i = pool.pool_id
-        row = kv.page_tables[i][slot]
+        table_rows = kv.page_tables[i][ids]
         if i in pool_ids:
-            logical = logical_pages[pool_ids.index(i)]
-            pages = jnp.where((logical >= 0) & ok, _physical(row, logical), pool.num_pages)
-            pools[i] = pools[i].at[:, pages].set(buffers[pool_ids.index(i)].astype(
-                pools[i].dtype), mode="drop")
+            for r, (_, _, buffers, _) in enumerate(payloads):
+                logical = logical_pages[i][:, r]
+                pages = jnp.where((logical >= 0) & ok[r], _physical(table_rows[r], logical),
+                                  pool.num_pages)
+                pools[i] = pools[i].at[:, pages].set(
+                    buffers[pool_ids.index(i)].astype(pools[i].dtype), mode="drop")
         draft_offsets = [o for o, name in enumerate(pool.layer_names)
                          if spec.layer(name).role == "draft"]
         if mode == "private" and draft_offsets:  # the drafter starts without the prompt
-            pages = jnp.where((row != BAD_PAGE_INDEX) & ok, row, pool.num_pages)
+            pages = jnp.where((table_rows != BAD_PAGE_INDEX) & ok[:, None], table_rows,
+                              pool.num_pages).reshape(-1)
             for o in draft_offsets:
                 pools[i] = pools[i].at[:, pages, o].set(0, mode="drop")
     kv = release_slots(spec, kv.replace(pools=tuple(pools)), jnp.where(ok, spec.dummy_slot, ids))
+    firsts = jnp.stack([first for first, _, _, _ in payloads])
+    drafts = state.drafts
     if mode == "shared":  # private mode: redraft_step drafts the slot
-        drafts = state.drafts.at[ids].set(jnp.where(ok, drafts, state.drafts[ids]))
-    else:
-        drafts = state.drafts
-    return state.replace(kv=kv, drafts=drafts, anchors=state.anchors.at[ids].set(
-                             jnp.where(ok, first_token, state.anchors[ids])),
-                         running=state.running.at[ids].set(ok | state.running[ids] & ~real)
-                         ), ok[0]
+        sent = jnp.stack([d for _, d, _, _ in payloads])
+        drafts = drafts.at[ids].set(jnp.where(ok[:, None], sent, drafts[ids]))
+    state = state.replace(kv=kv, drafts=drafts, anchors=state.anchors.at[ids].set(
+                              jnp.where(ok, firsts, state.anchors[ids])),
+                          running=state.running.at[ids].set(ok | state.running[ids] & ~real))
+    return state, tuple(ok)
 
 
 @_at_precision
