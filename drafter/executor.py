@@ -324,9 +324,10 @@ class Executor:
                           payload.logical_pages))
             payloads.append((first, drafts, payload.buffers, sums))
         self.calls["import"] += 1
-        self.state, oks = self._import(
-            self.state, jax.device_put(pack_import_index(resets, index), self._scalar_sharding),
-            tuple(payloads), pool_ids=tuple(rows[0][1].pool_ids), mode=self.mode)
+        # the index goes as a host array, transferred by the call itself
+        self.state, oks = self._import(self.state, pack_import_index(resets, index),
+                                       tuple(payloads), pool_ids=tuple(rows[0][1].pool_ids),
+                                       mode=self.mode)
         return oks
 
     def _redraft_rows(self, slots, table_width: int) -> None:
