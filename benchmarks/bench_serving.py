@@ -12,7 +12,8 @@ this machine's first device (as the demo does on one GPU). Parts:
             the median tokens/s, `ttft_disagg_over_aggregated_p50` of the TTFT p50s;
             `calls_per_run`: the jitted calls a run dispatched, by kind, every worker;
             `disagg_shared_threaded_over_aggregated` the same with the context
-            worker stepping in its own thread.
+            worker stepping in its own thread. `--profile DIR`: where each mode's
+            time goes (host time by function; kernels and programs of one run).
   handoff   one request at a time (nothing queued) per prompt length, one decode step
             per call: the time to the first generation step's token, disaggregated
             minus aggregated, is what the handoff adds between prefill and generation
@@ -42,7 +43,6 @@ import hashlib
 import io
 import json
 import os
-import pstats
 import threading
 import time
 
@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from benchmarks.bench_decode_speed import engine_rate
+from benchmarks.profile_step import traced_kernel_ms, write_host_profile
 from benchmarks.timing import counting_compiles, report_goals, write_results
 from disagg.serving import serve_json_lines
 from disagg.sources import disaggregated_engine
@@ -122,9 +123,10 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
             tokens = [r.tokens for r in results]
             calls = dict(sorted((calls_of(engine) - before).items()))
         if profiler is not None:
-            write_profile(profiler, os.path.join(profile_dir, f"demo_profile_{mode}.txt"))
-            out.setdefault("device_ms_per_run", {})[mode] = device_ms_per_run(
-                engine, prompts, max_new, profile_dir, mode)
+            write_host_profile(profiler, os.path.join(profile_dir, f"demo_profile_{mode}.txt"))
+            trace_dir = os.path.join(profile_dir, f"trace_{mode}")
+            out.setdefault("device_ms_per_run", {})[mode] = traced_kernel_ms(
+                lambda: engine.generate(prompts, max_new), trace_dir, mode)
         close(engine)
         out[mode] = {"tokens_per_s_median": float(np.median(rates)),
                      "tokens_per_s_runs": rates, "ttft_ms_p50": 1e3 * p(ttfts, 50),
@@ -140,28 +142,6 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
     for mode in modes:
         out[mode].pop("tokens")
     return out
-
-
-def device_ms_per_run(engine, prompts, max_new: int, profile_dir: str, mode: str) -> float:
-    """One more run under the jax profiler: its kernels' device time summed (against
-    the run's wall time, what the host adds), the top kernels printed."""
-    from benchmarks.profile_step import kernel_times, module_kernels, print_kernels
-    trace_dir = os.path.join(profile_dir, f"trace_{mode}")
-    start = time.perf_counter()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        engine.generate(prompts, max_new)
-    wall = 1e3 * (time.perf_counter() - start)
-    got = print_kernels(kernel_times(trace_dir, 1), 12, f"{mode}: one run, {wall:.1f} ms wall")
-    for name, m in sorted(module_kernels(trace_dir).items(), key=lambda x: -x[1]["kernels"]):
-        print(f"  program {name[:60]}: {m['runs']} runs, {m['kernels']} kernels, "
-              f"{m['kernel_ms']:.2f} ms", flush=True)
-    return got["kernels_ms"]
-
-
-def write_profile(profiler: cProfile.Profile, path: str, top: int = 45) -> None:
-    with open(path, "w") as f:
-        for key in ("tottime", "cumulative"):
-            pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(top)
 
 
 def move_ms(payload) -> float:

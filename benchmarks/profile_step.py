@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import cProfile
 import dataclasses
 import glob
 import gzip
 import json
 import os
+import pstats
 import re
 import tempfile
 import time
@@ -115,6 +117,28 @@ def print_kernels(kernels, top: int, title: str) -> dict:
         print(f"  {ms:8.3f} ms  x{launches:<4d} {name[:110]}", flush=True)
     return {"kernels_ms": total,
             "kernels": [{"name": n, "ms": t, "launches": c} for n, t, c in kernels[:top]]}
+
+
+def traced_kernel_ms(run, trace_dir: str, label: str) -> float:
+    """`run()` once under the jax profiler: its kernels' device time summed (against its
+    wall time, what the host adds), the top kernels and each XLA program's kernel count
+    printed."""
+    start = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        run()
+    wall = 1e3 * (time.perf_counter() - start)
+    got = print_kernels(kernel_times(trace_dir, 1), 12, f"{label}: one run, {wall:.1f} ms wall")
+    for name, m in sorted(module_kernels(trace_dir).items(), key=lambda x: -x[1]["kernels"]):
+        print(f"  program {name[:60]}: {m['runs']} runs, {m['kernels']} kernels, "
+              f"{m['kernel_ms']:.2f} ms", flush=True)
+    return got["kernels_ms"]
+
+
+def write_host_profile(profiler: cProfile.Profile, path: str, top: int = 45) -> None:
+    """A cProfile run's top functions, by own time and by cumulative time, to `path`."""
+    with open(path, "w") as f:
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(top)
 
 
 def profile(engine, steps: int, top: int, label: str) -> dict:
