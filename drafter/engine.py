@@ -181,7 +181,7 @@ class Engine:
         """Plan and dispatch one step, then read the previous one; returns the
         requests that ended."""
         start = time.perf_counter()
-        results = self._take_arrivals(0.0)
+        results = []
         if self.export:  # a context reads finished steps first: its handoffs leave sooner
             results += self._read_outputs(idle=False)
         plan = self.scheduler.schedule()
@@ -196,6 +196,10 @@ class Engine:
         issued = time.perf_counter()
         if dispatched is not None:
             self._inflight.append(dispatched)
+        # The KV source is polled once this step is dispatched: an in-process source's
+        # senders launch their prefills and exports while it runs on the device, instead
+        # of while the device waits, and what arrives is imported by the next step.
+        results += self._take_arrivals(0.0)
         if not (self.export and dispatched is not None):
             results += self._read_outputs(idle=dispatched is None)
         if dispatched is not None:
