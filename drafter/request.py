@@ -25,8 +25,12 @@ class RequestError(ValueError):
         self.field = field
 
 
+def _is_int_type(t: type) -> bool:
+    return issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))
+
+
 def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    return _is_int_type(type(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,21 +93,24 @@ class Request:
         prompt = list(prompt)
         if not prompt:
             raise RequestError(f"{where}: empty prompt; give at least one token", "prompt")
-        not_ints = [t for t in prompt if not _is_int(t)]
-        if not_ints:
+        # One pass over the entries, then array checks (a long prompt is checked on the
+        # serving thread); entry by entry only to name what is wrong.
+        if not all(_is_int_type(t) for t in set(map(type, prompt))):
+            not_ints = [t for t in prompt if not _is_int(t)]
             raise RequestError(f"{where}: prompt holds non-integer entries {not_ints[:5]!r}; "
                                f"give token ids", "prompt")
-        bad = [int(t) for t in prompt if not 0 <= t < vocab_size]
-        if bad:
+        ids = np.asarray(prompt)
+        if ids.dtype.kind not in "iu" or ((ids < 0) | (ids >= vocab_size)).any():
+            bad = [int(t) for t in prompt if not 0 <= t < vocab_size]
             raise RequestError(f"{where}: token ids {bad[:5]} are outside the vocabulary "
                                f"[0, {vocab_size})", "prompt")
-        reserved = sorted({int(t) for t in prompt} & set(reserved_ids))
+        reserved = np.intersect1d(ids, np.asarray(reserved_ids, ids.dtype)).tolist()
         if reserved:
             raise RequestError(f"{where}: token ids {reserved} are reserved (the drafter's "
                                f"mask token) and may not appear in a prompt", "prompt")
         params = params or SamplingParams()
         params.validate(request_id, vocab_size)
-        return cls(request_id, tuple(int(t) for t in prompt), params)
+        return cls(request_id, tuple(ids.tolist()), params)
 
 
 @dataclasses.dataclass
