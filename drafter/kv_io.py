@@ -231,8 +231,8 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
     buckets = tuple(b.shape[1] for b in payloads[0][2])
     rows = index[spec.num_slots:].reshape(len(payloads), 3 + sum(buckets))
     state = empty_slots(cfg, state, index[:spec.num_slots])
-    # Every row at once (one allocation, one release), so the call's kernels, which
-    # bound its host launch time, do not grow with its rows.
+    # Every row at once (one allocation, one release): the call's kernels, which bound
+    # its host launch time, grow with its rows only by their scatters and checksums.
     ids, target_lens, draft_ctx_lens = rows[:, 0], rows[:, 1], rows[:, 2]
     logical_pages = dict(zip(pool_ids, _split(rows[:, 3:].T, buckets)))  # pool -> [n, R]
     real = ids != spec.dummy_slot
