@@ -9,8 +9,9 @@
 Roles are configurations of this one loop:
   * aggregated: prompts prefill locally, in chunks batched with decode rows;
   * generation: admitted requests get their KV from a `KVSource` (another
-    mesh, several context workers, another process) and are imported by a
-    jitted step each, then drafted for by one;
+    mesh, several context workers, another process), polled once each step is
+    dispatched; what arrived is imported by the next step's import calls (and,
+    in private mode, drafted for by one redraft call);
   * context (`export=True`): prompts prefill, then leave as `Export`s (KV
     gathered into buffers on the device) instead of decoding.
 
