@@ -73,8 +73,8 @@ for stage in "${stages[@]}"; do
     transfer)
       run 270 transfer python3 benchmarks/bench_transfer.py --out "$OUT" ;;
     serving)
-      run 400 serving python3 benchmarks/bench_serving.py --out "$OUT" \
-        --parts demo handoff --repeats 3 ;;
+      run 450 serving python3 benchmarks/bench_serving.py --out "$OUT" \
+        --parts demo handoff --repeats 5 ;;
     engine)
       # batch 16 then batch 1 (each compiles its own steps: one call for both; the part
       # writes after each batch, so a run cut at its limit keeps batch 16)
