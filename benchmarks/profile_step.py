@@ -96,7 +96,7 @@ def module_kernels(trace_dir: str) -> dict[str, dict]:
     events, device_pids, threads = _device_lines(trace_dir)
     modules = sorted((e["ts"], e["ts"] + e["dur"], re.sub(r"\(\d+\)$", "", e["name"]))
                      for e in events if e.get("ph") == "X" and e.get("pid") in device_pids
-                     and threads.get((e["pid"], e.get("tid")), "").startswith("XLA Modules"))
+                     and "XLA Modules" in threads.get((e["pid"], e.get("tid")), ""))
     out: dict[str, dict] = {}
     for start, _, name in modules:
         out.setdefault(name, {"runs": 0, "kernels": 0, "kernel_ms": 0.0})["runs"] += 1
@@ -119,6 +119,25 @@ def print_kernels(kernels, top: int, title: str) -> dict:
             "kernels": [{"name": n, "ms": t, "launches": c} for n, t, c in kernels[:top]]}
 
 
+def host_dispatch(trace_dir: str) -> dict[str, dict]:
+    """Per jitted function: its calls and the host time they took to dispatch (the
+    profiler's `PjitFunction(name)` events), summed over the trace."""
+    events, device_pids, _ = _device_lines(trace_dir)
+    calls = sorted((e["pid"], e.get("tid"), e["ts"], e["dur"], e["name"]) for e in events
+                   if e.get("ph") == "X" and e.get("pid") not in device_pids
+                   and e["name"].startswith("PjitFunction("))
+    out: dict[str, dict] = {}
+    outer = (None, None, 0.0)  # (pid, tid, end) of the last outermost call
+    for pid, tid, ts, dur, name in calls:
+        if (pid, tid) == outer[:2] and ts < outer[2]:
+            continue  # a call made inside another (its time is the outer call's)
+        outer = (pid, tid, ts + dur)
+        got = out.setdefault(name[len("PjitFunction("):-1], {"calls": 0, "ms": 0.0})
+        got["calls"] += 1
+        got["ms"] += dur / 1e3
+    return out
+
+
 def traced_kernel_ms(run, trace_dir: str, label: str) -> float:
     """`run()` once under the jax profiler: its kernels' device time summed (against its
     wall time, what the host adds), the top kernels and each XLA program's kernel count
@@ -131,6 +150,9 @@ def traced_kernel_ms(run, trace_dir: str, label: str) -> float:
     for name, m in sorted(module_kernels(trace_dir).items(), key=lambda x: -x[1]["kernels"]):
         print(f"  program {name[:60]}: {m['runs']} runs, {m['kernels']} kernels, "
               f"{m['kernel_ms']:.2f} ms", flush=True)
+    for name, m in sorted(host_dispatch(trace_dir).items(), key=lambda x: -x[1]["ms"]):
+        print(f"  host dispatch {name[:50]}: {m['calls']} calls, {m['ms']:.2f} ms "
+              f"({m['ms'] / m['calls']:.3f} ms a call)", flush=True)
     return got["kernels_ms"]
 
 
