@@ -5,9 +5,9 @@
 #
 # STAGEs: tests, lossless (speculative == plain greedy on the GPU), attention, decode
 # (batch tables, cache baselines, decode speed), attention_small, eval, transfer, serving,
-# engine, load, scale, scale_long, scale_profile. Each fits one 600 s device call (the
-# device tool's limit): every
-# step has its own timeout, so a slow or hung step costs itself, not the call.
+# serving_profile, engine, load, scale, scale_long, scale_profile. Each fits one 600 s
+# device call (the device tool's limit): every step has its own timeout, so a slow or
+# hung step costs itself, not the call.
 # Arguments other than stage names go to bench_paged_attention.py.
 # DRY_RUN=1 prints the commands instead. On a 2-GPU machine the transfer
 # benchmark moves GPU 0 -> GPU 1; the rest use GPU 0.
@@ -22,12 +22,12 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_small|decode|eval|transfer|serving|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|lossless|attention|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
 done
-[ ${#stages[@]} -eq 0 ] && stages=(tests lossless attention attention_small decode eval transfer serving engine load scale
+[ ${#stages[@]} -eq 0 ] && stages=(tests lossless attention attention_small decode eval transfer serving serving_profile engine load scale
                                     scale_long scale_profile)
 run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.txt
   local limit=$1 name=$2; shift 2
@@ -75,6 +75,13 @@ for stage in "${stages[@]}"; do
     serving)
       run 450 serving python3 benchmarks/bench_serving.py --out "$OUT" \
         --parts demo handoff --repeats 5 ;;
+    serving_profile)
+      # where the demo's time goes: host time by function, kernels and host dispatch per
+      # jitted function of one run (aggregated beside disaggregated-shared)
+      mkdir -p "$OUT/serving_profile"
+      run 200 serving_profile python3 benchmarks/bench_serving.py --out "$OUT/serving_profile" \
+        --parts demo --repeats 3 --demo-modes disagg-shared --profile "$OUT/serving_profile"
+      rm -rf "$OUT/serving_profile"/trace_* ;;
     engine)
       # batch 16 then batch 1 (each compiles its own steps: one call for both; the part
       # writes after each batch, so a run cut at its limit keeps batch 16)
