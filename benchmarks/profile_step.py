@@ -22,6 +22,7 @@ import bisect
 import collections
 import cProfile
 import dataclasses
+import functools
 import glob
 import gzip
 import json
@@ -53,7 +54,13 @@ def _device_lines(trace_dir: str):
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"no Perfetto trace under {trace_dir}")
-    with gzip.open(max(paths, key=os.path.getmtime)) as f:
+    return _read_trace(max(paths, key=os.path.getmtime))
+
+
+@functools.lru_cache(maxsize=1)
+def _read_trace(path: str):
+    """`_device_lines` of one trace file, parsed once however many summaries read it."""
+    with gzip.open(path) as f:
         events = json.load(f)
     events = events.get("traceEvents", events)
     names = {e["pid"]: e["args"]["name"] for e in events
