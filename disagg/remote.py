@@ -150,11 +150,11 @@ class RemoteSource:
     # ------------------------------------------------------------ KVSource
 
     def fetch(self, request: Request) -> None:
+        with self._lock:   # waiting from here on: `_fail` ends only waiting requests
+            self._outstanding[request.request_id] = _Wait(time.monotonic())
         try:
             if self.channel is None or self.channel.broken:
                 self._connect()  # the peer may have restarted
-            with self._lock:
-                self._outstanding[request.request_id] = _Wait(time.monotonic())
             self.channel.send({"op": "prefill", **request_to_wire(request)}, self.timeout)
         except PairMismatch as e:
             self._fail(request.request_id, e)
@@ -210,9 +210,12 @@ class RemoteSource:
     # ------------------------------------------------------------ reader
 
     def _fail(self, request_id: str, error: BaseException) -> None:
+        """End one waiting request with `error`; the first fault found is the one told
+        (a request that already ended, or was claimed, is left alone)."""
         with self._lock:
-            self._outstanding.pop(request_id, None)
-        self._arrivals.put((request_id, error))
+            waiting = self._outstanding.pop(request_id, None) is not None
+        if waiting:
+            self._arrivals.put((request_id, error))
 
     def _claim(self, request_id: str) -> bool:
         """Its KV is all here: no fault of the peer can end it now (False: it ended)."""
@@ -222,9 +225,9 @@ class RemoteSource:
     def _lose_channel(self, channel, error: BaseException) -> None:
         """Drop `channel` (the peer sees EOF and cancels what it holds of ours) and
         fail every request waiting on it."""
-        channel.close()
-        with self._lock:
+        with self._lock:   # before the close: the pull thread then sees them ended
             lost, self._outstanding = list(self._outstanding), {}
+        channel.close()
         for request_id in lost:
             self._arrivals.put((request_id, error))
 

@@ -4,6 +4,8 @@ every wait, every failure scoped to its request, pages conserved on both sides."
 
 import dataclasses
 import json
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from disagg.control import ControlChannel, Listener, PeerClosed
 from disagg.handshake import Weights
 from disagg.kv_format import KVFormat, KVFormatMismatch
 from disagg.processes import ContextProcess, PairSource
-from disagg.remote import RemoteSource
+from disagg.remote import PeerHung, RemoteSource, _Wait
 from disagg.transfer import TransferTimeout
 from disagg.wire import assemble, kv_format_from_wire, kv_format_to_wire, split_shards
 from drafter.engine import Engine
@@ -249,3 +251,21 @@ def test_kv_format_and_shards_survive_the_wire(pair):
     assert len(pieces) == 4 and [0, 2] in boxes[0]
     pieces = [jax.device_put(p, devices[3]) for p in pieces]
     np.testing.assert_array_equal(assemble(x.shape, x.dtype, boxes, pieces), np.asarray(x))
+
+
+def test_a_lost_peer_is_told_once_per_request_by_the_first_fault_found():
+    """The reader drops a hung peer's channel while the pull thread watches it: the pull
+    thread sees the channel broken at once, but the request's error stays the reader's."""
+    source = RemoteSource.__new__(RemoteSource)
+    source._lock, source._arrivals = threading.Lock(), queue.Queue()
+    source._outstanding = {"p0": _Wait(0.0, pulling=True), "p1": _Wait(0.0)}
+
+    class Channel:   # its close is where the pull thread wakes up and fails its request
+        def close(self):
+            source._fail("p0", PeerClosed("the KV pull was abandoned"))
+
+    source._lose_channel(Channel(), PeerHung("it is stopped or hung"))
+    source._fail("p1", TransferTimeout("late"))   # already ended: not told twice
+    told = [source._arrivals.get_nowait() for _ in range(source._arrivals.qsize())]
+    assert [(r, type(e).__name__) for r, e in told] == [("p0", "PeerHung"), ("p1", "PeerHung")]
+    assert source._outstanding == {}
