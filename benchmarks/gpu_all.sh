@@ -16,13 +16,17 @@
 # context and generation processes on GPUs 0 and 1), two_gpu_e2e (aggregated vs
 # data-parallel vs disaggregated end to end), two_gpu_scale (TP=2 vs TP=1 step time
 # at the Qwen3-8B shape).
+# train_draft (not in the default list): a candidate drafter for long prompts, the shipped
+# one trained on in turn on 1K and 8K windows, into $OUT/draft_long/draft; measure it with
+# `python -m drafter.evaluate --draft DIR` (AL on the CPU equals the H200's) and ship it
+# with drafter.default.import_draft.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale)
+    tests|lossless|attention|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -68,6 +72,10 @@ for stage in "${stages[@]}"; do
       run 230 cache_baselines python3 benchmarks/bench_cache_baselines.py --out "$OUT" \
         --contexts 4096 131072 1048576
       run 230 decode_speed python3 benchmarks/bench_decode_speed.py --out "$OUT" ;;
+    train_draft)
+      run 540 train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
+        --from-default --windows 1024x16 8192x2 --draft-steps 12000 --draft-lr 1e-3 \
+        --budget-s 420 ;;
     eval)
       run 450 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" ;;
     transfer)

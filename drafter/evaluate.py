@@ -1,7 +1,7 @@
 """Acceptance and speed of the embedded default pair on the shipped held-out prompts.
 
     PYTHONPATH=. python -m drafter.evaluate [--quick] [--max-new N] [--impl I] [--json FILE]
-        [--lengths N ...] [--context N]
+        [--lengths N ...] [--context N] [--draft DIR]
 
 Per prompt length: mean acceptance length (AL, tokens committed per decode
 step, block 8), per-position acceptance (how often draft k was accepted),
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from drafter.checkpoint import load_dflash
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from drafter.steps import decode_step, plain_decode_step
@@ -142,8 +143,13 @@ def main(argv=None):
                     help="only the prompts of these lengths (default: every length)")
     ap.add_argument("--context", type=int, default=None,
                     help="cut each prompt to BOS + its last N tokens (same continuations)")
+    ap.add_argument("--draft", default=None, metavar="DIR",
+                    help="a candidate drafter for the shipped target (a DFlash checkpoint "
+                         "directory, e.g. make_default's DIR/draft) instead of the shipped one")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
+    if args.draft is not None:
+        dcfg, params["draft"] = load_dflash(args.draft, jnp.float32)
     prompts = load_prompts()
     if args.lengths:
         prompts = [p for p in prompts if p["length"] in args.lengths]
@@ -159,6 +165,7 @@ def main(argv=None):
                    and len(keep[p["length"]]) <= 2]
     print(f"device: {jax.devices()[0].device_kind}; {len(prompts)} held-out prompts", flush=True)
     report = {"machine": machine(), "impl": args.impl, "block_size": dcfg.block_size,
+              "draft": args.draft or "shipped",
               "max_new": args.max_new, "context": args.context,
               "by_length": acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
                                                 args.impl)}

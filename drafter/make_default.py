@@ -49,6 +49,29 @@ def batches(docs, batch, length, seed):
         yield jnp.asarray(x)
 
 
+def parse_windows(specs: list[str]) -> list[tuple[int, int]]:
+    """["1024x16", "8192x2"] -> [(1024, 16), (8192, 2)]: window length x batch."""
+    out = []
+    for spec in specs:
+        try:
+            length, batch = (int(v) for v in spec.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--windows {spec!r}: give LENGTHxBATCH, e.g. 8192x2") from None
+        if length < 2 or batch < 1:
+            raise SystemExit(f"--windows {spec!r}: the length must be >= 2 and the batch >= 1")
+        out.append((length, batch))
+    return out
+
+
+def mixed_batches(docs, windows: list[tuple[int, int]], seed):
+    """Batches of each (length, batch) in turn: one jitted shape per window kind."""
+    streams = [batches(docs, batch, length, seed + k) for k, (length, batch) in
+               enumerate(windows)]
+    while True:
+        for stream in streams:
+            yield next(stream)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -63,10 +86,15 @@ def main(argv=None):
     ap.add_argument("--from-default", action="store_true",
                     help="continue training the shipped drafter on the shipped target "
                          "(writes only DIR/draft and the drafter's loss curve)")
+    ap.add_argument("--windows", nargs="+", default=None, metavar="LENGTHxBATCH",
+                    help="the drafter's training windows, taken in turn (e.g. 1024x16 "
+                         "8192x2: long windows show it the target's features far into a "
+                         "prompt); default: --length x --draft-batch")
     ap.add_argument("--draft-lr", type=float, default=2e-3)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
     args = ap.parse_args(argv)
+    windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
     print(f"train corpus: {len(train_docs)} files, {sum(map(len, train_docs)) / 1e6:.1f}M bytes",
@@ -91,8 +119,8 @@ def main(argv=None):
     t0 = time.time()
     # A continued run draws other windows than the first (seed 2, not 1).
     draft, d_losses = train_drafter(target, tcfg, dcfg, draft,
-                                    batches(train_docs, args.draft_batch, args.length,
-                                            2 if args.from_default else 1),
+                                    mixed_batches(train_docs, windows,
+                                                  2 if args.from_default else 1),
                                     steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
                                     gamma=4.0, time_budget_s=args.budget_s)
     print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "

@@ -34,3 +34,28 @@ def test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor(defaul
     # Measured 3.0 on these prompts (CPU, f32 params, fp8 target KV); a broken
     # drafter path (context, positions, masks) falls towards 1.
     assert al > 2.5, f"acceptance length {al:.2f} fell below the floor"
+
+
+def test_the_shipped_drafter_trains_on_in_turn_windows_and_evaluates_by_path(tmp_path):
+    """`make_default --from-default --windows` continues the shipped drafter on windows of
+    each length in turn; `evaluate --draft` measures that candidate, not the shipped one."""
+    import json
+
+    from drafter import evaluate, make_default
+
+    stdlib = tmp_path / "stdlib"   # a small corpus: only the window shapes matter here
+    stdlib.mkdir()
+    for k in range(4):
+        (stdlib / f"m{k}.py").write_text("def f(x):\n    return x + 1\n" * (40 + k))
+    assert make_default.parse_windows(["64x2", "128X1"]) == [(64, 2), (128, 1)]
+    with pytest.raises(SystemExit, match="LENGTHxBATCH"):
+        make_default.parse_windows(["64"])
+    out = tmp_path / "pair"
+    make_default.main(["--out", str(out), "--from-default", "--windows", "64x2", "128x1",
+                       "--draft-steps", "2", "--stdlib", str(stdlib)])
+    assert len(json.loads((out / "losses.json").read_text())["draft"]) == 2
+    report = tmp_path / "eval.json"
+    evaluate.main(["--draft", str(out / "draft"), "--lengths", "128", "--max-new", "8",
+                   "--context", "16", "--json", str(report)])
+    row = json.loads(report.read_text())
+    assert row["draft"] == str(out / "draft") and row["by_length"][0]["lossless"]
