@@ -262,13 +262,14 @@ def differing(a: dict, b: dict) -> int:
 
 def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int,
               progress=lambda out: None, max_num_batched_tokens: int | None = None,
-              modes=LOAD_MODES, passes: int = 1) -> dict:
+              modes=LOAD_MODES, passes: int = 1, batch_invariant: bool = False) -> dict:
     """`progress(out)` after each mode: what is measured so far. Figures are the first
     pass's; later passes of the same stream on the same engine count the requests whose
     answers changed (`requests_differing_between_passes`: the stream's batches form by
     arrival timing, and a GPU's sums differ with batch shape). `requests_differing`
     compares the modes request by request when both ran; `request_digests` lets runs of
-    one mode each compare too."""
+    one mode each compare too. `batch_invariant`: the engines' (Engine), which makes a
+    request's answer independent of its batches."""
     rng = np.random.default_rng(0)
     chosen = [prompts[i % len(prompts)] for i in rng.permutation(num_requests)]
     lines = [json.dumps({"id": f"q{i}", "tokens": prompt, "max_new_tokens": max_new})
@@ -276,7 +277,8 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
     gaps = rng.exponential(1.0 / rate, num_requests)
     out, tokens = {}, {}
     for mode in modes:
-        engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
+        engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens,
+                             batch_invariant=batch_invariant)
         start = time.perf_counter()
         engine.warmup()
         warmup_s = time.perf_counter() - start
@@ -317,6 +319,7 @@ def load_part(params, cfg, prompts, num_requests: int, rate: float, max_new: int
     out["prompt_tokens"] = sorted({len(x) for x in prompts})
     out["arrival_rate_per_s"] = rate
     out["max_num_batched_tokens"] = engine.scheduler.budget
+    out["batch_invariant"] = batch_invariant
     return out
 
 
@@ -342,6 +345,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="demo part: profile each mode's timed runs on the host (cProfile) "
                          "into DIR/demo_profile_<mode>.txt")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="load part: batch-invariant engines (a request's answer does not "
+                         "depend on its batches)")
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
                     help="engine part: decode steps per call to compare (default: the "
                          "engine's own)")
@@ -406,7 +412,7 @@ def main(argv=None) -> dict:
                                    8 if args.quick else args.load_requests,
                                    50.0 if args.quick else args.load_rate, new, progress,
                                    args.max_num_batched_tokens, args.load_modes,
-                                   args.load_passes)
+                                   args.load_passes, args.batch_invariant)
     return report_goals("serving", report, GOAL_KEYS, args.out)
 
 

@@ -98,10 +98,11 @@ for stage in "${stages[@]}"; do
         --parts engine --engine-batches 16 1 ;;
     load)
       # 200 requests through serve, both modes, each engine warmed first then two passes of
-      # the stream (requests differing between passes of one mode and between modes)
+      # the stream (requests differing between passes of one mode and between modes);
+      # batch-invariant engines: every answer must equal across passes and modes
       mkdir -p "$OUT/load"
       run 585 serving_load python3 benchmarks/bench_serving.py --out "$OUT/load" --parts load \
-        --load-modes aggregated disagg-shared --load-passes 2 ;;
+        --load-modes aggregated disagg-shared --load-passes 2 --batch-invariant ;;
     scale)
       # the Qwen3-8B-shaped pair, scanned layers (an unrolled 36-layer step compiles for
       # about a minute per program): batch 1 first (the goal keys), then batch 32

@@ -60,6 +60,7 @@ def build_parser():
                           "prefill chunks; a larger one puts more prompts' chunks into a step "
                           "(default: every slot decoding plus two chunks)")
     processes.add_default_max_tokens_arg(srv)
+    processes.add_batch_invariant_arg(srv)
     processes.add_parser(sub)
     return ap
 
@@ -80,7 +81,8 @@ def serve(args) -> None:
           f"{capacity(pair.step_config.spec).describe()}", file=sys.stderr, flush=True)
     try:
         engine = make_engine(args.draft_kv, pair,
-                             max_num_batched_tokens=args.max_num_batched_tokens)
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             batch_invariant=args.batch_invariant)
     except ValueError as e:
         raise SystemExit(f"serve: {e}")
     if args.http is not None:

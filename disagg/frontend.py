@@ -164,22 +164,25 @@ def split_meshes():
 
 
 def make_engine(mode: str, pair: ModelPair, *, move_path: str = "coalesced",
-                eos: bool = True, max_num_batched_tokens: int | None = None) -> Engine:
+                eos: bool = True, max_num_batched_tokens: int | None = None,
+                batch_invariant: bool = False) -> Engine:
     """The pair's engine in `mode` (MODES); `eos`: the tokenizer's end-of-sequence
     ids end a request (unless it sets ignore_eos); `max_num_batched_tokens`: each
     engine's per-step token budget (None: Engine's default; Engine refuses one below a
-    prefill chunk)."""
+    prefill chunk); `batch_invariant`: Engine's (tokens independent of the batch)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is unknown; use one of {MODES}")
     mesh_ctx, mesh_gen = split_meshes()
     eos_ids = tuple(pair.tokenizer.eos_token_ids) if eos else ()
     if mode == "aggregated":
         return Engine(pair.params, pair.step_config, mesh=mesh_gen, eos_token_ids=eos_ids,
-                      max_num_batched_tokens=max_num_batched_tokens)
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      batch_invariant=batch_invariant)
     return disaggregated_engine(pair.params, pair.step_config, mode=mode,
                                 context_meshes=(mesh_ctx,), mesh=mesh_gen,
                                 move_path=move_path, eos_token_ids=eos_ids,
-                                max_num_batched_tokens=max_num_batched_tokens)
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                batch_invariant=batch_invariant)
 
 
 def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) -> float:

@@ -119,6 +119,7 @@ def add_parser(sub) -> None:
     p.add_argument("--http", type=host_port, default=None, metavar="HOST:PORT",
                    help="generation: serve OpenAI-compatible HTTP here instead of JSON lines")
     add_default_max_tokens_arg(p)
+    add_batch_invariant_arg(p)
 
 
 def host_port(text: str) -> tuple[str, int]:
@@ -132,6 +133,14 @@ def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
     return int(text)
+
+
+def add_batch_invariant_arg(p) -> None:
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every prefill call runs full rows (a lone prompt's padded), so a "
+                        "request's greedy tokens do not depend on what shares its steps "
+                        "(matmuls round by their shapes); costs a lone prompt's prefill "
+                        "the padding")
 
 
 def add_default_max_tokens_arg(p) -> None:
@@ -178,7 +187,8 @@ def run(args) -> None:
     logging.getLogger("disagg").info("%s: %s", args.role, capacity(cfg.spec).describe())
     mesh = local_mesh(args.tp)
     if args.role == "context":
-        server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=mode),
+        server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=mode,
+                                             batch_invariant=args.batch_invariant),
                                address=args.address, transfer_host=args.transfer_host,
                                timeout=args.timeout, idle_timeout=args.idle_timeout)
         print(f"context worker listening on {server.address} "
@@ -193,7 +203,8 @@ def run(args) -> None:
                           timeout=args.timeout)
     engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=mode,
                     speculative=cfg.draft is not None, kv_timeout_s=remote.engine_timeout_s,
-                    eos_token_ids=tuple(tokenizer.eos_token_ids))
+                    eos_token_ids=tuple(tokenizer.eos_token_ids),
+                    batch_invariant=args.batch_invariant)
     if args.http is not None:
         from disagg.frontend import DEFAULT_MODEL_NAME, ModelPair, serve_http
         name = Path(args.pair).resolve().name if args.pair else DEFAULT_MODEL_NAME

@@ -41,9 +41,11 @@ class ContextWorker:
     """Prefills requests on its own mesh and hands their KV over; never decodes."""
 
     def __init__(self, params, cfg: StepConfig, *, mesh=None, mode: str = "shared",
-                 max_num_batched_tokens: int | None = None, name: str = "a context worker"):
+                 max_num_batched_tokens: int | None = None, batch_invariant: bool = False,
+                 name: str = "a context worker"):
         self.engine = Engine(params, cfg, mesh=mesh, export=True, mode=mode,
-                             speculative=False, max_num_batched_tokens=max_num_batched_tokens)
+                             speculative=False, max_num_batched_tokens=max_num_batched_tokens,
+                             batch_invariant=batch_invariant)
         self.kv_format = KVFormat.of(cfg.spec, mode)
         self.mesh, self.mode, self.name = mesh, mode, name
         self.num_prefilled = 0
@@ -265,14 +267,16 @@ def _default_device():
 def disaggregated_engine(params, cfg: StepConfig, *, mode: str = "shared", context_meshes=(None,),
                          mesh=None, move_path: str = "coalesced", threaded: bool = False,
                          head_slices: bool = False, max_num_batched_tokens: int | None = None,
-                         **engine_kwargs) -> Engine:
+                         batch_invariant: bool = False, **engine_kwargs) -> Engine:
     """A generation Engine fed by context workers on `context_meshes` (one each);
-    `max_num_batched_tokens` is every engine's per-step token budget (None: Engine's)."""
+    `max_num_batched_tokens` and `batch_invariant` apply to every engine (Engine's)."""
     contexts = [ContextWorker(params, cfg, mesh=m, mode=mode, name=f"context worker {k}",
-                              max_num_batched_tokens=max_num_batched_tokens)
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              batch_invariant=batch_invariant)
                 for k, m in enumerate(context_meshes)]
     source = InProcessSource(contexts, mesh=mesh, kv_format=KVFormat.of(cfg.spec, mode),
                              move_path=move_path, threaded=threaded, head_slices=head_slices)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,
                   speculative=cfg.draft is not None,
-                  max_num_batched_tokens=max_num_batched_tokens, **engine_kwargs)
+                  max_num_batched_tokens=max_num_batched_tokens,
+                  batch_invariant=batch_invariant, **engine_kwargs)

@@ -63,13 +63,17 @@ class Engine:
         device while nothing waits to be admitted, prefilled or imported (one
         host round trip per call). Default: 8 on an accelerator, 1 on CPU
         (where compile time, not the host loop, is the cost).
+      batch_invariant: every prefill call runs the step's full prefill rows (a lone
+        prompt's padded), so each kind of call has one shape and a request's tokens do
+        not depend on what shares its steps: matmuls round by their shapes, and
+        attention already computes a row alike in any batch (pallas_kernels/launch_plan).
     """
 
     def __init__(self, params, cfg: StepConfig, *, speculative: bool = True, mesh=None,
                  max_num_batched_tokens: int | None = None, kv_source: KVSource | None = None,
                  export: bool = False, mode: str = "shared", lookahead: bool = True,
                  eos_token_ids=(), kv_timeout_s: float = 60.0,
-                 decode_steps_per_call: int | None = None):
+                 decode_steps_per_call: int | None = None, batch_invariant: bool = False):
         if speculative and cfg.draft is None:
             raise ValueError("speculative=True needs StepConfig.draft (a DFlash config)")
         if mode not in ("shared", "private"):
@@ -83,6 +87,7 @@ class Engine:
         if decode_steps_per_call < 1:
             raise ValueError(f"decode_steps_per_call must be >= 1, got {decode_steps_per_call}")
         self.decode_steps = decode_steps_per_call
+        self.batch_invariant = batch_invariant
         chunk = cfg.spec.max_step_tokens
         if max_num_batched_tokens is not None and max_num_batched_tokens < chunk:
             raise ValueError(f"max_num_batched_tokens (serve --max-num-batched-tokens) "
@@ -323,8 +328,11 @@ class Engine:
 
     def _prefill_rows(self, n: int) -> int:
         """Rows of a prefill call: 1, else the most a step can hold (two shapes
-        to compile; a lone prompt pays no padding)."""
-        return n if n <= 1 else self.scheduler.max_prefill_rows
+        to compile; a lone prompt pays no padding); batch-invariant, always the most.
+        0: a call that only empties slots."""
+        if n == 0 or (n == 1 and not self.batch_invariant):
+            return n
+        return self.scheduler.max_prefill_rows
 
     def _dispatch(self, plan):
         imported = self._import_arrived(plan.imports, plan.reset_slots)

@@ -116,3 +116,13 @@ def test_serve_drains_on_sigterm_and_exits_cleanly(tmp_path):
     assert proc.returncode == 0, err.decode()[-2000:]
     assert [(a["id"], len(a["tokens"])) for a in answers] == [("s0", 4), ("s1", 200)]
     assert "SIGTERM" in err.decode()
+
+
+def test_batch_invariant_is_a_flag_of_every_serving_command():
+    from disagg.__main__ import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--batch-invariant"]).batch_invariant
+    assert not parser.parse_args(["serve"]).batch_invariant
+    for role in ("context", "generation"):
+        assert parser.parse_args(["serve-remote", "--role", role,
+                                  "--batch-invariant"]).batch_invariant

@@ -316,3 +316,17 @@ def test_long_prompt_into_windowed_pools_takes_only_the_window_tail(pair):
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
     assert_pair_free(engine)
+
+
+def test_a_batch_invariant_pair_pads_every_prefill_and_equals_aggregated(pair):
+    """`batch_invariant` reaches the context workers, whose prefill calls make the KV:
+    every engine of the pair runs it, and the tokens equal the aggregated engine's."""
+    params, cfg = pair
+    agg = Engine(params, cfg, batch_invariant=True).generate(PROMPTS, MAX_NEW,
+                                                             arrival_steps=[0, 0, 1, 4, 6])
+    engine = split_engine(params, cfg, batch_invariant=True)
+    assert engine.batch_invariant and all(c.engine.batch_invariant
+                                          for c in engine.kv_source.contexts)
+    dis = engine.generate(PROMPTS, MAX_NEW, arrival_steps=[0, 0, 1, 4, 6])
+    assert [r.tokens for r in dis] == [r.tokens for r in agg]
+    assert_pair_free(engine)

@@ -244,3 +244,28 @@ def test_several_decode_steps_per_call_give_the_same_tokens(pair):
     assert cut.tokens == one[1].tokens[:one[1].tokens.index(stop) + 1]
     assert sum(cut.acceptance) + 1 == len(cut.tokens)
     assert_all_free(engine)
+
+
+def test_batch_invariant_engines_run_every_prefill_call_at_full_rows(pair):
+    """A lone prompt's prefill call is padded to the step's full rows, so every prefill
+    call has one shape whatever arrives with it; the tokens are those of the default."""
+    params, speculative_cfg, _ = pair
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 60, n).tolist() for n in (11, 20)]
+    seen = {}
+    for invariant in (False, True):
+        engine = Engine(params, speculative_cfg, batch_invariant=invariant)
+        rows, step_fn = [], engine.executor._step_fn
+
+        def spy(*args, rows=rows, step_fn=step_fn, **kwargs):
+            if not kwargs["decode"] and kwargs["num_prefill"]:
+                rows.append(kwargs["num_prefill"])
+            return step_fn(*args, **kwargs)
+
+        engine.executor._step_fn = spy
+        results = engine.generate(prompts, 8, arrival_steps=[0, 4])   # each prefills alone
+        seen[invariant] = (sorted(set(rows)), [r.tokens for r in results])
+        assert_all_free(engine)
+    full = engine.scheduler.max_prefill_rows
+    assert full > 1 and seen[False][0] == [1] and seen[True][0] == [full]
+    assert seen[True][1] == seen[False][1]
