@@ -1,10 +1,10 @@
-"""Decode, verify-8 and the draft block (8 queries): the Gluon kernel beside the Pallas
-kernel, on the same data, in one process (issue 3's shapes: batch 64, 32 / 8 heads, head
-dim 128, 16-key pages in random order); then chunked prefill, both kernels beside XLA's
-dense attention.
+"""Decode, verify and the draft block (8 queries; `--block 16`: DFlash-b16's 16): the
+Gluon kernel beside the Pallas kernel, on the same data, in one process (batch 64,
+32 / 8 heads, head dim 128, 16-key pages in random order); then chunked prefill, both
+kernels beside XLA's dense attention.
 
     PYTHONPATH=. python benchmarks/bench_gluon_attention.py [--ctx 4096 16384 32768] [--out DIR]
-        [--bf16-ctx 4096 32768] [--no-prefill] [--pages-in-order]
+        [--bf16-ctx 4096 32768] [--no-prefill] [--pages-in-order] [--block 16]
 
 Per context and KV dtype: ms per call of each kernel (`timing.time_call`: back-to-back
 calls, median of 5), verify-8 / decode, KV read rate against the device copy bandwidth
@@ -14,7 +14,7 @@ on two rows. Over bf16, also the issue's decode baselines on the same data
 error, and cuDNN / XLA dense attention on the K/V laid out contiguously). The Pallas
 kernel refuses pools past 2^31 elements (fp8 or bf16 at 32K, batch 64): its cells are
 then absent. The draft block's figures sit beside the same kernel's decode
-(`*_draft8_over_decode`, the issue's "draft block likewise"). Prefill (`--prefill`:
+(`*_draft8_over_decode`). Prefill (`--prefill`:
 prior context, chunk): TFLOP/s of each kernel and of XLA dense attention on the K/V laid
 out contiguously, at batch 4. Pages lie in the pool in random order; `--pages-in-order`
 lays each row's pages one after another (what the same data costs without scattered pages).
@@ -36,33 +36,35 @@ from pallas_kernels.paged_attention import (draft_block_attention,
                                             draft_block_attention_reference)
 from pallas_kernels.paged_attention_gluon import (draft_block_attention_gluon,
                                                   paged_attention_gluon)
+from pallas_kernels.launch_plan import FEW_Q_MAX
 from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS
 
 
-def bench(ctx, dtype, copy_bw, pages_in_order=False):
-    q, pool, table, kv_lens, _ = setup(ctx, dtype, max_q=8, pages_in_order=pages_in_order)
+def bench(ctx, dtype, copy_bw, pages_in_order=False, block=8):
+    q, pool, table, kv_lens, _ = setup(ctx, dtype, max_q=block, pages_in_order=pages_in_order)
+    verify, draft = f"verify{block}", f"draft{block}"
     batch = q.shape[0]
     kernels = {"gluon": jax.jit(lambda *a: paged_attention_gluon(*a, layer_offset=0))}
     if pool.size <= MAX_POOL_ELEMENTS:
         kernels["pallas"] = ours(q, pool, table, kv_lens, kv_lens)
     row = {"ctx": ctx, "kv": "fp8" if dtype == FP8 else "bf16", "batch": batch,
            "pages": "in order" if pages_in_order else "random"}
-    for name, tokens in (("decode", 1), ("verify8", 8)):
+    for name, tokens in (("decode", 1), (verify, block)):
         args = (q[:, :tokens], pool, table, kv_lens, jnp.full((batch,), tokens, jnp.int32))
         for kernel, fn in kernels.items():
             row[f"{kernel}_{name}_rel_err"] = reference_rel_err(fn(*args), *args)
         for kernel, ms in time_alternating(kernels, *args).items():
             row[f"{kernel}_{name}_ms"] = ms
-    row.update(bench_draft(q, pool, table, kv_lens, "pallas" in kernels))
+    row.update(bench_draft(q, pool, table, kv_lens, "pallas" in kernels, block))
     for kernel in kernels:
-        for name in ("verify8", "draft8"):
+        for name in (verify, draft):
             row[f"{kernel}_{name}_over_decode"] = (row[f"{kernel}_{name}_ms"]
                                                    / row[f"{kernel}_decode_ms"])
         rate = kv_bytes(ctx, dtype) / (row[f"{kernel}_decode_ms"] * 1e-3)
         row[f"{kernel}_decode_kv_tb_s"] = rate / 1e12
         row[f"{kernel}_decode_pct_of_copy_bw"] = 100 * rate / copy_bw
     if "pallas" in kernels:
-        for name in ("decode", "verify8", "draft8"):
+        for name in ("decode", verify, draft):
             row[f"pallas_over_gluon_{name}"] = row[f"pallas_{name}_ms"] / row[f"gluon_{name}_ms"]
     if dtype == jnp.bfloat16:  # the issue's decode baselines: the jax op, cuDNN, XLA
         for name, value in decode_baselines(q, pool, table, kv_lens).items():
@@ -91,16 +93,16 @@ def draft_rel_err(out, q, pool, table, ctx_lens, block_lens, block_k, block_v):
         layer_offset=0))
 
 
-def bench_draft(q, pool, table, ctx_lens, with_pallas):
-    """The draft block (8 queries, bidirectional): ms and error of each kernel."""
-    args = draft_args(q, pool, table, ctx_lens)
+def bench_draft(q, pool, table, ctx_lens, with_pallas, block=8):
+    """The draft block (`block` queries, bidirectional): ms and error of each kernel."""
+    args = draft_args(q, pool, table, ctx_lens, block)
     kernels = {"gluon": jax.jit(lambda *a: draft_block_attention_gluon(*a, layer_offset=0))}
     if with_pallas:
         kernels["pallas"] = jax.jit(lambda *a: draft_block_attention(*a, layer_offset=0))
-    row = {f"{name}_draft8_rel_err": draft_rel_err(fn(*args), *args)
+    row = {f"{name}_draft{block}_rel_err": draft_rel_err(fn(*args), *args)
            for name, fn in kernels.items()}
     for name, ms in time_alternating(kernels, *args).items():
-        row[f"{name}_draft8_ms"] = ms
+        row[f"{name}_draft{block}_ms"] = ms
     return row
 
 
@@ -137,21 +139,28 @@ def main():
     parser.add_argument("--pages-in-order", action="store_true",
                         help="each row's pages one after another in the pool (default: "
                         "random order)")
+    parser.add_argument("--block", type=int, default=8,
+                        help="query tokens of verify and of the draft block (at most 16: "
+                             "DFlash-b16's block); results go to gluon_attention_b<N>.json "
+                             "unless 8")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not 1 < args.block <= FEW_Q_MAX:
+        raise SystemExit(f"--block {args.block}: give 2 to {FEW_Q_MAX} query tokens")
     copy_bw = device_copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     for dtype, contexts in ((FP8, args.ctx), (jnp.bfloat16, args.bf16_ctx)):
         for ctx in contexts:
-            rows.append(bench(ctx, dtype, copy_bw, args.pages_in_order))
+            rows.append(bench(ctx, dtype, copy_bw, args.pages_in_order, args.block))
             print(rows[-1], flush=True)
     prefill = []
     for prior, chunk in [] if args.no_prefill else args.prefill or [(0, 2048), (4096, 2048)]:
         for dtype in (jnp.bfloat16, FP8):
             prefill.append(bench_prefill(prior, chunk, dtype))
             print(prefill[-1], flush=True)
-    write_results("gluon_attention", {"copy_bw_tb_s": copy_bw / 1e12, "shape": dict(
+    name = "gluon_attention" if args.block == 8 else f"gluon_attention_b{args.block}"
+    write_results(name, {"copy_bw_tb_s": copy_bw / 1e12, "block": args.block, "shape": dict(
         batch=64, q_heads=32, kv_heads=HKV, head_dim=D, page=16), "rows": rows,
         "prefill": prefill}, args.out)
 

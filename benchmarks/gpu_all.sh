@@ -16,6 +16,7 @@
 # context and generation processes on GPUs 0 and 1), two_gpu_e2e (aggregated vs
 # data-parallel vs disaggregated end to end), two_gpu_scale (TP=2 vs TP=1 step time
 # at the Qwen3-8B shape).
+# attention_b16 (not in the default list): verify-16 and draft-16 against decode.
 # train_draft (not in the default list): a candidate drafter for long prompts, the shipped
 # one trained on in turn on 1K and 8K windows, into $OUT/draft_long/draft; measure it with
 # `python -m drafter.evaluate --draft DIR` (AL on the CPU equals the H200's) and ship it
@@ -26,7 +27,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -63,6 +64,10 @@ for stage in "${stages[@]}"; do
       run 200 paged_attention_prefill python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         --prefill-only
       run 240 gluon_attention python3 benchmarks/bench_gluon_attention.py --out "$OUT" ;;
+    attention_b16)
+      # verify-16 and the 16-query draft block (DFlash-b16) against decode, no prefill
+      run 300 gluon_attention_b16 python3 benchmarks/bench_gluon_attention.py --out "$OUT" \
+        --block 16 --no-prefill ;;
     attention_small)
       # batch 1-4: fixed key-split sizes against the default plan (launch_plan)
       run 400 small_batch_attention python3 benchmarks/bench_small_batch_attention.py \
