@@ -27,6 +27,7 @@ import numpy as np
 from drafter.checkpoint import load_dflash
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
+from drafter.inspect import pair_checks
 from drafter.steps import decode_step, plain_decode_step
 from drafter.timing import machine, time_step_loop
 from models.attention import IMPLS
@@ -150,6 +151,10 @@ def main(argv=None):
     params, tcfg, dcfg = load_default()
     if args.draft is not None:
         dcfg, params["draft"] = load_dflash(args.draft, jnp.float32)
+        if problems := pair_checks(tcfg, dcfg):
+            raise SystemExit(f"--draft {args.draft}: it does not fit the shipped target: "
+                             f"{'; '.join(problems)}; give a drafter trained for it "
+                             f"(python -m drafter.make_default --from-default)")
     prompts = load_prompts()
     if args.lengths:
         prompts = [p for p in prompts if p["length"] in args.lengths]

@@ -1,5 +1,7 @@
 """The shipped default pair: it loads, it is lossless, and its drafter still drafts well."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -59,3 +61,7 @@ def test_the_shipped_drafter_trains_on_in_turn_windows_and_evaluates_by_path(tmp
                    "--context", "16", "--json", str(report)])
     row = json.loads(report.read_text())
     assert row["draft"] == str(out / "draft") and row["by_length"][0]["lossless"]
+    copy_draft = Path(__file__).parent.parent / "fixtures" / "copy_pair" / "draft"
+    with pytest.raises(SystemExit, match="does not fit the shipped target: drafter "
+                                         "num_target_layers=2, target has 6 layers"):
+        evaluate.main(["--draft", str(copy_draft), "--lengths", "128"])
