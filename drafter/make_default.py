@@ -21,7 +21,7 @@ import numpy as np
 
 from drafter.corpus import MASK, VOCAB_SIZE, load_split, random_windows
 from drafter.dflash import DFlashConfig, init_params as init_draft
-from drafter.train import train_drafter
+from drafter.train import LABELS, train_drafter
 from drafter.checkpoint import save_dflash
 from models.checkpoint import load_qwen3, save_qwen3
 from models.qwen3 import Qwen3Config, init_params as init_target
@@ -91,6 +91,9 @@ def main(argv=None):
                          "8192x2: long windows show it the target's features far into a "
                          "prompt); default: --length x --draft-batch")
     ap.add_argument("--draft-lr", type=float, default=2e-3)
+    ap.add_argument("--draft-labels", choices=LABELS, default="data",
+                    help="what the drafter learns to predict: the data's next tokens (the "
+                         "DFlash recipe) or the target's greedy choices (distillation)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
     args = ap.parse_args(argv)
@@ -122,7 +125,8 @@ def main(argv=None):
                                     mixed_batches(train_docs, windows,
                                                   2 if args.from_default else 1),
                                     steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
-                                    gamma=4.0, time_budget_s=args.budget_s)
+                                    gamma=4.0, labels=args.draft_labels,
+                                    time_budget_s=args.budget_s)
     print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "
           f"{np.mean(d_losses[:20]):.3f} -> {np.mean(d_losses[-50:]):.3f}", flush=True)
     bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)

@@ -7,7 +7,11 @@ For each training sequence (target features computed by the frozen target):
   * context visible strictly before the anchor (windowed for sliding layers),
     bidirectional inside the block (causal for sliding layers if so configured);
   * block slot k (1..B-1) predicts x_{a+k} through the target's frozen lm_head,
-    cross-entropy weighted by exp(-(k-1) / gamma).
+    cross-entropy weighted by exp(-(k-1) / gamma). The label is the data's token
+    (`labels="data"`, the DFlash recipe) or the target's own greedy choice there,
+    given the data before it (`labels="target"`: distillation, which trains what
+    acceptance measures, agreement with the target, also where the target's
+    choices part from the data, as far past its training length).
 
 The dense block forward here mirrors `drafter.dflash.draft_block` over the
 paged cache; a test checks the two agree.
@@ -70,29 +74,47 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
     return block_logits_from_hidden(draft_params, cfg, target_params, target_cfg, x)
 
 
-def target_features(target_params, target_cfg, cfg: DFlashConfig, tokens):
-    """Frozen target features the drafter reads: [N, T, n*H]."""
-    _, hidden = dense_forward(target_params, target_cfg, tokens)
-    feats = jnp.concatenate([hidden[i] for i in cfg.target_layer_ids], axis=-1)
-    return jax.lax.stop_gradient(feats)
+def target_features(target_params, target_cfg, cfg: DFlashConfig, tokens, *,
+                    with_choices: bool = False):
+    """Frozen target features the drafter reads: [N, T, n*H]; with `with_choices`,
+    also the target's greedy next token at every position, i32[N, T]."""
+    logits, hidden = dense_forward(target_params, target_cfg, tokens)
+    feats = jax.lax.stop_gradient(
+        jnp.concatenate([hidden[i] for i in cfg.target_layer_ids], axis=-1))
+    if with_choices:
+        return feats, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return feats
+
+
+LABELS = ("data", "target")
 
 
 def dflash_loss(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, *,
-                anchors_per_seq: int = 8, gamma: float = 4.0):
-    """loss(draft_params, tokens i32[N, T], key) by the DFlash recipe."""
+                anchors_per_seq: int = 8, gamma: float = 4.0, labels: str = "data"):
+    """loss(draft_params, tokens i32[N, T], key) by the DFlash recipe; `labels`:
+    "data" (the next tokens) or "target" (the target's greedy next tokens)."""
+    if labels not in LABELS:
+        raise ValueError(f"labels {labels!r} is unknown; use one of {LABELS}")
     weights = jnp.exp(-jnp.arange(cfg.block_size - 1) / gamma)          # slot k=1.. -> k-1
 
     def loss(draft_params, tokens, key):
         n, t = tokens.shape
-        feats = target_features(target_params, target_cfg, cfg, tokens)
+        if labels == "target":
+            feats, choices = target_features(target_params, target_cfg, cfg, tokens,
+                                             with_choices=True)
+        else:
+            feats = target_features(target_params, target_cfg, cfg, tokens)
         anchors = jax.random.randint(key, (n, anchors_per_seq), 0, t - 1)
         logits = block_logits(draft_params, cfg, target_params, target_cfg, tokens, feats,
                               anchors)
         rows = jnp.repeat(jnp.arange(n), anchors_per_seq)
         label_pos = anchors.reshape(-1)[:, None] + jnp.arange(1, cfg.block_size)[None]
         valid = label_pos < t
-        labels = tokens[rows[:, None], jnp.minimum(label_pos, t - 1)]
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        if labels == "target":  # the target's choice for position p is made at p - 1
+            wanted = choices[rows[:, None], jnp.minimum(label_pos, t - 1) - 1]
+        else:
+            wanted = tokens[rows[:, None], jnp.minimum(label_pos, t - 1)]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, wanted)
         w = weights[None] * valid
         return (ce * w).sum() / w.sum()
     return loss
@@ -100,9 +122,9 @@ def dflash_loss(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, *,
 
 def train_drafter(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, draft_params,
                   batches, *, steps: int, lr: float = 3e-3, anchors_per_seq: int = 8,
-                  gamma: float = 4.0, **kw):
+                  gamma: float = 4.0, labels: str = "data", **kw):
     """Train `draft_params` for the frozen target; see `train_loop` for
     checkpointing (orbax), resuming and the saved loss curve."""
     loss = dflash_loss(target_params, target_cfg, cfg, anchors_per_seq=anchors_per_seq,
-                       gamma=gamma)
+                       gamma=gamma, labels=labels)
     return train_loop(loss, draft_params, batches, steps=steps, lr=lr, desc="drafter", **kw)

@@ -3,10 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from drafter.dflash import draft_block
 from drafter.steps import init_step_state, prefill_step
-from drafter.train import block_logits, target_features, train_drafter
+from drafter.train import LABELS, block_logits, dflash_loss, target_features, train_drafter
+from models.qwen3 import dense_forward
 from tests.drafter.tiny import tiny_pair
 from unified_kv import admit_slots, init_state
 
@@ -60,3 +62,31 @@ def test_training_lowers_loss_and_resumes(tmp_path):
     assert len(losses) == 10  # resumed at step 6, not restarted
     assert np.mean(losses[-3:]) < losses[0]
     assert (tmp_path / "loss.json").exists()
+
+
+def test_distillation_labels_are_the_targets_greedy_next_tokens():
+    """On a sequence the target itself wrote greedily, the data's next tokens are the
+    target's choices, so both label kinds give one loss; on random data they part.
+    (A label taken one position off would break the equality.)"""
+    params, cfg, _ = tiny_pair(num_slots=2)
+    t = 24
+    forward = jax.jit(lambda toks: dense_forward(params["target"], cfg.target, toks)[0])
+    greedy = np.zeros((1, t), np.int32)
+    greedy[0, 0] = 7
+    for p in range(1, t):  # causal: the zeros after p do not change position p - 1
+        greedy[0, p] = int(jnp.argmax(forward(jnp.asarray(greedy))[0, p - 1]))
+    random = np.random.default_rng(1).integers(0, 63, (1, t)).astype(np.int32)
+    key = jax.random.key(3)
+    losses = {labels: jax.jit(dflash_loss(params["target"], cfg.target, cfg.draft,
+                                          anchors_per_seq=6, labels=labels))
+              for labels in LABELS}
+    on_greedy = [float(losses[k](params["draft"], jnp.asarray(greedy), key)) for k in LABELS]
+    on_random = [float(losses[k](params["draft"], jnp.asarray(random), key)) for k in LABELS]
+    np.testing.assert_allclose(on_greedy[0], on_greedy[1], rtol=1e-6)
+    assert abs(on_random[0] - on_random[1]) > 1e-3
+
+
+def test_unknown_label_kind_is_refused():
+    params, cfg, _ = tiny_pair(num_slots=2)
+    with pytest.raises(ValueError, match="labels 'teacher' is unknown"):
+        dflash_loss(params["target"], cfg.target, cfg.draft, labels="teacher")
