@@ -9,7 +9,8 @@ sliding_window), GQA, fp8 e4m3 or bf16 KV with per-layer scales, soft cap, ragge
 padding rows (q_len 0) and query tokens past q_len give zeros. A draft block also sees the
 block's own K / V (not in the cache), bidirectionally or causally. One program: one (query
 block, row, kv head); up to 32 query rows (tokens x q heads of the kv head) over 2 warps
-for decode, verify and the draft block, 64 rows over 4 warps for prefill. Warps take 16
+for decode, verify and the draft block (64 over 4 when they have more: a block of 16
+tokens), 64 rows over 4 warps for prefill. Warps take 16
 rows each (the rest of them the dots' columns: decode's 16 rows over 2 warps), so a
 verify's warps exchange nothing per key block.
 
@@ -49,6 +50,11 @@ from pallas_kernels.pool_layout import pow2_at_least, static_validate_inputs
 
 GLUON_POOL_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16))  # pools it reads
 BLOCK_KEYS, STAGES, NUM_WARPS = 64, 3, 2  # keys per block: pages_per_block = 64 / page
+# A few-query call of more rows than 2 warps hold (verify-16, the draft block of 16: 16
+# tokens x 4 q heads per kv head) takes one program of up to this many rows, 16 per warp
+# along the rows, so each key block is read once for all of them; per-warp work is
+# verify-8's, and a row's arithmetic is decode's (rows are independent; sums by dot).
+FEW_Q_WIDE_ROWS = 64
 # Prefill: 16 query rows per warp, 2 stages (faster than 3 on the H200: docs/decisions.md).
 PREFILL_ROWS, PREFILL_WARPS, PREFILL_STAGES = 64, 4, 2
 # The draft block over bf16 KV: 4 warps along the dots' columns (faster on the H200 over
@@ -259,20 +265,26 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     K / V pointers), constexprs and grid for a call; `supports` must hold. draft_block:
     None, or (padded block keys, causal within the block). Decode, verify and the draft
     block (up to FEW_Q_MAX queries) take 2 warps (the bf16 draft block
-    DRAFT_BF16_WARPS), edge-only masks and row sums by dot; prefill PREFILL_ROWS rows per
+    DRAFT_BF16_WARPS; more rows than 2 warps hold: FEW_Q_WIDE_ROWS rows a program, a
+    warp per 16), edge-only masks and row sums by dot; prefill PREFILL_ROWS rows per
     program over PREFILL_WARPS warps, every block masked and rows summed by `gl.sum`
     (faster for prefill than the few-query options). Warps go along the rows, 16 rows each."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     q_per_kv = num_q_heads // num_kv_heads
     few_q = max_q <= FEW_Q_MAX
+    rows = pow2_at_least(max_q * q_per_kv)
+    wide = few_q and rows > NUM_WARPS * 16   # more rows than 2 warps hold along the rows
+    rows_per_block = (min(rows, FEW_Q_WIDE_ROWS) if wide else None) if few_q else PREFILL_ROWS
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, table_width=batch_table.shape[1], num_splits=1,
-                       rows_per_block=None if few_q else PREFILL_ROWS)
+                       rows_per_block=rows_per_block)
     fp8 = pool.dtype == jnp.float8_e4m3fn
     num_warps = NUM_WARPS if few_q else PREFILL_WARPS
     if draft_block is not None and not fp8:
         num_warps = DRAFT_BF16_WARPS
+    if wide:
+        num_warps = max(num_warps, plan.rows // 16)
     # Warps along the rows, 16 rows each, the rest along the dots' columns: a program's
     # warps then exchange nothing per key block.
     warps_m = max(1, min(num_warps, plan.rows // 16))

@@ -44,6 +44,7 @@ def compile_for_hopper(q, pool, *, block=None, **kw):
     (FP8, 1, None, None, 128, 16, 4), (FP8, 8, None, None, 128, 16, 4),
     (FP8, 8, 100, 30.0, 128, 16, 4), (jnp.bfloat16, 8, None, None, 128, 16, 4),
     (FP8, 5, None, None, 64, 16, 8), (jnp.bfloat16, 4, 20, None, 32, 8, 1),
+    (FP8, 16, None, None, 128, 16, 4), (jnp.bfloat16, 16, 100, None, 128, 16, 4),  # verify-16
     (FP8, 40, 100, None, 128, 16, 4), (jnp.bfloat16, 100, None, 30.0, 128, 16, 8),  # prefill
 ])
 def test_compiles_for_hopper(kv_dtype, max_q, window, soft_cap, head_dim, page_size, gqa):
@@ -55,6 +56,8 @@ def test_compiles_for_hopper(kv_dtype, max_q, window, soft_cap, head_dim, page_s
     if max_q > pg.FEW_Q_MAX:  # prefill: 64-row query blocks over 4 warps
         assert compiled.metadata.num_warps == pg.PREFILL_WARPS
         assert grid[0] == -(-max_q // (pg.PREFILL_ROWS // gqa))
+    elif max_q * gqa > 32:  # verify-16: one program reads each key block for all 64 rows
+        assert compiled.metadata.num_warps == 4 and grid[0] == 1
 
 
 @pytest.mark.parametrize("kv_dtype", [FP8, jnp.bfloat16])
@@ -86,7 +89,8 @@ def test_refuses_what_it_does_not_take():
 
 
 def test_launch_configs():
-    q1, q8, q64 = (jax.ShapeDtypeStruct((64, n, 32, 128), jnp.bfloat16) for n in (1, 8, 64))
+    q1, q8, q16, q64 = (jax.ShapeDtypeStruct((64, n, 32, 128), jnp.bfloat16)
+                        for n in (1, 8, 16, 64))
     table = jax.ShapeDtypeStruct((64, 16), jnp.int32)
     for kv, draft_warps in ((FP8, pg.NUM_WARPS), (jnp.bfloat16, pg.DRAFT_BF16_WARPS)):
         pool = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), kv)
@@ -98,6 +102,12 @@ def test_launch_configs():
         assert (verify["ROWS"], verify["WARPS_M"], decode["ROWS"], decode["WARPS_M"]) \
             == (32, 2, 16, 1)
         assert all(c["SUM_BY_MMA"] and c["EDGE_MASKS"] for c in (verify, decode))
+        # block 16: 64 rows, still 16 a warp along the rows, in one program (each key
+        # block read once, not once per 32-row query block)
+        for draft_block in (None, (16, False)):
+            _, wide, grid = pg.launch(q16, pool, table, layer_offset=0, draft_block=draft_block)
+            assert (wide["ROWS"], wide["WARPS_M"], wide["NUM_WARPS"], grid[0]) == (64, 4, 4, 1)
+            assert wide["SUM_BY_MMA"] and wide["EDGE_MASKS"]
         draft = pg.launch(q8, pool, table, layer_offset=0, draft_block=(16, False))[1]
         assert draft["NUM_WARPS"] == draft_warps and not draft["QUERIES_CACHED"]
         prefill = pg.launch(q64, pool, table, layer_offset=0)[1]
@@ -110,6 +120,7 @@ CASES = [  # kv dtype, max_q, window, soft cap, q heads per kv head
     (FP8, 1, None, None, 4), (FP8, 8, None, None, 4), (FP8, 8, 100, None, 4),
     (FP8, 4, None, 30.0, 1), (FP8, 3, 64, 50.0, 8), (jnp.bfloat16, 1, None, None, 4),
     (jnp.bfloat16, 8, 100, 30.0, 4), (jnp.bfloat16, 5, None, None, 8),
+    (FP8, 16, None, None, 4), (jnp.bfloat16, 16, 100, 30.0, 4), (FP8, 16, 64, None, 8),
 ]
 
 
@@ -132,8 +143,9 @@ def test_matches_reference(kv_dtype, max_q, window, soft_cap, gqa):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [FP8, jnp.bfloat16])
 @pytest.mark.parametrize("window", [None, 100])
-def test_verify_equals_decode_bit_for_bit(kv_dtype, window):
-    assert_verify_equals_decode(np.random.default_rng(5), max_q=8, batch=16, max_len=3000,
+@pytest.mark.parametrize("max_q", [8, 16])  # 16: one 64-row program over 4 warps
+def test_verify_equals_decode_bit_for_bit(kv_dtype, window, max_q):
+    assert_verify_equals_decode(np.random.default_rng(5), max_q=max_q, batch=16, max_len=3000,
                                 num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                                 kv_dtype=kv_dtype, window=window, interpret=False,
                                 attention=gluon_attention)
