@@ -13,9 +13,9 @@
 `select_backend` reads the device (`device.device_info`: platform, compute capability,
 SM count) and the call's shapes, at trace time. Under "pallas" it takes the Gluon kernel
 (`paged_attention_gluon`) for every call over a pool past 2^31 elements (the Pallas
-kernels' 32-bit offsets refuse those) and for fp8 decode, verify and draft blocks whose
-batch x kv heads fill the GPU twice (it has no key splits); everything else takes the
-Pallas kernels (`paged_attention`). The rule never looks at the query count among decode
+kernels' 32-bit offsets refuse those) and for fp8 decode, verify and draft blocks, and bf16
+draft blocks of 16 tokens, whose batch x kv heads fill the GPU twice (it has no key
+splits); everything else takes the Pallas kernels (`paged_attention`). The rule never looks at the query count among decode
 and verify, so a row's decode and verify passes take the same kernel and agree bit for
 bit. Nothing falls back silently: without a Triton that has Gluon, a call that only Gluon
 can run raises, and the first call Gluon would have run faster logs a warning once.
@@ -29,7 +29,7 @@ import logging
 import jax.numpy as jnp
 
 from pallas_kernels.device import DeviceInfo, device_info
-from pallas_kernels.launch_plan import FEW_Q_MAX
+from pallas_kernels.launch_plan import FEW_Q_MAX, FEW_Q_ROWS
 from pallas_kernels.paged_attention import (draft_block_attention,
                                             draft_block_attention_reference, paged_attention,
                                             paged_attention_reference)
@@ -67,12 +67,18 @@ def gluon_module():
 
 
 def _gluon_preferred(q, pool, *, draft_block: bool, device: DeviceInfo) -> bool:
-    """The measured rule (docs/decisions.md): past 2^31 pool elements always; else fp8
-    decode / verify / draft block when batch x kv heads >= 2 x the SM count."""
+    """The measured rule (docs/decisions.md): past 2^31 pool elements always; else, when
+    batch x kv heads >= 2 x the SM count, fp8 decode / verify / draft block, and a bf16
+    draft block of more query rows than FEW_Q_ROWS (block 16: the Gluon kernel reads each
+    key block once for all of them, the Pallas kernel once per 32 rows)."""
     if pool.size > MAX_POOL_ELEMENTS:
         return True
-    return (q.shape[1] <= FEW_Q_MAX and pool.dtype == jnp.float8_e4m3fn
-            and q.shape[0] * pool.shape[0] >= 2 * device.num_sms)
+    if q.shape[1] > FEW_Q_MAX or q.shape[0] * pool.shape[0] < 2 * device.num_sms:
+        return False
+    if pool.dtype == jnp.float8_e4m3fn:
+        return True
+    rows = q.shape[1] * (q.shape[2] // pool.shape[0])   # query tokens x q heads per kv head
+    return draft_block and rows > FEW_Q_ROWS
 
 
 def select_backend(q, pool, *, impl: str, draft_block: bool = False,

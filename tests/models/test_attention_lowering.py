@@ -82,14 +82,15 @@ def test_auto_and_pallas_off_the_gpu():
 
 
 def test_which_calls_take_the_gluon_kernel():
-    """Decode, verify and the draft block over fp8 at batch x kv heads >= 2 x SMs take it by
-    measurement; prefill and bf16 only where the Pallas kernels cannot address the pool
-    (past 2^31 elements). The rule follows the device's SM count."""
+    """Decode, verify and the draft block over fp8, and bf16 draft blocks of more than 32
+    query rows (block 16), at batch x kv heads >= 2 x SMs take it by measurement; prefill
+    and other bf16 calls only where the Pallas kernels cannot address the pool (past 2^31
+    elements). The rule follows the device's SM count."""
     for kv, fp8 in ((FP8, True), (jnp.bfloat16, False)):
         small = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), kv)
         large = jax.ShapeDtypeStruct((8, 2**31 // (8 * 2 * 16 * 128) + 1, 1, 2, 16, 128), kv)
         for max_q, draft, want_small in ((1, False, fp8), (8, False, fp8), (64, False, False),
-                                         (8, True, fp8)):
+                                         (8, True, fp8), (16, False, fp8), (16, True, True)):
             q = jax.ShapeDtypeStruct((64, max_q, 32, 128), jnp.bfloat16)
             pick = kernels.select_backend(q, small, impl="pallas", draft_block=draft,
                                           device=H200)
@@ -98,6 +99,9 @@ def test_which_calls_take_the_gluon_kernel():
                                           device=H200) == "gluon", (kv, max_q, draft)
         q2 = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
         assert kernels.select_backend(q2, small, impl="pallas", device=H200) == "pallas"
+        q2 = jax.ShapeDtypeStruct((2, 16, 32, 128), jnp.bfloat16)  # a batch that cannot fill
+        assert kernels.select_backend(q2, small, impl="pallas", draft_block=True,
+                                      device=H200) == "pallas"
     q = jax.ShapeDtypeStruct((64, 1, 32, 128), jnp.bfloat16)
     small = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), FP8)
     bigger_gpu = DeviceInfo(platform="gpu", compute_capability=(9, 0), num_sms=300)

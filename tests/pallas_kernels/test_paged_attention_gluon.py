@@ -191,6 +191,7 @@ def test_prefill_matches_reference(kv_dtype, max_q, window, soft_cap, gqa):
 @pytest.mark.parametrize("kv_dtype,block,causal,window,soft_cap,gqa", [
     (FP8, 8, False, None, None, 4), (FP8, 8, True, 512, None, 4), (FP8, 16, True, None, 30.0, 8),
     (jnp.bfloat16, 8, False, 100, None, 4), (jnp.bfloat16, 5, True, None, 30.0, 1),
+    (jnp.bfloat16, 16, False, None, None, 4),  # DFlash-b16's draft layers: 64 rows, 4 warps
 ])
 def test_draft_block_matches_reference(kv_dtype, block, causal, window, soft_cap, gqa):
     rng = np.random.default_rng(block + gqa)
