@@ -17,6 +17,8 @@
 # data-parallel vs disaggregated end to end), two_gpu_scale (TP=2 vs TP=1 step time
 # at the Qwen3-8B shape).
 # attention_b16 (not in the default list): verify-16 and draft-16 against decode.
+# scale_unroll (not in the default list): the batch-1 8B-shaped steps with 4 scanned
+# target layers per loop trip (StepConfig.scan_unroll), into scale_unroll4.json.
 # train_draft (not in the default list): a candidate drafter for long prompts, the shipped
 # one trained on in turn on 1K and 8K windows, into $OUT/draft_long/draft; measure it with
 # `python -m drafter.evaluate --draft DIR` beside the shipped drafter on the same machine
@@ -28,7 +30,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -114,6 +116,11 @@ for stage in "${stages[@]}"; do
       # about a minute per program): batch 1 first (the goal keys), then batch 32
       run 470 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32 \
         --layer-loop scan --steps 8 ;;
+    scale_unroll)
+      # batch 1 with 4 scanned target layers per loop trip, beside `scale`'s 1 (the same
+      # arithmetic; fewer trips of the layer loop)
+      run 330 scale_unroll python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
+        --layer-loop scan --scan-unroll 4 --steps 8 --tag _unroll4 ;;
     scale_long)
       # 8K prompts at batch 1: prefill utilisation and the step over a longer context
       run 330 scale_long python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \

@@ -81,6 +81,9 @@ class StepConfig:
     # (an unrolled 36-layer step compiles for about a minute per program) and on
     # every other backend.
     layer_loop: str = "auto"
+    # Target layers per loop trip when they scan (lax.scan's unroll): fewer trips, a
+    # body that many layers long; the same arithmetic.
+    scan_unroll: int = 1
 
     @property
     def scans_layers(self) -> bool:
@@ -225,7 +228,7 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
     feature_layers = cfg.draft.target_layer_ids if cfg.draft else ()
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    starts, num_tokens, feature_layers=feature_layers,
-                                   impl=cfg.impl)
+                                   impl=cfg.impl, scan_unroll=cfg.scan_unroll)
     if cfg.draft is not None:
         pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, starts,
                               num_tokens)
@@ -321,7 +324,7 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
     verify_len = jnp.where(live, block, 0).astype(jnp.int32)
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    p, verify_len, feature_layers=cfg.draft.target_layer_ids,
-                                   impl=cfg.impl)
+                                   impl=cfg.impl, scan_unroll=cfg.scan_unroll)
     accepted, bonus = accept(logits, tokens[:, 1:], sampler)
     num_out = jnp.where(live, accepted + 1, 0).astype(jnp.int32)
     pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, p, num_out)
@@ -357,7 +360,8 @@ def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
     tables = cfg.device_tables(kv, slot_ids, table_width)
     logits, pools, _ = forward(params["target"], cfg.target, spec, kv.pools, tables,
                                state.anchors[slot_ids][:, None], p,
-                               live.astype(jnp.int32), impl=cfg.impl)
+                               live.astype(jnp.int32), impl=cfg.impl,
+                               scan_unroll=cfg.scan_unroll)
     token = sample(logits[:, 0], sampler)
     kv = retire_window_pages(spec, kv.replace(pools=pools), rows)
     anchors = state.anchors.at[slot_ids].set(jnp.where(live, token, state.anchors[slot_ids]))

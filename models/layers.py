@@ -161,14 +161,15 @@ def layer_runs(spec: CacheSpec, role: str, num_layers: int) -> tuple[LayerRun, .
 
 
 def scan_layers(layer_fn, layers, runs: tuple[LayerRun, ...], x, pools, *,
-                taps: tuple[int, ...] = ()):
+                taps: tuple[int, ...] = (), unroll: int = 1):
     """Run every layer of `runs` in order.
 
     `layer_fn(p, x, pools, layer: LayerSpec, pool_id: int, offset) -> (x, pools)`
     is one layer, with `p` its weights. Stacked `layers` (a dict of [num_layers, ...]
     arrays) run as one `lax.scan` per run: `p` is a slice read by a traced index and
     `offset` a traced i32. A list of per-layer dicts runs unrolled: `p` is the layer's
-    own arrays (nothing sliced or copied) and `offset` a Python int.
+    own arrays (nothing sliced or copied) and `offset` a Python int. `unroll`: iterations
+    of a run's body per loop trip (`lax.scan`'s; the arithmetic is the same).
     Returns (x, pools, taps_out): taps_out[i] is x after layer taps[i] (None without
     taps).
     """
@@ -195,7 +196,8 @@ def scan_layers(layer_fn, layers, runs: tuple[LayerRun, ...], x, pools, *,
             return (x, pools, feats), None
 
         (x, pools, feats), _ = jax.lax.scan(
-            body, (x, pools, feats), (ids, np.asarray(run.offsets, np.int32), slots))
+            body, (x, pools, feats), (ids, np.asarray(run.offsets, np.int32), slots),
+            unroll=unroll)
     if not taps:
         return x, pools, None
     return x, pools, [feats[slot_of[layer]] for layer in taps]

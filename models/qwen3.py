@@ -209,7 +209,8 @@ def decoder_layer(p, x, positions, cfg, attention):
 
 
 def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, starts,
-            num_tokens, *, feature_layers: tuple[int, ...] = (), impl: str = "auto"):
+            num_tokens, *, feature_layers: tuple[int, ...] = (), impl: str = "auto",
+            scan_unroll: int = 1):
     """Run `tokens` through the target, storing their K/V into the cache.
 
     Stacked params["layers"] run as scans over runs of alike layers, a list of
@@ -238,7 +239,7 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
 
     x, pools, features = scan_layers(
         layer_fn, params["layers"], layer_runs(spec, "target", cfg.num_layers),
-        params["embed"][tokens], tuple(pools), taps=tuple(feature_layers))
+        params["embed"][tokens], tuple(pools), taps=tuple(feature_layers), unroll=scan_unroll)
     feats = jnp.concatenate(features, axis=-1) if feature_layers else None
     return lm_head(params, cfg, x), pools, feats
 

@@ -24,6 +24,26 @@ def test_scanned_and_unrolled_layers_generate_the_same_tokens_and_acceptance():
     assert runs["scan"] == runs["unrolled"]
 
 
+def test_scanned_layers_unrolled_by_k_per_trip_generate_the_same_tokens(monkeypatch):
+    params, cfg, _ = tiny_pair()
+    unrolls = []
+    real_scan = jax.lax.scan
+
+    def recording_scan(*args, unroll=1, **kw):
+        unrolls.append(unroll)
+        return real_scan(*args, unroll=unroll, **kw)
+
+    monkeypatch.setattr(jax.lax, "scan", recording_scan)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 60, n).tolist() for n in (7, 33)]
+    runs = {}
+    for k in (1, 2):
+        engine = Engine(params, dataclasses.replace(cfg, layer_loop="scan", scan_unroll=k))
+        runs[k] = [(r.tokens, r.acceptance) for r in engine.generate(prompts, 10)]
+    assert runs[1] == runs[2]
+    assert 2 in unrolls  # the target's layer scans took the factor
+
+
 def test_layer_loop_auto_scans_except_shallow_models_on_gpus_and_unknown_names_are_refused(
         monkeypatch):
     _, cfg, _ = tiny_pair()
