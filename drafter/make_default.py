@@ -36,11 +36,16 @@ def target_config() -> Qwen3Config:
                        sliding_window=256, tie_word_embeddings=True)
 
 
-def draft_config() -> DFlashConfig:
-    return DFlashConfig(num_layers=2, hidden_size=256, intermediate_size=768, num_heads=8,
-                        num_kv_heads=2, head_dim=32, block_size=8, mask_token_id=MASK,
-                        num_target_layers=6, target_layer_ids=(1, 4),
-                        layer_types=("sliding_attention", "sliding_attention"),
+DRAFT_ATTENTION = {"sliding": "sliding_attention", "full": "full_attention"}
+
+
+def draft_config(num_layers: int = 2, attention: str = "sliding") -> DFlashConfig:
+    """The shipped drafter's shape (2 sliding-window layers), or a deeper one / one whose
+    layers attend to the whole context."""
+    return DFlashConfig(num_layers=num_layers, hidden_size=256, intermediate_size=768,
+                        num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                        mask_token_id=MASK, num_target_layers=6, target_layer_ids=(1, 4),
+                        layer_types=(DRAFT_ATTENTION[attention],) * num_layers,
                         sliding_window=256, rope_theta=100_000.0)
 
 
@@ -86,6 +91,14 @@ def main(argv=None):
     ap.add_argument("--from-default", action="store_true",
                     help="continue training the shipped drafter on the shipped target "
                          "(writes only DIR/draft and the drafter's loss curve)")
+    ap.add_argument("--fresh-draft", action="store_true",
+                    help="with --from-default: train a new drafter (--draft-layers, "
+                         "--draft-attention) for the shipped target instead of continuing "
+                         "the shipped drafter")
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--draft-attention", choices=tuple(DRAFT_ATTENTION), default="sliding",
+                    help="the draft layers' attention over the context: a 256-token "
+                         "window or all of it")
     ap.add_argument("--windows", nargs="+", default=None, metavar="LENGTHxBATCH",
                     help="the drafter's training windows, taken in turn (e.g. 1024x16 "
                          "8192x2: long windows show it the target's features far into a "
@@ -97,18 +110,25 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
     args = ap.parse_args(argv)
+    if args.fresh_draft and not args.from_default:
+        raise SystemExit("--fresh-draft trains a new drafter for the shipped target: give "
+                         "--from-default too")
+    if args.draft_layers < 1:
+        raise SystemExit(f"--draft-layers {args.draft_layers}: give at least 1")
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
     print(f"train corpus: {len(train_docs)} files, {sum(map(len, train_docs)) / 1e6:.1f}M bytes",
           flush=True)
-    tcfg, dcfg = target_config(), draft_config()
+    tcfg, dcfg = target_config(), draft_config(args.draft_layers, args.draft_attention)
     t0 = time.time()
     draft = init_draft(dcfg, jax.random.key(1))
     if args.from_default:
         from drafter.default import load_default
-        params, tcfg, dcfg = load_default()
-        target, draft, t_losses = params["target"], params["draft"], []
+        params, tcfg, shipped_dcfg = load_default()
+        target, t_losses = params["target"], []
+        if not args.fresh_draft:
+            draft, dcfg = params["draft"], shipped_dcfg
     elif args.target_from:
         tcfg, target = load_qwen3(args.target_from)
         t_losses = []
@@ -121,9 +141,9 @@ def main(argv=None):
               f"{np.mean(t_losses[:20]):.3f} -> {np.mean(t_losses[-50:]):.3f}", flush=True)
     t0 = time.time()
     # A continued run draws other windows than the first (seed 2, not 1).
+    continued = args.from_default and not args.fresh_draft
     draft, d_losses = train_drafter(target, tcfg, dcfg, draft,
-                                    mixed_batches(train_docs, windows,
-                                                  2 if args.from_default else 1),
+                                    mixed_batches(train_docs, windows, 2 if continued else 1),
                                     steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
                                     gamma=4.0, labels=args.draft_labels,
                                     time_budget_s=args.budget_s)

@@ -65,3 +65,29 @@ def test_the_shipped_drafter_trains_on_in_turn_windows_and_evaluates_by_path(tmp
     with pytest.raises(SystemExit, match="does not fit the shipped target: drafter "
                                          "num_target_layers=2, target has 6 layers"):
         evaluate.main(["--draft", str(copy_draft), "--lengths", "128"])
+
+
+def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_path):
+    """`make_default --from-default --fresh-draft` trains a new drafter of the asked depth
+    and attention for the shipped target; `evaluate --draft` serves it losslessly."""
+    import json
+
+    from drafter import evaluate, make_default
+    from drafter.checkpoint import load_dflash_config
+
+    stdlib = tmp_path / "stdlib"
+    stdlib.mkdir()
+    for k in range(3):
+        (stdlib / f"m{k}.py").write_text("for i in range(3):\n    print(i)\n" * (40 + k))
+    with pytest.raises(SystemExit, match="give --from-default too"):
+        make_default.main(["--out", str(tmp_path / "x"), "--fresh-draft"])
+    out = tmp_path / "pair"
+    make_default.main(["--out", str(out), "--from-default", "--fresh-draft", "--draft-layers",
+                       "3", "--draft-attention", "full", "--windows", "64x2",
+                       "--draft-steps", "2", "--stdlib", str(stdlib)])
+    dcfg = load_dflash_config(out / "draft")
+    assert dcfg.num_layers == 3 and set(dcfg.layer_types) == {"full_attention"}
+    report = tmp_path / "eval.json"
+    evaluate.main(["--draft", str(out / "draft"), "--lengths", "128", "--max-new", "8",
+                   "--context", "16", "--json", str(report)])
+    assert json.loads(report.read_text())["by_length"][0]["lossless"]
