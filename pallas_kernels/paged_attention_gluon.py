@@ -275,7 +275,12 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     few_q = max_q <= FEW_Q_MAX
     rows = pow2_at_least(max_q * q_per_kv)
     wide = few_q and rows > NUM_WARPS * 16   # more rows than 2 warps hold along the rows
-    rows_per_block = (min(rows, FEW_Q_WIDE_ROWS) if wide else None) if few_q else PREFILL_ROWS
+    if not few_q:
+        rows_per_block = PREFILL_ROWS
+    elif wide:
+        rows_per_block = min(rows, FEW_Q_WIDE_ROWS)
+    else:
+        rows_per_block = None   # plan_launch's few-query default
     plan = plan_launch(batch=batch, max_q=max_q, q_per_kv=q_per_kv, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, table_width=batch_table.shape[1], num_splits=1,
                        rows_per_block=rows_per_block)
