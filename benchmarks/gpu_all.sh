@@ -21,8 +21,9 @@
 # target layers per loop trip (StepConfig.scan_unroll), into scale_unroll4.json.
 # train_draft (not in the default list): a candidate drafter for long prompts, a new
 # 4-layer one (the shipped drafter trained on further loses acceptance: docs/decisions.md)
-# for the shipped target, on 1K and 8K windows in turn, into $OUT/draft_long/draft; measure it with
-# `python -m drafter.evaluate --draft DIR` beside the shipped drafter on the same machine
+# for the shipped target, on 1K and 8K windows in turn, into $OUT/draft_long/draft;
+# measure it with `python -m drafter.evaluate --draft DIR` beside the shipped drafter on
+# the same machine
 # (AL on the CPU is close to the H200's, not equal: 4.20 / 4.45 at 2K, 2.78 / 2.77 at 8K)
 # and ship it with drafter.default.import_draft only if it is better at every length.
 set -uo pipefail

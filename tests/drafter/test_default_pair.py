@@ -38,6 +38,15 @@ def test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor(defaul
     assert al > 2.5, f"acceptance length {al:.2f} fell below the floor"
 
 
+def small_stdlib(tmp_path, text: str, *, files: int) -> Path:
+    """A small stand-in for the stdlib corpus (only training's window shapes matter)."""
+    stdlib = tmp_path / "stdlib"
+    stdlib.mkdir()
+    for k in range(files):
+        (stdlib / f"m{k}.py").write_text(text * (40 + k))
+    return stdlib
+
+
 def test_the_shipped_drafter_trains_on_in_turn_windows_and_evaluates_by_path(tmp_path):
     """`make_default --from-default --windows` continues the shipped drafter on windows of
     each length in turn; `evaluate --draft` measures that candidate, not the shipped one."""
@@ -45,10 +54,7 @@ def test_the_shipped_drafter_trains_on_in_turn_windows_and_evaluates_by_path(tmp
 
     from drafter import evaluate, make_default
 
-    stdlib = tmp_path / "stdlib"   # a small corpus: only the window shapes matter here
-    stdlib.mkdir()
-    for k in range(4):
-        (stdlib / f"m{k}.py").write_text("def f(x):\n    return x + 1\n" * (40 + k))
+    stdlib = small_stdlib(tmp_path, "def f(x):\n    return x + 1\n", files=4)
     assert make_default.parse_windows(["64x2", "128X1"]) == [(64, 2), (128, 1)]
     with pytest.raises(SystemExit, match="LENGTHxBATCH"):
         make_default.parse_windows(["64"])
@@ -75,10 +81,7 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
     from drafter import evaluate, make_default
     from drafter.checkpoint import load_dflash_config
 
-    stdlib = tmp_path / "stdlib"
-    stdlib.mkdir()
-    for k in range(3):
-        (stdlib / f"m{k}.py").write_text("for i in range(3):\n    print(i)\n" * (40 + k))
+    stdlib = small_stdlib(tmp_path, "for i in range(3):\n    print(i)\n", files=3)
     with pytest.raises(SystemExit, match="give --from-default too"):
         make_default.main(["--out", str(tmp_path / "x"), "--fresh-draft"])
     out = tmp_path / "pair"
