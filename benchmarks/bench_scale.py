@@ -53,7 +53,7 @@ PREFILL_CHUNK = 1024
 
 
 def step_config(tcfg, dcfg, batch: int, context: int, layer_loop: str = "auto",
-                scan_unroll: int = 1) -> StepConfig:
+                scan_unroll: int = 1, graph_loops: bool = False) -> StepConfig:
     layers = layer_specs(tcfg, dcfg)
     max_len = context + 1024
     budget = (int(1.3 * (batch + 1) * (max_len + PREFILL_CHUNK) * kv_bytes_per_token(layers))
@@ -61,7 +61,8 @@ def step_config(tcfg, dcfg, batch: int, context: int, layer_loop: str = "auto",
     spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=batch + 1,
                      max_seq_len=max_len, memory_budget_bytes=budget,
                      max_step_tokens=PREFILL_CHUNK)
-    return StepConfig(tcfg, spec, dcfg, layer_loop=layer_loop, scan_unroll=scan_unroll)
+    return StepConfig(tcfg, spec, dcfg, layer_loop=layer_loop, scan_unroll=scan_unroll,
+                      graph_loops=graph_loops)
 
 
 def layer_specs(tcfg, dcfg) -> list:
@@ -86,7 +87,8 @@ def kv_bytes_per_token(layers) -> int:
 
 
 def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
-            peak: float, layer_loop: str = "auto", scan_unroll: int = 1) -> dict:
+            peak: float, layer_loop: str = "auto", scan_unroll: int = 1,
+            graph_loops: bool = False) -> dict:
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, min(150_000, tcfg.vocab_size - 1), context).tolist()
                for _ in range(batch + 1)]
@@ -96,7 +98,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
     flops_t, flops_d = weights_t, weights_d
     for name, speculative in (("plain", False), ("speculative", True)):
         cfg = step_config(tcfg, dcfg if speculative else None, batch, context, layer_loop,
-                          scan_unroll)
+                          scan_unroll, graph_loops)
         eng = Engine(params if speculative else {"target": params["target"]}, cfg,
                      speculative=speculative)
         # Cold: the batch's prompts prefilled (every prefill and decode variant they
@@ -189,6 +191,8 @@ def main(argv=None) -> dict:
                     help="how steps run the layers (StepConfig.layer_loop)")
     ap.add_argument("--scan-unroll", type=int, default=1,
                     help="scanned target layers per loop trip (StepConfig.scan_unroll)")
+    ap.add_argument("--graph-loops", action="store_true",
+                    help="loops in CUDA graphs (StepConfig.graph_loops)")
     ap.add_argument("--quick", action="store_true",
                     help="small probes and a 4K vocabulary: a smoke test on CPU")
     args = ap.parse_args(argv)
@@ -205,7 +209,7 @@ def main(argv=None) -> dict:
     params = step_params(params, probe.scans_layers)
     report = {"device": jax.devices()[0].device_kind, "target_layers": args.layers,
               "layer_loop": "scan" if probe.scans_layers else "unrolled",
-              "scan_unroll": args.scan_unroll,
+              "scan_unroll": args.scan_unroll, "graph_loops": args.graph_loops,
               "weight_bytes": {"target": param_bytes(params["target"]),
                                "draft": param_bytes(params["draft"])},
               "copy_bandwidth_bytes_per_s": bw, "bf16_matmul_flops_per_s": peak, "runs": []}
@@ -213,7 +217,8 @@ def main(argv=None) -> dict:
     for context in args.contexts:
         for batch in args.batches:
             report["runs"].append(measure(params, tcfg, dcfg, batch, context, args.steps,
-                                          bw, peak, args.layer_loop, args.scan_unroll))
+                                          bw, peak, args.layer_loop, args.scan_unroll,
+                                          args.graph_loops))
             if args.out:  # a run stopped at its time limit keeps the runs it finished
                 write_results(f"scale{args.tag}", {"partial": True, **report}, args.out)
     stats = jax.devices()[0].memory_stats() or {}

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import dataclasses
 import hashlib
 import io
 import json
@@ -101,28 +102,29 @@ def calls_of(engine: Engine) -> collections.Counter:
 def demo_part(params, cfg, prompts, max_new: int, repeats: int,
               max_num_batched_tokens: int | None = None, profile_dir: str | None = None,
               modes=DEMO_MODES) -> dict:
-    """`profile_dir`: each mode's timed runs under cProfile (host time by function:
-    where a mode's extra host time goes), written there as demo_profile_<mode>.txt."""
+    """`profile_dir`: after each mode's timed runs, one more run under cProfile (host
+    time by function: where a mode's extra host time goes, written there as
+    demo_profile_<mode>.txt) and one under the jax profiler (kernels and host dispatch
+    per jitted function); the timed runs run unprofiled."""
     out = {}
     for mode in modes:
         engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
         engine.generate(prompts, max_new)   # compile outside the timing (every width too)
         rates, ttfts, als, tokens = [], [], [], None
-        profiler = cProfile.Profile() if profile_dir else None
         for _ in range(repeats):
             before = calls_of(engine)
             start = time.perf_counter()
-            if profiler is not None:
-                profiler.enable()
             results = engine.generate(prompts, max_new)
-            if profiler is not None:
-                profiler.disable()
             rates.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - start))
             ttfts += [r.time_to_first_token_s for r in results]
             als.append(float(np.mean([a for r in results for a in r.acceptance])))
             tokens = [r.tokens for r in results]
             calls = dict(sorted((calls_of(engine) - before).items()))
-        if profiler is not None:
+        if profile_dir is not None:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            engine.generate(prompts, max_new)
+            profiler.disable()
             write_host_profile(profiler, os.path.join(profile_dir, f"demo_profile_{mode}.txt"))
             trace_dir = os.path.join(profile_dir, f"trace_{mode}")
             out.setdefault("device_ms_per_run", {})[mode] = traced_kernel_ms(
@@ -201,7 +203,7 @@ def handoff_part(params, cfg, prompts_by_len, repeats: int) -> dict:
 
 
 def engine_part(params, tcfg, dcfg, prompts, batches, steps: int,
-                decode_steps=(None,)) -> dict:
+                decode_steps=(None,), graph_loops: bool = False) -> dict:
     """Per batch: device rate once, then the engine's rate for each decode-steps-per-call
     setting (None: the engine's default); the ratio is the default's (or the first)."""
     out = {}
@@ -209,7 +211,7 @@ def engine_part(params, tcfg, dcfg, prompts, batches, steps: int,
         device = None
         for k in decode_steps:
             engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, True,
-                                      decode_steps_per_call=k)
+                                      decode_steps_per_call=k, graph_loops=graph_loops)
             device = device or device_rate(engine, steps, 3)
             # Enough calls that filling and draining the one-ahead pipeline is a small
             # part of the window (steady decoding is what the device rate measures).
@@ -351,14 +353,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
                     help="engine part: decode steps per call to compare (default: the "
                          "engine's own)")
+    ap.add_argument("--graph-loops", action="store_true",
+                    help="every part: StepConfig.graph_loops (loops in CUDA graphs)")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
-    cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16)
+    cfg = dataclasses.replace(default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16),
+                              graph_loops=args.graph_loops)
     held_out = load_prompts()
     by_len = {}
     for q in held_out:
         by_len.setdefault(q["length"], q["tokens"])
-    report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices())}
+    report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()),
+              "graph_loops": args.graph_loops}
     if args.quick:
         short = [q["tokens"][:40] for q in held_out[:4]]
         demo_prompts, handoff_prompts, load_prompts_ = short, {24: short[0][:24]}, short
@@ -399,7 +405,7 @@ def main(argv=None) -> dict:
         for b in batches:  # saved after each batch: a run cut at its limit keeps the first
             report["engine"].update(engine_part(
                 params, tcfg, dcfg, [s[:40] for s in short] if args.quick else short, [b],
-                steps, args.decode_steps))
+                steps, args.decode_steps, args.graph_loops))
             report[f"engine_over_device_b{b}"] = report["engine"][f"b{b}"]["ratio"]
             save()
     if "load" in args.parts:

@@ -19,6 +19,10 @@
 # attention_b16 (not in the default list): verify-16 and draft-16 against decode.
 # scale_unroll (not in the default list): the batch-1 8B-shaped steps with 4 scanned
 # target layers per loop trip (StepConfig.scan_unroll), into scale_unroll4.json.
+# graph_loops_serving, graph_loops_scale (not in the default list): XLA command buffers
+# that also take loops (StepConfig.graph_loops) beside the default, same call: the demo
+# and handoff with one profiled run each, into graphs_{off,on}/; the 8B-shaped batch-1
+# steps into scale_b1_graphs_{off,on}.json.
 # train_draft (not in the default list): a candidate drafter for long prompts, a new
 # 4-layer one (the shipped drafter trained on further loses acceptance: docs/decisions.md)
 # for the shipped target, on 1K and 8K windows in turn, into $OUT/draft_long/draft;
@@ -32,7 +36,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -100,6 +104,19 @@ for stage in "${stages[@]}"; do
       run 200 serving_profile python3 benchmarks/bench_serving.py --out "$OUT/serving_profile" \
         --parts demo --repeats 3 --demo-modes disagg-shared --profile "$OUT/serving_profile"
       rm -rf "$OUT/serving_profile"/trace_* ;;
+    graph_loops_serving)
+      for g in off on; do
+        mkdir -p "$OUT/graphs_$g"
+        run 160 serving_graphs_$g python3 benchmarks/bench_serving.py --out "$OUT/graphs_$g" \
+          --parts demo handoff --repeats 5 --demo-modes disagg-shared \
+          --profile "$OUT/graphs_$g" $([ $g = on ] && echo --graph-loops)
+        rm -rf "$OUT/graphs_$g"/trace_* "$OUT/graphs_$g"/demo_profile_*  # the log has them
+      done ;;
+    graph_loops_scale)
+      for g in off on; do
+        run 150 scale_graphs_$g python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
+          --layer-loop scan --steps 8 --tag _b1_graphs_$g $([ $g = on ] && echo --graph-loops)
+      done ;;
     engine)
       # batch 16 then batch 1 (each compiles its own steps: one call for both; the part
       # writes after each batch, so a run cut at its limit keeps batch 16)

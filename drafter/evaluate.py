@@ -17,6 +17,7 @@ apart from what its continuations' content costs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -70,10 +71,13 @@ def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto"):
 
 
 def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool,
-                     impl: str = "auto", decode_steps_per_call: int | None = None):
+                     impl: str = "auto", decode_steps_per_call: int | None = None,
+                     graph_loops: bool = False):
     """An Engine whose `batch` slots hold the prompts (cycled), prefilled, with
     room for 2048 new tokens each."""
-    cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch, impl=impl)
+    cfg = dataclasses.replace(default_step_config(tcfg, dcfg if speculative else None,
+                                                  num_slots=batch, impl=impl),
+                              graph_loops=graph_loops)
     engine = Engine(params, cfg, speculative=speculative,
                     decode_steps_per_call=decode_steps_per_call)
     for i in range(batch):

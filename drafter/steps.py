@@ -36,6 +36,8 @@ from unified_kv import (CacheSpec, KVState, allocate_pages, grow, release_slots,
 # Deepest model a GPU step unrolls under layer_loop="auto" (docs/decisions.md, Layers in
 # a step): an unrolled step's compile time grows with depth.
 MAX_UNROLLED_GPU_LAYERS = 8
+# XLA's default command-buffer commands on GPUs (what `graph_loops` extends)
+GRAPH_COMMANDS = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION")
 
 
 @flax.struct.dataclass
@@ -84,6 +86,10 @@ class StepConfig:
     # Target layers per loop trip when they scan (lax.scan's unroll): fewer trips, a
     # body that many layers long; the same arithmetic.
     scan_unroll: int = 1
+    # On GPUs, XLA's command buffers (CUDA graphs) also take while loops and
+    # conditionals (scanned layers, a call's decode steps): a loop then launches as
+    # graph nodes, not kernel by kernel from the host, which bounds small steps.
+    graph_loops: bool = False
 
     @property
     def scans_layers(self) -> bool:
@@ -100,11 +106,16 @@ class StepConfig:
         """XLA options the jitted steps compile with. Scanned layers on GPUs take
         cuBLAS matmuls fused with their weight slice (dynamic-slice fusion): XLA's
         Triton matmuls cannot read a slice of the stacked weights in place, so each
-        layer's weights would be copied out of the stack before use."""
-        if self.scans_layers and jax.default_backend() == "gpu":
-            return {"xla_gpu_enable_triton_gemm": False,
-                    "xla_gpu_enable_dynamic_slice_fusion": True}
-        return {}
+        layer's weights would be copied out of the stack before use. With
+        `graph_loops`, command buffers take while loops and conditionals too."""
+        if jax.default_backend() != "gpu":
+            return {}
+        out = {}
+        if self.scans_layers:
+            out.update(xla_gpu_enable_triton_gemm=False, xla_gpu_enable_dynamic_slice_fusion=True)
+        if self.graph_loops:
+            out["xla_gpu_enable_command_buffer"] = ",".join(GRAPH_COMMANDS + ("WHILE", "CONDITIONAL"))
+        return out
 
     @property
     def block_size(self) -> int:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from drafter.engine import Engine
-from drafter.steps import MAX_UNROLLED_GPU_LAYERS
+from drafter.steps import GRAPH_COMMANDS, MAX_UNROLLED_GPU_LAYERS
 from tests.drafter.tiny import tiny_pair
 
 
@@ -74,3 +74,21 @@ def test_scanned_steps_on_gpus_compile_with_cublas_reading_the_weight_slice_in_p
     # XLA takes the options by name on any backend: a jit given them compiles and runs
     step = jax.jit(lambda x: x @ x, compiler_options=gpu_options)
     assert float(step(np.eye(2, dtype=np.float32))[0, 0]) == 1.0
+
+
+def test_graph_loops_put_loops_and_conditionals_in_gpu_command_buffers(monkeypatch):
+    _, cfg, _ = tiny_pair()
+    graphs = dataclasses.replace(cfg, layer_loop="unrolled", graph_loops=True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert graphs.compiler_options == {}
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    options = graphs.compiler_options
+    commands = options["xla_gpu_enable_command_buffer"].split(",")
+    assert {"WHILE", "CONDITIONAL"} <= set(commands) and set(GRAPH_COMMANDS) <= set(commands)
+    assert "xla_gpu_enable_command_buffer" not in dataclasses.replace(
+        graphs, graph_loops=False).compiler_options
+    monkeypatch.undo()
+    # the command list parses (an unknown command would be refused by name)
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: 2 * y, x),
+                   compiler_options=options)
+    assert float(loop(np.float32(1.0))) == 8.0
