@@ -114,7 +114,7 @@ for stage in "${stages[@]}"; do
       done ;;
     graph_loops_scale)
       for g in off on; do
-        run 150 scale_graphs_$g python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
+        run 280 scale_graphs_$g python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
           --layer-loop scan --steps 8 --tag _b1_graphs_$g $([ $g = on ] && echo --graph-loops)
       done ;;
     engine)

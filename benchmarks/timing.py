@@ -98,11 +98,29 @@ def print_row(rows: list, row: dict, line: str) -> dict:
     return row
 
 
+class WouldReplaceDeviceResults(RuntimeError):
+    """A run on one platform would overwrite the report's figures from another."""
+
+
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:
+    """Write `name`.json under `out_dir` (default: the report's results). In the report's
+    results, a file measured on another platform (the H200's, from a CPU smoke run) is
+    never replaced: WouldReplaceDeviceResults names it and the fix."""
     path = Path(out_dir) if out_dir else RESULTS_DIR
     path.mkdir(parents=True, exist_ok=True)
     file = path / f"{name}.json"
-    file.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    here = machine()
+    if file.exists() and path.resolve() == RESULTS_DIR.resolve():
+        try:
+            before = json.loads(file.read_text()).get("machine", {}).get("platform")
+        except (ValueError, AttributeError):
+            before = None
+        if before not in (None, here["platform"]):
+            raise WouldReplaceDeviceResults(
+                f"{file} holds figures measured on {before!r}; this run is on "
+                f"{here['platform']!r} and would replace them. Write elsewhere (--out DIR), "
+                f"or delete the file first if replacing it is meant")
+    file.write_text(json.dumps({"machine": here, **payload}, indent=2))
     return file
 
 
