@@ -7,9 +7,11 @@ Every mode is the same `Engine` configured differently; both workers share
 this machine's first device (as the demo does on one GPU). Parts:
 
   demo      the demo's workload (held-out prompts <= 512 tokens, 48 new tokens),
-            aggregated / disaggregated-shared / -private, `--repeats` runs each:
-            tokens/s and TTFT; `disagg_shared_over_aggregated` is the ratio of
-            the median tokens/s, `ttft_disagg_over_aggregated_p50` of the TTFT p50s;
+            aggregated / disaggregated-shared / -private, `--repeats` rounds that
+            run every mode once (interleaved): tokens/s and TTFT;
+            `disagg_shared_over_aggregated` is the median over rounds of the mode's
+            tokens/s over aggregated's in the same round,
+            `ttft_disagg_over_aggregated_p50` the ratio of the TTFT p50s;
             `calls_per_run`: the jitted calls a run dispatched, by kind, every worker;
             `disagg_shared_threaded_over_aggregated` the same with the context
             worker stepping in its own thread. `--profile DIR`: where each mode's
@@ -102,25 +104,34 @@ def calls_of(engine: Engine) -> collections.Counter:
 def demo_part(params, cfg, prompts, max_new: int, repeats: int,
               max_num_batched_tokens: int | None = None, profile_dir: str | None = None,
               modes=DEMO_MODES) -> dict:
-    """`profile_dir`: after each mode's timed runs, one more run under cProfile (host
-    time by function: where a mode's extra host time goes, written there as
+    """Every mode's engine is built and compiled first; then `repeats` rounds each run
+    every mode once, in an order that rotates by round, so drift (clocks, the host)
+    falls on all modes alike. Per mode: median tokens/s over the rounds; `paired` ratios
+    (a mode's run over the aggregated run of its round) give each mode's ratio.
+    `profile_dir`: then one more run per mode under cProfile (host time by function,
     demo_profile_<mode>.txt) and one under the jax profiler (kernels and host dispatch
-    per jitted function); the timed runs run unprofiled."""
-    out = {}
+    per jitted function); the timed rounds run unprofiled."""
+    engines = {}
     for mode in modes:
-        engine = make_engine(mode, params, cfg, max_num_batched_tokens=max_num_batched_tokens)
-        engine.generate(prompts, max_new)   # compile outside the timing (every width too)
-        rates, ttfts, als, tokens = [], [], [], None
-        for _ in range(repeats):
+        engines[mode] = make_engine(mode, params, cfg,
+                                    max_num_batched_tokens=max_num_batched_tokens)
+        engines[mode].generate(prompts, max_new)   # compile outside the timing
+    runs = {m: {"rates": [], "ttfts": [], "als": [], "tokens": None, "calls": {}} for m in modes}
+    for r in range(repeats):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            engine, got = engines[mode], runs[mode]
             before = calls_of(engine)
             start = time.perf_counter()
             results = engine.generate(prompts, max_new)
-            rates.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - start))
-            ttfts += [r.time_to_first_token_s for r in results]
-            als.append(float(np.mean([a for r in results for a in r.acceptance])))
-            tokens = [r.tokens for r in results]
-            calls = dict(sorted((calls_of(engine) - before).items()))
-        if profile_dir is not None:
+            got["rates"].append(sum(len(x.tokens) for x in results)
+                                / (time.perf_counter() - start))
+            got["ttfts"] += [x.time_to_first_token_s for x in results]
+            got["als"].append(float(np.mean([a for x in results for a in x.acceptance])))
+            got["tokens"] = [x.tokens for x in results]
+            got["calls"] = dict(sorted((calls_of(engine) - before).items()))
+    out = {}
+    if profile_dir is not None:
+        for mode, engine in engines.items():
             profiler = cProfile.Profile()
             profiler.enable()
             engine.generate(prompts, max_new)
@@ -129,14 +140,27 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
             trace_dir = os.path.join(profile_dir, f"trace_{mode}")
             out.setdefault("device_ms_per_run", {})[mode] = traced_kernel_ms(
                 lambda: engine.generate(prompts, max_new), trace_dir, mode)
+    for engine in engines.values():
         close(engine)
-        out[mode] = {"tokens_per_s_median": float(np.median(rates)),
-                     "tokens_per_s_runs": rates, "ttft_ms_p50": 1e3 * p(ttfts, 50),
-                     "acceptance_length": als[-1], "calls_per_run": calls, "tokens": tokens}
-        print(f"  {mode:>15}: {out[mode]['tokens_per_s_median']:.0f} tok/s "
-              f"(runs {', '.join(f'{r:.0f}' for r in rates)}), TTFT p50 "
-              f"{out[mode]['ttft_ms_p50']:.1f} ms, AL {als[-1]:.2f}; jitted calls per run "
-              f"{sum(calls.values())} {calls}", flush=True)
+    base = runs["aggregated"]["rates"]
+    for mode in modes:
+        got = runs[mode]
+        paired = [a / b for a, b in zip(got["rates"], base)]
+        out[mode] = {"tokens_per_s_median": float(np.median(got["rates"])),
+                     "tokens_per_s_runs": got["rates"],
+                     "paired_ratio_median": float(np.median(paired)),
+                     "paired_ratio_p25_p75": [p(paired, 25), p(paired, 75)],
+                     "ttft_ms_p50": 1e3 * p(got["ttfts"], 50),
+                     "acceptance_length": got["als"][-1], "calls_per_run": got["calls"],
+                     "tokens": got["tokens"]}
+        rates = got["rates"]
+        print(f"  {mode:>15}: {out[mode]['tokens_per_s_median']:.0f} tok/s (p25-p75 "
+              f"{p(rates, 25):.0f}-{p(rates, 75):.0f} over {len(rates)} rounds), paired ratio "
+              f"{out[mode]['paired_ratio_median']:.2f} (p25-p75 "
+              f"{out[mode]['paired_ratio_p25_p75'][0]:.2f}-"
+              f"{out[mode]['paired_ratio_p25_p75'][1]:.2f}), TTFT p50 "
+              f"{out[mode]['ttft_ms_p50']:.1f} ms, AL {got['als'][-1]:.2f}; jitted calls per "
+              f"run {sum(got['calls'].values())} {got['calls']}", flush=True)
     agg = out["aggregated"]
     out["shared_equals_aggregated"] = all(out[m]["tokens"] == agg["tokens"] for m in
                                           ("disagg-shared", "disagg-shared-threaded")
@@ -388,7 +412,7 @@ def main(argv=None) -> dict:
         for mode, key in (("disagg-shared", "disagg_shared_over_aggregated"),
                           ("disagg-shared-threaded", "disagg_shared_threaded_over_aggregated")):
             if mode in d:
-                report[key] = d[mode]["tokens_per_s_median"] / base["tokens_per_s_median"]
+                report[key] = d[mode]["paired_ratio_median"]
         if "disagg-shared" in d:
             report["ttft_disagg_over_aggregated_p50"] = (d["disagg-shared"]["ttft_ms_p50"]
                                                          / base["ttft_ms_p50"])

@@ -96,7 +96,7 @@ for stage in "${stages[@]}"; do
       run 270 transfer python3 benchmarks/bench_transfer.py --out "$OUT" ;;
     serving)
       run 450 serving python3 benchmarks/bench_serving.py --out "$OUT" \
-        --parts demo handoff --repeats 5 ;;
+        --parts demo handoff --repeats 15 ;;
     serving_profile)
       # where the demo's time goes: host time by function, kernels and host dispatch per
       # jitted function of one run (aggregated beside disaggregated-shared)
