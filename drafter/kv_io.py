@@ -26,7 +26,7 @@ All run on the device with no host sync: the live logical pages of a row
 follow from its lengths and the pool's window (`live_logical_pages`), so the
 host computes them without reading the page tables. A receiver whose cache
 disagrees (windows, page size) or a buffer corrupted in transit comes back
-as `ok` False; the slot is then empty again and nothing else changed.
+as `ok` False; the slot then does not run, and the next step's reset empties it.
 A call's host inputs (slots, lengths, logical pages, resets) travel packed in
 one i32 array (`pack_export_index`, `pack_import_index`): on a GPU every
 host array a call takes is a transfer of its own, which costs more host time
@@ -47,7 +47,7 @@ from drafter.request import Request
 from drafter.steps import (StepConfig, StepState, _at_precision, empty_slots,
                            redraft_rows)
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
-                        live_logical_pages, pow2_at_least, release_slots)
+                        live_logical_pages, pow2_at_least)
 
 
 def page_bucket(n: int) -> int:
@@ -225,7 +225,9 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
     Returns:
       (state, per row ok bool[]). With ok, the slot holds its request's KV, its anchor
       is its first token, its draft block is the sender's (shared mode), and it runs.
-      Without, the slot is empty (pages returned); nothing else changed.
+      Without, the slot does not run and holds pages no one writes (within its
+      admission's reservation) until the host, reading ok, resets it; nothing else
+      changed.
     """
     spec = cfg.spec
     buckets = tuple(b.shape[1] for b in payloads[0][2])
@@ -265,7 +267,9 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
                               pool.num_pages).reshape(-1)
             for o in draft_offsets:
                 pools[i] = pools[i].at[:, pages, o].set(0, mode="drop")
-    kv = release_slots(spec, kv.replace(pools=tuple(pools)), jnp.where(ok, spec.dummy_slot, ids))
+    # A failed row keeps its pages, not running, until the host reads its ok and resets
+    # the slot (as for any ended request): a release here would double the program.
+    kv = kv.replace(pools=tuple(pools))
     firsts = jnp.stack([first for first, _, _, _ in payloads])
     drafts = state.drafts
     if mode == "shared":  # private mode: redraft_step drafts the slot
