@@ -1,5 +1,6 @@
 """Export / import steps: the host's live-page rule matches the device's tables, and
-a payload that disagrees with the receiver fails inside the step, changing nothing."""
+a payload that disagrees with the receiver fails inside the step: its slot does not run,
+and the host's reset returns its pages."""
 
 import dataclasses
 import time
@@ -11,6 +12,7 @@ import pytest
 from drafter.engine import Engine
 from drafter import kv_io
 from drafter.kv_io import live_logical_pages, page_bucket
+from drafter.steps import empty_slots
 from tests.compile_log import compiled_in
 from tests.drafter.tiny import tiny_pair
 from unified_kv import BAD_PAGE_INDEX
@@ -266,3 +268,24 @@ def test_a_payload_for_other_lengths_is_refused_in_the_step(pair):
                                                                for p in cfg.spec.pools]
     assert not np.asarray(receiver.state.running).any()
     jax.block_until_ready(receiver.state)
+
+
+def test_a_failed_import_leaves_its_slot_not_running_until_the_reset_returns_its_pages(pair):
+    params, cfg, _ = pair
+    sender = Engine(params, cfg, export=True, speculative=False)
+    sender.add_request("a", list(range(1, 30)), 4)
+    [export] = _exports(sender, 1)
+    bad = dataclasses.replace(export.payload, checksums=np.asarray(
+        export.payload.checksums) + np.uint32(1))
+    receiver = Engine(params, cfg)
+    slot = 1
+    [ok] = receiver.executor.import_payloads([(slot, bad, export.request.params)])
+    state = receiver.state
+    assert not bool(ok) and not bool(state.running[slot])
+    usable = [p.num_usable_pages for p in cfg.spec.pools]
+    held = [u - int(n) for u, n in zip(usable, np.asarray(state.kv.num_free))]
+    assert sum(held) > 0   # within the request's reservation, until the reset
+    resets = np.full(cfg.spec.num_slots, cfg.spec.dummy_slot, np.int32)
+    resets[0] = slot   # what the next step's reset does
+    receiver.state = empty_slots(cfg, state, resets)
+    assert np.asarray(receiver.state.kv.num_free).tolist() == usable
