@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import draft_block, write_context
-from drafter.steps import Sampler, StepConfig, accept, emitted_tokens, matmul_precision_for
+from drafter.sampling import Sampler, accept, emitted_tokens
+from drafter.steps import StepConfig, matmul_precision_for
 from models.qwen3 import forward
 from unified_kv import bucket_width
 from unified_kv import (CacheSpec, KVState, allocate_pages, bytes_per_request,

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from drafter.steps import (Sampler, StepState, StepConfig, _at_precision, decode_rows,
-                           empty_slots, plain_decode_rows, prefill_rows)
+from drafter.sampling import Sampler
+from drafter.steps import (StepState, StepConfig, _at_precision, decode_rows, empty_slots,
+                           plain_decode_rows, prefill_rows)
 
 # Sampling streams: a request's prefill draw and its decode draws at one position differ.
 _PREFILL_STREAM, _DECODE_STREAM = 0, 1
