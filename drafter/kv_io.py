@@ -268,7 +268,7 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
             for o in draft_offsets:
                 pools[i] = pools[i].at[:, pages, o].set(0, mode="drop")
     # A failed row keeps its pages, not running, until the host reads its ok and resets
-    # the slot (as for any ended request): a release here would double the program.
+    # the slot (as for any ended request): a release here added a fifth to the program.
     kv = kv.replace(pools=tuple(pools))
     firsts = jnp.stack([first for first, _, _, _ in payloads])
     drafts = state.drafts

@@ -89,7 +89,8 @@ class StepConfig:
     scan_unroll: int = 1
     # On GPUs, XLA's command buffers (CUDA graphs) also take while loops and
     # conditionals (scanned layers, a call's decode steps): a loop then launches as
-    # graph nodes, not kernel by kernel from the host, which bounds small steps.
+    # graph nodes, not kernel by kernel from the host. Off: it moved neither the
+    # demo's serving nor the 8B-shaped steps (docs/decisions.md, Serving).
     graph_loops: bool = False
 
     @property
