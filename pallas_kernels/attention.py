@@ -17,8 +17,9 @@ kernels' 32-bit offsets refuse those) and for fp8 decode, verify and draft block
 bf16 draft blocks of 16 tokens, whose batch x kv heads fill the GPU twice (it has no key
 splits); everything else takes the Pallas kernels (`paged_attention`). The rule never
 looks at the query count among decode and verify, so a row's decode and verify passes
-take the same kernel and agree bit for bit. Nothing falls back silently: without a Triton that has Gluon, a call that only Gluon
-can run raises, and the first call Gluon would have run faster logs a warning once.
+take the same kernel and agree bit for bit. Nothing falls back silently: without a Triton
+that has Gluon, a call that only Gluon can run raises, and the first call Gluon would
+have run faster logs a warning once.
 """
 
 from __future__ import annotations

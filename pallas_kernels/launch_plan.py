@@ -90,10 +90,10 @@ def plan_launch(*, batch: int, max_q: int, q_per_kv: int, num_kv_heads: int,
     number of query blocks: under Pallas Triton's own layouts each changes bits
     against decode), launched side by side so their reads of the row's keys meet in
     L2. The Gluon kernel, whose layouts are explicit, asks for one block of up to 64
-    rows instead (`rows_per_block`; paged_attention_gluon.FEW_Q_WIDE_ROWS). Triton lays the two dots
-    out over 2 warps by splitting head_dim when rows < head_dim and the rows
-    otherwise, and the two add in different orders; so few-query blocks hold
-    fewer rows than head_dim (16 at head dim 32) unless q heads per kv head
+    rows instead (`rows_per_block`; paged_attention_gluon.FEW_Q_WIDE_ROWS). Triton
+    lays the two dots out over 2 warps by splitting head_dim when rows < head_dim
+    and the rows otherwise, and the two add in different orders; so few-query blocks
+    hold fewer rows than head_dim (16 at head dim 32) unless q heads per kv head
     alone reach it (docs/decisions.md, "Exactness").
 
     Prefill (more than FEW_Q_MAX query tokens) always splits keys in

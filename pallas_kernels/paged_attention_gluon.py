@@ -10,9 +10,9 @@ padding rows (q_len 0) and query tokens past q_len give zeros. A draft block als
 block's own K / V (not in the cache), bidirectionally or causally. One program: one (query
 block, row, kv head); up to 32 query rows (tokens x q heads of the kv head) over 2 warps
 for decode, verify and the draft block (64 over 4 when they have more: a block of 16
-tokens), 64 rows over 4 warps for prefill. Warps take 16
-rows each (the rest of them the dots' columns: decode's 16 rows over 2 warps), so a
-verify's warps exchange nothing per key block.
+tokens), 64 rows over 4 warps for prefill. Warps take 16 rows each (the rest of them the
+dots' columns: decode's 16 rows over 2 warps), so a verify's warps exchange nothing per
+key block.
 
 Why a second kernel: Pallas Triton picks the dots' register layouts itself, and over fp8
 KV it reloads q from shared memory every key block and rebuilds the mma.sync fragments
