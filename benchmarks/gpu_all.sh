@@ -23,9 +23,14 @@
 # that also take loops (StepConfig.graph_loops) beside the default, same call: the demo
 # and handoff with one profiled run each, into graphs_{off,on}/; the 8B-shaped batch-1
 # steps into scale_b1_graphs_{off,on}.json.
+# handoff_timeline, graph_records (not in the default list): one handoff's calls and reads
+# in order (benchmarks/profile_handoff.py), and how often the demo's calls record their
+# CUDA graphs again (benchmarks/graph_records.py).
 # train_draft (not in the default list): a candidate drafter for long prompts, a new
 # 4-layer one (the shipped drafter trained on further loses acceptance: docs/decisions.md)
-# for the shipped target, on 1K and 8K windows in turn, into $OUT/draft_long/draft;
+# for the shipped target, on 1K and 8K windows in turn, into $OUT/draft_long/draft
+# (12,000 steps: what the 450 s budget holds on the H200, about 28 a second, so the
+# learning rate's cosine schedule ends annealed);
 # measure it with `python -m drafter.evaluate --draft DIR` beside the shipped drafter on
 # the same machine
 # (AL on the CPU is close to the H200's, not equal: 4.20 / 4.45 at 2K, 2.78 / 2.77 at 8K)
@@ -36,7 +41,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|attention_small|decode|eval|transfer|serving|serving_profile|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -89,7 +94,7 @@ for stage in "${stages[@]}"; do
     train_draft)
       run 540 train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
         --from-default --fresh-draft --draft-layers 4 --windows 1024x16 8192x2 \
-        --draft-steps 30000 --draft-lr 2e-3 --budget-s 450 ;;
+        --draft-steps 12000 --draft-lr 2e-3 --budget-s 450 ;;
     eval)
       run 450 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" ;;
     transfer)
@@ -104,6 +109,20 @@ for stage in "${stages[@]}"; do
       run 200 serving_profile python3 benchmarks/bench_serving.py --out "$OUT/serving_profile" \
         --parts demo --repeats 3 --demo-modes disagg-shared --profile "$OUT/serving_profile"
       rm -rf "$OUT/serving_profile"/trace_* ;;
+    handoff_timeline)
+      # one request's calls, reads and device spans, aggregated beside disaggregated
+      # (under the profiler: graphs run op by op, so the order, not the cost, is the point)
+      run 200 handoff_timeline python3 benchmarks/profile_handoff.py --lengths 128 2048 \
+        --out "$OUT/handoff_timeline" ;;
+    graph_records)
+      # the demo's engines under XLA's command-buffer log: how often graphs are recorded
+      # again (a call's buffers moved) and the host time that takes
+      mkdir -p "$OUT/graph_records"
+      run 200 graph_records_log env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+        python3 benchmarks/bench_serving.py --out "$OUT/graph_records" --parts demo \
+        --repeats 1 --demo-modes disagg-shared
+      run 30 graph_records python3 benchmarks/graph_records.py "$OUT/graph_records_log.txt"
+      [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/graph_records_log.txt" ;;
     graph_loops_serving)
       for g in off on; do
         mkdir -p "$OUT/graphs_$g"

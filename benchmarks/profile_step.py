@@ -48,7 +48,7 @@ from models.layers import step_params
 _NOT_KERNELS = re.compile(r"^(Memcpy|Memset|cuda|cu[A-Z]|ThunkExecutor|\$)")
 
 
-def _device_lines(trace_dir: str):
+def device_lines(trace_dir: str):
     """(events, device pids, {(pid, tid): line name} of device lines) of the Perfetto
     trace the profiler wrote under `trace_dir`."""
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
@@ -59,7 +59,7 @@ def _device_lines(trace_dir: str):
 
 @functools.lru_cache(maxsize=1)
 def _read_trace(path: str):
-    """`_device_lines` of one trace file, parsed once however many summaries read it."""
+    """`device_lines` of one trace file, parsed once however many summaries read it."""
     with gzip.open(path) as f:
         events = json.load(f)
     events = events.get("traceEvents", events)
@@ -72,7 +72,7 @@ def _read_trace(path: str):
     return events, device_pids, threads
 
 
-def _kernel_events(events, device_pids, threads):
+def kernel_events(events, device_pids, threads):
     # kernels sit on stream lines; other device lines (XLA modules, ops) summarise them
     streams = {key for key, name in threads.items() if name.startswith("Stream")}
     for e in events:
@@ -87,10 +87,10 @@ def _kernel_events(events, device_pids, threads):
 def kernel_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
     """(kernel name, device ms per call, launches per call), largest first, from
     the Perfetto trace the profiler wrote under `trace_dir`."""
-    events, device_pids, threads = _device_lines(trace_dir)
+    events, device_pids, threads = device_lines(trace_dir)
     print(f"device lines: {sorted(set(threads.values()))}", flush=True)
     total, count = collections.Counter(), collections.Counter()
-    for e in _kernel_events(events, device_pids, threads):
+    for e in kernel_events(events, device_pids, threads):
         total[e["name"]] += e["dur"] / 1e3
         count[e["name"]] += 1
     return [(n, t / calls, count[n] // calls) for n, t in total.most_common()]
@@ -100,7 +100,7 @@ def module_kernels(trace_dir: str) -> dict[str, dict]:
     """Per XLA program (the device's "XLA Modules" line): its runs, kernels launched
     and their device ms, summed over the trace; kernels are counted in the program
     whose run covers their start."""
-    events, device_pids, threads = _device_lines(trace_dir)
+    events, device_pids, threads = device_lines(trace_dir)
     modules = sorted((e["ts"], e["ts"] + e["dur"], re.sub(r"\(\d+\)$", "", e["name"]))
                      for e in events if e.get("ph") == "X" and e.get("pid") in device_pids
                      and "XLA Modules" in threads.get((e["pid"], e.get("tid")), ""))
@@ -108,7 +108,7 @@ def module_kernels(trace_dir: str) -> dict[str, dict]:
     for start, _, name in modules:
         out.setdefault(name, {"runs": 0, "kernels": 0, "kernel_ms": 0.0})["runs"] += 1
     starts = [m[0] for m in modules]
-    for e in _kernel_events(events, device_pids, threads):
+    for e in kernel_events(events, device_pids, threads):
         k = bisect.bisect_right(starts, e["ts"]) - 1
         if k >= 0 and e["ts"] <= modules[k][1]:
             got = out[modules[k][2]]
@@ -129,7 +129,7 @@ def print_kernels(kernels, top: int, title: str) -> dict:
 def host_dispatch(trace_dir: str) -> dict[str, dict]:
     """Per jitted function: its calls and the host time they took to dispatch (the
     profiler's `PjitFunction(name)` events), summed over the trace."""
-    events, device_pids, _ = _device_lines(trace_dir)
+    events, device_pids, _ = device_lines(trace_dir)
     calls = sorted((e["pid"], e.get("tid"), e["ts"], e["dur"], e["name"]) for e in events
                    if e.get("ph") == "X" and e.get("pid") not in device_pids
                    and e["name"].startswith("PjitFunction("))

@@ -1,0 +1,130 @@
+"""Where a handoff's time goes: one request's host and device timeline, aggregated beside
+disaggregated-shared, on one device.
+
+    PYTHONPATH=. python benchmarks/profile_handoff.py [--lengths 128 2048] [--out DIR]
+
+For each prompt length, both modes serve one request of 2 tokens (one decode step per
+call, as bench_serving's handoff part) under the jax profiler. The Perfetto trace is
+read back into one timeline, in ms from the run's start: the host's jitted calls
+(dispatch start and its duration), the host's reads of step outputs (`collect`: the
+wait for a step) and of first tokens, and the device's busy spans (kernels less than
+20 us apart). Device idle time between spans is summed per run: on one GPU it is the
+part of a handoff the host, not the device, decides.
+
+While a profiler session is active XLA runs every CUDA graph's kernels one by one (CUPTI
+and CUDA graphs do not mix), so host durations here are those of op-by-op launches: the
+timeline gives the order of calls and reads, not what a call costs unprofiled
+(`bench_serving.py` times that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import jax
+
+from benchmarks.profile_step import device_lines, kernel_events
+from benchmarks.serving_stream import close, make_engine
+from drafter.default import default_step_config, load_default, load_prompts
+
+MODES = ("aggregated", "disagg-shared")
+
+
+def _annotate(obj, name: str, label: str) -> None:
+    """Wrap obj.name so each call shows on the trace's host line as `label`."""
+    inner = getattr(obj, name)
+
+    def call(*args, **kwargs):
+        with jax.profiler.TraceAnnotation(label):
+            return inner(*args, **kwargs)
+    setattr(obj, name, call)
+
+
+def annotated(engine):
+    """The engine with its output reads and first-token reads marked on the trace."""
+    _annotate(engine, "_collect", "collect")
+    _annotate(engine.arrivals, "_book_first_tokens", "book_first_tokens")
+    return engine
+
+
+def busy_spans(kernels, gap_us: float = 20.0) -> list[tuple[float, float, int]]:
+    """Kernel (start, duration) pairs in us merged into device busy spans (start, end,
+    kernels): kernels less than `gap_us` apart belong to one span."""
+    spans: list[list] = []
+    for ts, dur in sorted(kernels):
+        if spans and ts <= spans[-1][1] + gap_us:
+            spans[-1][1] = max(spans[-1][1], ts + dur)
+            spans[-1][2] += 1
+        else:
+            spans.append([ts, ts + dur, 1])
+    return [tuple(x) for x in spans]
+
+
+def timeline(trace_dir: str) -> tuple[list[tuple], float]:
+    """(rows (start ms, duration ms, "host" or "device", what, kernels), device idle ms
+    between its first and last kernel) of the trace under `trace_dir`. Host rows: jitted
+    calls (the outermost of the profiler's nested pair) and the annotated reads; device
+    rows: busy spans of kernels."""
+    events, device_pids, threads = device_lines(trace_dir)
+    kernels = [(e["ts"], e["dur"]) for e in kernel_events(events, device_pids, threads)]
+    host = sorted((e["ts"], e["dur"], e["name"]) for e in events
+                  if e.get("ph") == "X" and e.get("pid") not in device_pids
+                  and (e["name"].startswith("PjitFunction(")
+                       or e["name"] in ("collect", "book_first_tokens")))
+    spans = busy_spans(kernels)
+    if not spans and not host:
+        return [], 0.0
+    firsts = ([spans[0][0]] if spans else []) + ([host[0][0]] if host else [])
+    t0 = min(firsts)
+    rows, outer_end = [], 0.0
+    for ts, dur, name in host:
+        if ts < outer_end and name.startswith("PjitFunction("):
+            continue  # a jitted call made inside another (the profiler nests two events)
+        if name.startswith("PjitFunction("):
+            outer_end = ts + dur
+        rows.append(((ts - t0) / 1e3, dur / 1e3, "host", name, ""))
+    rows += [((a - t0) / 1e3, (b - a) / 1e3, "device", "kernels", n) for a, b, n in spans]
+    idle = sum(b[0] - a[1] for a, b in zip(spans, spans[1:])) / 1e3
+    return sorted(rows), idle
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--out", default=None, help="write each timeline to DIR/handoff_*.txt")
+    args = ap.parse_args(argv)
+    params, tcfg, dcfg = load_default()
+    cfg = default_step_config(tcfg, dcfg)
+    held = load_prompts()
+    engines = {m: annotated(make_engine(m, params, cfg, decode_steps_per_call=1))
+               for m in MODES}
+    for length in args.lengths:
+        prompt = next((q["tokens"] for q in held if q["length"] == length), None)
+        if prompt is None:
+            raise SystemExit(f"--lengths {length}: no held-out prompt of that length; give "
+                             f"one of {sorted({q['length'] for q in held})}")
+        for mode, engine in engines.items():
+            for _ in range(3):   # compile, then warm
+                engine.generate([prompt], 2, ignore_eos=True)
+            trace_dir = tempfile.mkdtemp(prefix="profile_handoff_")
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                r = engine.generate([prompt], 2, ignore_eos=True)[0]
+            rows, idle = timeline(trace_dir)
+            lines = [f"{mode}, {length}-token prompt: TTFT {1e3 * r.time_to_first_token_s:.2f}"
+                     f" ms, first generation step {1e3 * r.token_times_s[1]:.2f} ms; device "
+                     f"idle between programs {idle:.2f} ms"]
+            lines += [f"  {t:8.3f} +{d:7.3f} {where:6} {name[:70]} {n}"
+                      for t, d, where, name, n in rows]
+            print("\n".join(lines), flush=True)
+            if args.out:
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, f"handoff_{mode}_{length}.txt"), "w") as f:
+                    f.write("\n".join(lines) + "\n")
+    for engine in engines.values():
+        close(engine)
+
+
+if __name__ == "__main__":
+    main()
