@@ -111,7 +111,7 @@ for stage in "${stages[@]}"; do
       rm -rf "$OUT/serving_profile"/trace_* ;;
     handoff_timeline)
       # one request's calls, reads and device spans, aggregated beside disaggregated
-      # (under the profiler: graphs run op by op, so the order, not the cost, is the point)
+      # (unprofiled: the host costs as served; profiled: the device spans and the order)
       run 200 handoff_timeline python3 benchmarks/profile_handoff.py --lengths 128 2048 \
         --out "$OUT/handoff_timeline" ;;
     graph_records)

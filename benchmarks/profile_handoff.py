@@ -4,17 +4,18 @@ disaggregated-shared, on one device.
     PYTHONPATH=. python benchmarks/profile_handoff.py [--lengths 128 2048] [--out DIR]
 
 For each prompt length, both modes serve one request of 2 tokens (one decode step per
-call, as bench_serving's handoff part) under the jax profiler. The Perfetto trace is
-read back into one timeline, in ms from the run's start: the host's jitted calls
-(dispatch start and its duration), the host's reads of step outputs (`collect`: the
-wait for a step) and of first tokens, and the device's busy spans (kernels less than
-20 us apart). Device idle time between spans is summed per run: on one GPU it is the
-part of a handoff the host, not the device, decides.
+call, as bench_serving's handoff part), twice:
+
+  * unprofiled, as served: the host's events in ms from the request, timed on the host
+    (every engine's jitted step, import and export calls, its reads of step outputs,
+    `collect`, and the reads of first tokens);
+  * under the jax profiler: the same events beside the device's busy spans (kernels
+    less than 20 us apart), read back from the Perfetto trace, and the device's idle
+    time between spans: on one GPU, the part of a handoff the host decides.
 
 While a profiler session is active XLA runs every CUDA graph's kernels one by one (CUPTI
-and CUDA graphs do not mix), so host durations here are those of op-by-op launches: the
-timeline gives the order of calls and reads, not what a call costs unprofiled
-(`bench_serving.py` times that).
+and CUDA graphs do not mix), so the profiled run's host durations are those of op-by-op
+launches: it gives the device's side and the order; the unprofiled run gives the costs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 
 import jax
 
@@ -30,22 +32,35 @@ from benchmarks.serving_stream import close, make_engine
 from drafter.default import default_step_config, load_default, load_prompts
 
 MODES = ("aggregated", "disagg-shared")
+# the labels `instrumented` puts on a trace besides the jitted calls' own
+ANNOTATED = ("collect", "gen collect", "ctx collect", "book_first_tokens")
 
 
-def _annotate(obj, name: str, label: str) -> None:
-    """Wrap obj.name so each call shows on the trace's host line as `label`."""
+def _wrap(obj, name: str, label: str, events: list) -> None:
+    """Wrap obj.name: each call is appended to `events` as (label, start s, end s) of
+    perf_counter, and shows on a profiler trace's host line as `label`."""
     inner = getattr(obj, name)
 
     def call(*args, **kwargs):
+        start = time.perf_counter()
         with jax.profiler.TraceAnnotation(label):
-            return inner(*args, **kwargs)
+            out = inner(*args, **kwargs)
+        events.append((label, start, time.perf_counter()))
+        return out
     setattr(obj, name, call)
 
 
-def annotated(engine):
-    """The engine with its output reads and first-token reads marked on the trace."""
-    _annotate(engine, "_collect", "collect")
-    _annotate(engine.arrivals, "_book_first_tokens", "book_first_tokens")
+def instrumented(engine, events: list):
+    """The engine, and its in-process context engines, with their jitted calls, output
+    reads and first-token reads recorded into `events` (a profiling tool's view of the
+    engine's internals: the names it wraps are the executor's and the engine's own)."""
+    contexts = [ctx.engine for ctx in getattr(engine.kv_source, "contexts", ())]
+    for e, who in [(engine, "gen" if contexts else "")] + [(c, "ctx") for c in contexts]:
+        for name, label in (("_step_fn", "step"), ("_import", "import"),
+                            ("_export", "export")):
+            _wrap(e.executor, name, f"{who} {label}".strip(), events)
+        _wrap(e, "_collect", f"{who} collect".strip(), events)
+    _wrap(engine.arrivals, "_book_first_tokens", "book_first_tokens", events)
     return engine
 
 
@@ -71,8 +86,7 @@ def timeline(trace_dir: str) -> tuple[list[tuple], float]:
     kernels = [(e["ts"], e["dur"]) for e in kernel_events(events, device_pids, threads)]
     host = sorted((e["ts"], e["dur"], e["name"]) for e in events
                   if e.get("ph") == "X" and e.get("pid") not in device_pids
-                  and (e["name"].startswith("PjitFunction(")
-                       or e["name"] in ("collect", "book_first_tokens")))
+                  and (e["name"].startswith("PjitFunction(") or e["name"] in ANNOTATED))
     spans = busy_spans(kernels)
     if not spans and not host:
         return [], 0.0
@@ -98,7 +112,8 @@ def main(argv=None) -> None:
     params, tcfg, dcfg = load_default()
     cfg = default_step_config(tcfg, dcfg)
     held = load_prompts()
-    engines = {m: annotated(make_engine(m, params, cfg, decode_steps_per_call=1))
+    events: list = []
+    engines = {m: instrumented(make_engine(m, params, cfg, decode_steps_per_call=1), events)
                for m in MODES}
     for length in args.lengths:
         prompt = next((q["tokens"] for q in held if q["length"] == length), None)
@@ -108,13 +123,21 @@ def main(argv=None) -> None:
         for mode, engine in engines.items():
             for _ in range(3):   # compile, then warm
                 engine.generate([prompt], 2, ignore_eos=True)
+            events.clear()
+            start = time.perf_counter()
+            r = engine.generate([prompt], 2, ignore_eos=True)[0]
+            lines = [f"{mode}, {length}-token prompt, unprofiled (CUDA graphs as served): TTFT "
+                     f"{1e3 * r.time_to_first_token_s:.2f} ms, first generation step "
+                     f"{1e3 * r.token_times_s[1]:.2f} ms; host events, ms from the request:"]
+            lines += [f"  {1e3 * (a - start):8.3f} +{1e3 * (b - a):7.3f} {label}"
+                      for label, a, b in sorted(events, key=lambda e: e[1])]
             trace_dir = tempfile.mkdtemp(prefix="profile_handoff_")
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 r = engine.generate([prompt], 2, ignore_eos=True)[0]
             rows, idle = timeline(trace_dir)
-            lines = [f"{mode}, {length}-token prompt: TTFT {1e3 * r.time_to_first_token_s:.2f}"
-                     f" ms, first generation step {1e3 * r.token_times_s[1]:.2f} ms; device "
-                     f"idle between programs {idle:.2f} ms"]
+            lines += [f"profiled (kernels one by one): first generation step "
+                      f"{1e3 * r.token_times_s[1]:.2f} ms; device idle between busy spans "
+                      f"{idle:.2f} ms"]
             lines += [f"  {t:8.3f} +{d:7.3f} {where:6} {name[:70]} {n}"
                       for t, d, where, name, n in rows]
             print("\n".join(lines), flush=True)
