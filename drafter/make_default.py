@@ -22,7 +22,8 @@ import numpy as np
 from drafter.corpus import MASK, VOCAB_SIZE, load_split, random_windows
 from drafter.dflash import DFlashConfig, init_params as init_draft
 from drafter.train import LABELS, train_drafter
-from drafter.checkpoint import save_dflash
+from drafter.checkpoint import load_dflash, save_dflash
+from drafter.inspect import pair_checks
 from models.checkpoint import load_qwen3, save_qwen3
 from models.qwen3 import Qwen3Config, init_params as init_target
 from models.training import train_target
@@ -95,6 +96,10 @@ def main(argv=None):
                     help="with --from-default: train a new drafter (--draft-layers, "
                          "--draft-attention) for the shipped target instead of continuing "
                          "the shipped drafter")
+    ap.add_argument("--draft-from", default=None, metavar="DIR",
+                    help="with --from-default: continue this candidate drafter for the "
+                         "shipped target (a DFlash checkpoint, e.g. an earlier run's "
+                         "DIR/draft) instead of the shipped one")
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--draft-attention", choices=tuple(DRAFT_ATTENTION), default="sliding",
                     help="the draft layers' attention over the context: a 256-token "
@@ -113,6 +118,9 @@ def main(argv=None):
     if args.fresh_draft and not args.from_default:
         raise SystemExit("--fresh-draft trains a new drafter for the shipped target: give "
                          "--from-default too")
+    if args.draft_from is not None and (args.fresh_draft or not args.from_default):
+        raise SystemExit("--draft-from continues a candidate drafter for the shipped target: "
+                         "give --from-default, and not --fresh-draft")
     if args.draft_layers < 1:
         raise SystemExit(f"--draft-layers {args.draft_layers}: give at least 1")
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
@@ -127,7 +135,12 @@ def main(argv=None):
         from drafter.default import load_default
         params, tcfg, shipped_dcfg = load_default()
         target, t_losses = params["target"], []
-        if not args.fresh_draft:
+        if args.draft_from is not None:
+            dcfg, draft = load_dflash(args.draft_from, jnp.float32)
+            if problems := pair_checks(tcfg, dcfg):
+                raise SystemExit(f"--draft-from {args.draft_from}: it does not fit the shipped "
+                                 f"target: {'; '.join(problems)}")
+        elif not args.fresh_draft:
             draft, dcfg = params["draft"], shipped_dcfg
     elif args.target_from:
         tcfg, target = load_qwen3(args.target_from)

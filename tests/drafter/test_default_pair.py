@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -94,3 +95,34 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
     evaluate.main(["--draft", str(out / "draft"), "--lengths", "128", "--max-new", "8",
                    "--context", "16", "--json", str(report)])
     assert json.loads(report.read_text())["by_length"][0]["lossless"]
+
+
+def test_a_candidate_drafter_trains_on_from_its_checkpoint(tmp_path):
+    """`make_default --from-default --draft-from DIR` continues a candidate (an earlier
+    run's DIR/draft) rather than the shipped drafter; a drafter of another target is
+    refused by name, and the flag needs --from-default without --fresh-draft."""
+    from drafter import make_default
+    from drafter.checkpoint import load_dflash
+
+    stdlib = small_stdlib(tmp_path, "x = [1, 2, 3]\n", files=3)
+    first = tmp_path / "first"
+    make_default.main(["--out", str(first), "--from-default", "--fresh-draft",
+                       "--draft-layers", "3", "--windows", "64x2", "--draft-steps", "1",
+                       "--stdlib", str(stdlib)])
+    again = tmp_path / "again"
+    make_default.main(["--out", str(again), "--from-default", "--draft-from",
+                       str(first / "draft"), "--windows", "64x2", "--draft-steps", "2",
+                       "--stdlib", str(stdlib)])
+    (dcfg0, p0), (dcfg1, p1) = (load_dflash(d / "draft") for d in (first, again))
+    assert dcfg1.num_layers == dcfg0.num_layers == 3   # the candidate's shape, not shipped
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p0),
+                                                         jax.tree.leaves(p1)))
+    for argv, message in ((["--draft-from", str(first / "draft")], "give --from-default"),
+                          (["--from-default", "--fresh-draft", "--draft-from",
+                            str(first / "draft")], "not --fresh-draft")):
+        with pytest.raises(SystemExit, match=message):
+            make_default.main(["--out", str(tmp_path / "x"), *argv])
+    copy_draft = Path(__file__).parent.parent / "fixtures" / "copy_pair" / "draft"
+    with pytest.raises(SystemExit, match="does not fit the shipped target"):
+        make_default.main(["--out", str(tmp_path / "y"), "--from-default", "--draft-from",
+                           str(copy_draft), "--stdlib", str(stdlib)])
