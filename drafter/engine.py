@@ -3,8 +3,8 @@
     submit(request) ─> Scheduler.schedule() ─> StepPlan ─> dispatch: import_step per arrived
          ^                                                 KV and one redraft, mixed_step (reset,
          │                                                 prefill chunks, decode rows), export_step
-         └─ Results <── Scheduler.emit / finish <── read step N's outputs (after N+1 is
-                                                    dispatched: the host runs one step ahead)
+         └─ Results <── update_from_output <── read step N's outputs (after N+1 is
+                        (drafter/update.py)        dispatched: the host runs one step ahead)
 
 Roles are configurations of this one loop:
   * aggregated: prompts prefill locally, in chunks batched with decode rows;
@@ -30,10 +30,11 @@ import jax
 
 from drafter.arrivals import Arrivals
 from drafter.executor import Executor
-from drafter.kv_io import Export, KVSource, import_failure, import_refusal
+from drafter.kv_io import Export, KVSource, import_refusal
 from drafter.request import Request, RequestError, Result, SamplingParams
 from drafter.scheduler import Phase, Scheduler, Sequence
 from drafter.steps import StepConfig
+from drafter.update import update_from_output
 from unified_kv import AdmissionError
 
 __all__ = ["Engine", "Export", "KVSource", "Result", "Request", "SamplingParams"]
@@ -376,47 +377,8 @@ class Engine:
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
         outputs, imported = jax.device_get((outputs, imported))
-        outputs = self.executor.unpack(outputs)
-        now = time.perf_counter()
-        scheduler, results = self.scheduler, []
-
-        def book(seq, tokens, decode_step):
-            if (r := scheduler.emit(seq, tokens, now, decode_step=decode_step)) is not None:
-                results.append(r)
-
-        for seq, got in zip(plan.imports, imported):
-            if got is None:  # refused on the host: its request ended at dispatch
-                results.append(seq.result)
-                continue
-            if seq.phase is Phase.DONE:
-                continue
-            ok, first, origin = got
-            if not ok:
-                results.append(scheduler.finish(seq, now, "error",
-                                                import_failure(seq.request_id, origin)))
-            elif not seq.tokens:  # not booked on arrival
-                book(seq, [int(first)], False)
-        for i, chunk in enumerate(plan.prefill):
-            seq = chunk.seq
-            if seq.phase is Phase.DONE and seq not in plan.exports:
-                continue
-            if not outputs.prefill_ok[i]:
-                results.append(scheduler.finish(seq, now, "error", (
-                    f"request {seq.request_id!r}: prefill could not allocate pages although "
-                    f"admission reserved them (a bug in page accounting)")))
-            elif chunk.is_last and not self.export:
-                book(seq, [int(outputs.first_tokens[i])], False)
-        num_out, decode_ok = outputs.num_out.tolist(), outputs.decode_ok.tolist()
-        for j in range(len(num_out)):  # the call's decode steps, in order
-            for seq in plan.decode:
-                if seq.phase is Phase.DONE:
-                    continue
-                if not decode_ok[j][seq.slot]:
-                    results.append(scheduler.finish(seq, now, "error", (
-                        f"request {seq.request_id!r}: a decode step could not allocate pages "
-                        f"(a bug in admission accounting)")))
-                    continue
-                book(seq, outputs.out_tokens[j, seq.slot, :num_out[j][seq.slot]], True)
+        results = update_from_output(self.scheduler, plan, self.executor.unpack(outputs),
+                                     imported, time.perf_counter(), export=self.export)
         for seq in plan.decode:
             if seq.phase is not Phase.DONE:
                 self.executor.len_bound[seq.slot] = (len(seq.request.prompt) + len(seq.tokens) - 1
