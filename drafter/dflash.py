@@ -82,12 +82,6 @@ class DFlashConfig:
     def causal(self, layer: int) -> bool:
         return self.causal_in_sliding_block and self.window(layer) is not None
 
-    @classmethod
-    def from_hf(cls, hf: dict, source: str = "config.json") -> "DFlashConfig":
-        """From a z-lab DFlash drafter `config.json` dict (drafter/checkpoint.py)."""
-        from drafter.checkpoint import dflash_config_from_hf
-        return dflash_config_from_hf(hf, source)
-
     def to_hf(self) -> dict:
         return {"model_type": "qwen3", "architectures": ["DFlashDraftModel"],
                 "num_hidden_layers": self.num_layers,

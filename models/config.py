@@ -24,6 +24,7 @@ import json
 import math
 from pathlib import Path
 
+from models.qwen3 import Qwen3Config
 from models.rope import ROPE_TYPES, RopeScaling
 
 # transformers' Qwen3Config defaults (configuration_qwen3.py, 4.5x and 5.x)
@@ -223,7 +224,6 @@ def qwen3_layer_fields(hf: dict, source) -> dict:
 
 def qwen3_config_from_hf(hf: dict, source="config.json"):
     """Qwen3Config from an HF Qwen3 config dict; `source` (the file) is named in errors."""
-    from models.qwen3 import Qwen3Config
     model_type = hf.get("model_type", "qwen3")
     if model_type != "qwen3":
         refuse(source, "model_type", model_type, "qwen3")

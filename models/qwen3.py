@@ -64,12 +64,6 @@ class Qwen3Config:
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
-    @classmethod
-    def from_hf(cls, hf: dict, source: str = "config.json") -> "Qwen3Config":
-        """From an HF Qwen3 `config.json` dict, with HF's defaults (models/config.py)."""
-        from models.config import qwen3_config_from_hf
-        return qwen3_config_from_hf(hf, source)
-
     def to_hf(self) -> dict:
         return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
