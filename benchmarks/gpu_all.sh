@@ -119,13 +119,16 @@ for stage in "${stages[@]}"; do
         --out "$OUT/handoff_timeline" ;;
     graph_records)
       # the demo's engines under XLA's command-buffer log: how often graphs are recorded
-      # again (a call's buffers moved) and the host time that takes
+      # again (a call's buffers moved) and the host time that takes; and, from XLA's dump of
+      # the step, import and export programs, what each launches outside its graphs
       mkdir -p "$OUT/graph_records"
-      run 200 graph_records_log env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+      run 240 graph_records_log env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+        XLA_FLAGS="--xla_dump_to=/tmp/graph_records_dump --xla_dump_hlo_module_re=.*(packed_step|import_step|export_step).*" \
         python3 benchmarks/bench_serving.py --out "$OUT/graph_records" --parts demo \
         --repeats 1 --demo-modes disagg-shared
-      run 30 graph_records python3 benchmarks/graph_records.py "$OUT/graph_records_log.txt"
-      [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/graph_records_log.txt" ;;
+      run 30 graph_records python3 benchmarks/graph_records.py "$OUT/graph_records_log.txt" \
+        --dump /tmp/graph_records_dump
+      [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/graph_records_log.txt" && rm -rf /tmp/graph_records_dump ;;
     graph_loops_serving)
       for g in off on; do
         mkdir -p "$OUT/graphs_$g"

@@ -59,3 +59,20 @@ def test_graph_records_are_counted_per_graph_size_beside_first_records():
     got = summarize(log)
     assert got["records"] == 3 and got["record_us"] == 367 and got["first_records"] == 1
     assert got["by_commands"] == {28: [67], 209: [195, 105]}
+
+
+def test_a_programs_top_level_thunks_are_counted_by_kind_after_the_thunk_passes(tmp_path):
+    from benchmarks.graph_records import program_thunks
+
+    before = "000: kKernel\n001: kCustomCall\n002: kKernel\n"
+    after = ("000: kCommandBuffer\n  000: kKernel\n  001: kKernel\n"
+             "001: kCustomCall\n002: kWhile\n  000: kCommandBuffer\n    000: kKernel\n"
+             "003: kCommandBuffer\n  000: kKernel\n")
+    (tmp_path / "module_0001.jit_packed_step.thunk_sequence.txt").write_text(before)
+    (tmp_path / "module_0001.jit_packed_step.thunk_sequence_after_thunk_passes.txt"
+     ).write_text(after)
+    (tmp_path / "module_0002.jit_export_step.thunk_sequence.txt").write_text(before)
+    got = program_thunks(str(tmp_path))
+    assert got["module_0001.jit_packed_step"] == {"kCommandBuffer": 2, "kCustomCall": 1,
+                                                  "kWhile": 1}
+    assert got["module_0002.jit_export_step"] == {"kKernel": 2, "kCustomCall": 1}
