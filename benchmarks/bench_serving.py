@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import dataclasses
 import os
 import time
 
@@ -261,7 +260,7 @@ def main(argv=None) -> dict:
                     help="every part: StepConfig.graph_loops (loops in CUDA graphs)")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
-    cfg = dataclasses.replace(default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16),
+    cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
                               graph_loops=args.graph_loops)
     held_out = load_prompts()
     by_len = {}

@@ -27,7 +27,7 @@ import time
 
 import jax
 
-from benchmarks.profile_step import device_lines, kernel_events
+from benchmarks.profile_step import device_lines, kernel_events, outer_jit_calls
 from benchmarks.serving_stream import close, make_engine
 from drafter.default import default_step_config, load_default, load_prompts
 
@@ -84,21 +84,16 @@ def timeline(trace_dir: str) -> tuple[list[tuple], float]:
     rows: busy spans of kernels."""
     events, device_pids, threads = device_lines(trace_dir)
     kernels = [(e["ts"], e["dur"]) for e in kernel_events(events, device_pids, threads)]
-    host = sorted((e["ts"], e["dur"], e["name"]) for e in events
-                  if e.get("ph") == "X" and e.get("pid") not in device_pids
-                  and (e["name"].startswith("PjitFunction(") or e["name"] in ANNOTATED))
+    host = sorted([(ts, dur, name) for _, _, ts, dur, name in outer_jit_calls(events, device_pids)]
+                  + [(e["ts"], e["dur"], e["name"]) for e in events
+                     if e.get("ph") == "X" and e.get("pid") not in device_pids
+                     and e["name"] in ANNOTATED])
     spans = busy_spans(kernels)
     if not spans and not host:
         return [], 0.0
     firsts = ([spans[0][0]] if spans else []) + ([host[0][0]] if host else [])
     t0 = min(firsts)
-    rows, outer_end = [], 0.0
-    for ts, dur, name in host:
-        if ts < outer_end and name.startswith("PjitFunction("):
-            continue  # a jitted call made inside another (the profiler nests two events)
-        if name.startswith("PjitFunction("):
-            outer_end = ts + dur
-        rows.append(((ts - t0) / 1e3, dur / 1e3, "host", name, ""))
+    rows = [((ts - t0) / 1e3, dur / 1e3, "host", name, "") for ts, dur, name in host]
     rows += [((a - t0) / 1e3, (b - a) / 1e3, "device", "kernels", n) for a, b, n in spans]
     idle = sum(b[0] - a[1] for a, b in zip(spans, spans[1:])) / 1e3
     return sorted(rows), idle

@@ -126,19 +126,29 @@ def print_kernels(kernels, top: int, title: str) -> dict:
             "kernels": [{"name": n, "ms": t, "launches": c} for n, t, c in kernels[:top]]}
 
 
+def outer_jit_calls(events, device_pids) -> list[tuple]:
+    """The host's jitted calls (the profiler's `PjitFunction(name)` events) as (pid, tid,
+    ts, dur, name), by thread then time; a call inside another on its thread (the
+    profiler nests a second event in each call) is left out: its time is the outer
+    call's."""
+    calls = sorted((e["pid"], e.get("tid"), e["ts"], e["dur"], e["name"]) for e in events
+                   if e.get("ph") == "X" and e.get("pid") not in device_pids
+                   and e["name"].startswith("PjitFunction("))
+    out, outer = [], (None, None, 0.0)  # (pid, tid, end) of the last outermost call
+    for pid, tid, ts, dur, name in calls:
+        if (pid, tid) == outer[:2] and ts < outer[2]:
+            continue
+        outer = (pid, tid, ts + dur)
+        out.append((pid, tid, ts, dur, name))
+    return out
+
+
 def host_dispatch(trace_dir: str) -> dict[str, dict]:
     """Per jitted function: its calls and the host time they took to dispatch (the
     profiler's `PjitFunction(name)` events), summed over the trace."""
     events, device_pids, _ = device_lines(trace_dir)
-    calls = sorted((e["pid"], e.get("tid"), e["ts"], e["dur"], e["name"]) for e in events
-                   if e.get("ph") == "X" and e.get("pid") not in device_pids
-                   and e["name"].startswith("PjitFunction("))
     out: dict[str, dict] = {}
-    outer = (None, None, 0.0)  # (pid, tid, end) of the last outermost call
-    for pid, tid, ts, dur, name in calls:
-        if (pid, tid) == outer[:2] and ts < outer[2]:
-            continue  # a call made inside another (its time is the outer call's)
-        outer = (pid, tid, ts + dur)
+    for _, _, _, dur, name in outer_jit_calls(events, device_pids):
         got = out.setdefault(name[len("PjitFunction("):-1], {"calls": 0, "ms": 0.0})
         got["calls"] += 1
         got["ms"] += dur / 1e3

@@ -17,7 +17,6 @@ apart from what its continuations' content costs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -75,8 +74,7 @@ def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool,
                      graph_loops: bool = False):
     """An Engine whose `batch` slots hold the prompts (cycled), prefilled, with
     room for 2048 new tokens each."""
-    cfg = dataclasses.replace(default_step_config(tcfg, dcfg if speculative else None,
-                                                  num_slots=batch, impl=impl),
+    cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch, impl=impl,
                               graph_loops=graph_loops)
     engine = Engine(params, cfg, speculative=speculative,
                     decode_steps_per_call=decode_steps_per_call)
