@@ -91,7 +91,8 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
     for mode in modes:
         engines[mode] = make_engine(mode, params, cfg,
                                     max_num_batched_tokens=max_num_batched_tokens)
-        engines[mode].generate(prompts, max_new)   # compile outside the timing
+        for _ in range(cfg.graph_copies):  # compile (every copy) outside the timing
+            engines[mode].generate(prompts, max_new)
     runs = {m: {"rates": [], "ttfts": [], "als": [], "tokens": None, "calls": {}} for m in modes}
     for r in range(repeats):
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
@@ -176,7 +177,8 @@ def handoff_part(params, cfg, prompts_by_len, repeats: int) -> dict:
     rows = []
     for length, prompt in sorted(prompts_by_len.items()):
         for engine in (agg, dis):
-            engine.generate([prompt], 2)  # compile this length's shapes
+            for _ in range(cfg.graph_copies):  # compile this length's shapes, every copy
+                engine.generate([prompt], 2)
         ttft = {"aggregated": [], "disagg": []}
         first_step = {"aggregated": [], "disagg": []}  # to the first generation step's token
         moves = []
@@ -203,7 +205,8 @@ def handoff_part(params, cfg, prompts_by_len, repeats: int) -> dict:
 
 
 def engine_part(params, tcfg, dcfg, prompts, batches, steps: int,
-                decode_steps=(None,), graph_loops: bool = False) -> dict:
+                decode_steps=(None,), graph_loops: bool = False,
+                graph_copies: int = 1) -> dict:
     """Per batch: device rate once, then the engine's rate for each decode-steps-per-call
     setting (None: the engine's default); the ratio is the default's (or the first)."""
     out = {}
@@ -211,7 +214,8 @@ def engine_part(params, tcfg, dcfg, prompts, batches, steps: int,
         device = None
         for k in decode_steps:
             engine = prefilled_engine(params, tcfg, dcfg, prompts, batch, True,
-                                      decode_steps_per_call=k, graph_loops=graph_loops)
+                                      decode_steps_per_call=k, graph_loops=graph_loops,
+                                      graph_copies=graph_copies)
             device = device or device_rate(engine, steps, 3)
             # Enough calls that filling and draining the one-ahead pipeline is a small
             # part of the window (steady decoding is what the device rate measures).
@@ -258,16 +262,19 @@ def main(argv=None) -> dict:
                          "engine's own)")
     ap.add_argument("--graph-loops", action="store_true",
                     help="every part: StepConfig.graph_loops (loops in CUDA graphs)")
+    ap.add_argument("--graph-copies", type=int, default=1,
+                    help="every part: StepConfig.graph_copies (alternated copies of each "
+                         "step program, so CUDA graphs keep their buffers' addresses)")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
     cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
-                              graph_loops=args.graph_loops)
+                              graph_loops=args.graph_loops, graph_copies=args.graph_copies)
     held_out = load_prompts()
     by_len = {}
     for q in held_out:
         by_len.setdefault(q["length"], q["tokens"])
     report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()),
-              "graph_loops": args.graph_loops}
+              "graph_loops": args.graph_loops, "graph_copies": args.graph_copies}
     if args.quick:
         short = [q["tokens"][:40] for q in held_out[:4]]
         demo_prompts, handoff_prompts, load_prompts_ = short, {24: short[0][:24]}, short
@@ -308,7 +315,7 @@ def main(argv=None) -> dict:
         for b in batches:  # saved after each batch: a run cut at its limit keeps the first
             report["engine"].update(engine_part(
                 params, tcfg, dcfg, [s[:40] for s in short] if args.quick else short, [b],
-                steps, args.decode_steps, args.graph_loops))
+                steps, args.decode_steps, args.graph_loops, args.graph_copies))
             report[f"engine_over_device_b{b}"] = report["engine"][f"b{b}"]["ratio"]
             save()
     if "load" in args.parts:

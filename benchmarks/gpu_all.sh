@@ -23,6 +23,8 @@
 # that also take loops (StepConfig.graph_loops) beside the default, same call: the demo
 # and handoff with one profiled run each, into graphs_{off,on}/; the 8B-shaped batch-1
 # steps into scale_b1_graphs_{off,on}.json.
+# graph_copies (not in the default list): the demo with one program per step variant
+# beside two alternated copies (StepConfig.graph_copies), and the copies' graph records.
 # handoff_timeline, graph_records (not in the default list): one handoff's calls and reads
 # in order (benchmarks/profile_handoff.py), and how often the demo's calls record their
 # CUDA graphs again (benchmarks/graph_records.py).
@@ -43,7 +45,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -129,6 +131,24 @@ for stage in "${stages[@]}"; do
       run 30 graph_records python3 benchmarks/graph_records.py "$OUT/graph_records_log.txt" \
         --dump /tmp/graph_records_dump
       [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/graph_records_log.txt" && rm -rf /tmp/graph_records_dump ;;
+    graph_copies)
+      # one program per step variant beside two alternated copies (StepConfig.graph_copies:
+      # each copy's CUDA graph sees the same buffer addresses call after call), then the
+      # copies under XLA's command-buffer log (how often graphs are still recorded again)
+      mkdir -p "$OUT/graph_copies_log"
+      for n in 1 2; do
+        mkdir -p "$OUT/graph_copies_$n"
+        run 150 serving_graph_copies_$n python3 benchmarks/bench_serving.py \
+          --out "$OUT/graph_copies_$n" --parts demo --repeats 5 \
+          --demo-modes disagg-shared --graph-copies $n
+      done
+      run 120 graph_copies_records_log env TF_CPP_MIN_LOG_LEVEL=0 \
+        TF_CPP_VMODULE=command_buffer_thunk=3 python3 benchmarks/bench_serving.py \
+        --out "$OUT/graph_copies_log" --parts demo --repeats 1 --demo-modes disagg-shared \
+        --graph-copies 2
+      run 30 graph_copies_records python3 benchmarks/graph_records.py \
+        "$OUT/graph_copies_records_log.txt"
+      [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/graph_copies_records_log.txt" ;;
     graph_loops_serving)
       for g in off on; do
         mkdir -p "$OUT/graphs_$g"

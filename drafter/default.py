@@ -62,7 +62,8 @@ def load_default(dtype=jnp.float32):
 def default_step_config(tcfg: Qwen3Config, dcfg: DFlashConfig | None, *, num_slots: int = 16,
                         max_seq_len: int = 9216, impl: str = "auto",
                         memory_budget_bytes: int = 1 << 30,
-                        layer_loop: str = "auto", graph_loops: bool = False) -> StepConfig:
+                        layer_loop: str = "auto", graph_loops: bool = False,
+                        graph_copies: int = 1) -> StepConfig:
     """The default cache: fp8 target KV (window and full pools), bf16 draft KV."""
     layers = tcfg.layer_specs("fp8_e4m3")
     if dcfg is not None:
@@ -70,7 +71,8 @@ def default_step_config(tcfg: Qwen3Config, dcfg: DFlashConfig | None, *, num_slo
     spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=num_slots,
                      max_seq_len=max_seq_len, memory_budget_bytes=memory_budget_bytes,
                      max_step_tokens=256)
-    return StepConfig(tcfg, spec, dcfg, impl, layer_loop=layer_loop, graph_loops=graph_loops)
+    return StepConfig(tcfg, spec, dcfg, impl, layer_loop=layer_loop, graph_loops=graph_loops,
+                      graph_copies=graph_copies)
 
 
 def load_prompts() -> list[dict]:

@@ -71,11 +71,11 @@ def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto"):
 
 def prefilled_engine(params, tcfg, dcfg, prompts, batch: int, speculative: bool,
                      impl: str = "auto", decode_steps_per_call: int | None = None,
-                     graph_loops: bool = False):
+                     graph_loops: bool = False, graph_copies: int = 1):
     """An Engine whose `batch` slots hold the prompts (cycled), prefilled, with
     room for 2048 new tokens each."""
     cfg = default_step_config(tcfg, dcfg if speculative else None, num_slots=batch, impl=impl,
-                              graph_loops=graph_loops)
+                              graph_loops=graph_loops, graph_copies=graph_copies)
     engine = Engine(params, cfg, speculative=speculative,
                     decode_steps_per_call=decode_steps_per_call)
     for i in range(batch):

@@ -27,9 +27,11 @@ from unified_kv import BAD_PAGE_INDEX, bucket_width, init_state
 
 
 @functools.lru_cache(maxsize=64)
-def _packed_step_for(cfg: StepConfig):
+def _packed_step_for(cfg: StepConfig, copy: int = 0):
     """The jitted step with `cfg` bound, shared by every executor of that config: a
-    static config argument would be hashed and compared on every call."""
+    static config argument would be hashed and compared on every call. Each `copy` is
+    a program of its own (`StepConfig.graph_copies`)."""
+    del copy  # only keys the cache: a distinct jit object compiles its own executable
     return jax.jit(functools.partial(packed_step, cfg=cfg),
                    static_argnames=("num_prefill", "table_width", "decode", "speculative",
                                     "greedy", "decode_steps"), donate_argnums=1,
@@ -77,7 +79,11 @@ class Executor:
         self.params = self._place(step_params(params, cfg.scans_layers))
         self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(_traced_on_mesh, mesh)
-        self._step_fn, self._import = on_mesh(_packed_step_for(cfg)), on_mesh(_import_step_for(cfg))
+        if cfg.graph_copies < 1:
+            raise ValueError(f"graph_copies is {cfg.graph_copies}; it must be at least 1")
+        self._step_fns = tuple(on_mesh(_packed_step_for(cfg, c)) for c in range(cfg.graph_copies))
+        self._step_calls: collections.Counter = collections.Counter()  # per program variant
+        self._import = on_mesh(_import_step_for(cfg))
         self._redraft, self._export = on_mesh(_redraft_step_for(cfg)), on_mesh(export_step)
         self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
         self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -173,11 +179,12 @@ class Executor:
 
     def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
                   num_prefill: int = 0, greedy: bool = True) -> None:
-        """A call whose rows all pad (compiles that variant; changes nothing): a decode
-        call of `decode_steps` steps, or a prefill call of `num_prefill` rows (0: a
-        call that only empties slots)."""
-        self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
-                   decode=decode, greedy=greedy, decode_steps=decode_steps if decode else 1)
+        """Calls whose rows all pad (compile that variant, every copy of it; change
+        nothing): a decode call of `decode_steps` steps, or a prefill call of
+        `num_prefill` rows (0: a call that only empties slots)."""
+        for _ in self._step_fns:
+            self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
+                       decode=decode, greedy=greedy, decode_steps=decode_steps if decode else 1)
 
     def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool) -> None:
         """`run_empty` for every variant: each width, decode of each of `decode_steps`,
@@ -207,6 +214,14 @@ class Executor:
             table_width=table_width, decode=decode, speculative=self.speculative,
             greedy=greedy, decode_steps=decode_steps)
         return out
+
+    def _step_fn(self, params, state, batch, **static):
+        """The jitted step: of a variant's copies (`StepConfig.graph_copies`), the one
+        whose turn it is."""
+        variant = tuple(sorted(static.items()))
+        copy = self._step_calls[variant] % len(self._step_fns)
+        self._step_calls[variant] += 1
+        return self._step_fns[copy](params, state, batch, **static)
 
     def _empty_batch(self, num_prefill: int) -> StepBatch:
         spec, dummy = self.spec, self.spec.dummy_slot

@@ -92,6 +92,12 @@ class StepConfig:
     # graph nodes, not kernel by kernel from the host. Off: it moved neither the
     # demo's serving nor the 8B-shaped steps (docs/decisions.md, Serving).
     graph_loops: bool = False
+    # Copies of each step program an executor alternates between, call by call. A CUDA
+    # graph holds its buffers' addresses and XLA records it again whenever one moved;
+    # with one step in flight ahead, a call's output sits where the call before last put
+    # its own, never where the last call did, so one program records again every call
+    # and two alternated programs each see the same addresses (docs/decisions.md, Serving).
+    graph_copies: int = 1
 
     @property
     def scans_layers(self) -> bool:

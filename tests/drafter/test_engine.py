@@ -269,3 +269,30 @@ def test_batch_invariant_engines_run_every_prefill_call_at_full_rows(pair):
     full = engine.scheduler.max_prefill_rows
     assert full > 1 and seen[False][0] == [1] and seen[True][0] == [full]
     assert seen[True][1] == seen[False][1]
+
+
+def test_alternated_step_copies_give_the_same_tokens_and_are_all_warmed(caplog):
+    """StepConfig.graph_copies=2: each program variant's calls alternate between two
+    copies of it, with the same tokens and acceptance as one program; warmup compiles
+    every copy, so a warm engine compiles no step."""
+    import dataclasses
+    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=144)
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    want = Engine(params, cfg).generate(prompts, 13)
+    engine = Engine(params, dataclasses.replace(cfg, graph_copies=2))
+    engine.warmup(40)
+    used = []
+    for k, fn in enumerate(engine.executor._step_fns):
+        engine.executor._step_fns = (engine.executor._step_fns[:k]
+                                     + ((lambda *a, k=k, fn=fn, **kw: (used.append(k),
+                                                                        fn(*a, **kw))[1]),)
+                                     + engine.executor._step_fns[k + 1:])
+    with compiled_in(caplog, "step") as compiled:
+        got = engine.generate(prompts, 13)
+    assert not compiled, compiled
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.acceptance for r in got] == [r.acceptance for r in want]
+    assert set(used) == {0, 1} and len(used) > 2
+    assert_all_free(engine)
+    with pytest.raises(ValueError, match="graph_copies is 0"):
+        Engine(params, dataclasses.replace(cfg, graph_copies=0))
