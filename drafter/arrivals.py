@@ -58,6 +58,9 @@ class Arrivals:
             else:
                 self.scheduler.kv_arrived(seq, item)
                 self._first[request_id] = (seq, item.first_token)
+                if hasattr(item.first_token, "copy_to_host_async"):
+                    # start its read now, so booking it later reads a copy already made
+                    item.first_token.copy_to_host_async()
         for request_id, since in list(self._since.items()):
             seq = self.scheduler.active.get(request_id)
             if seq is None or seq.phase is not Phase.AWAITING_KV:

@@ -203,6 +203,11 @@ class Engine:
         issued = time.perf_counter()
         if dispatched is not None:
             self._inflight.append(dispatched)
+            # Each output's copy to the host starts as soon as its call ends on the
+            # device, not when it is read: reading it then waits for no transfer.
+            _, outputs, imported = dispatched
+            for out in [out for out, _ in outputs] + [got[0] for got in imported if got]:
+                out.copy_to_host_async()
         # The KV source is polled once this step is dispatched: an in-process source's
         # senders launch their prefills and exports while it runs on the device, instead
         # of while the device waits, and what arrives is imported by the next step.
