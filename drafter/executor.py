@@ -39,9 +39,33 @@ def _packed_step_for(cfg: StepConfig, copy: int = 0):
 
 
 @functools.lru_cache(maxsize=64)
-def _import_step_for(cfg: StepConfig):
+def _import_step_for(cfg: StepConfig, copy: int = 0):
+    del copy  # as in _packed_step_for
     return jax.jit(functools.partial(import_step, cfg=cfg), static_argnames=("pool_ids", "mode"),
                    donate_argnums=0, compiler_options=cfg.compiler_options)
+
+
+@functools.lru_cache(maxsize=8)
+def _export_step_for(copy: int = 0):
+    if copy == 0:
+        return export_step
+    return jax.jit(export_step.__wrapped__, static_argnames=("pool_ids", "buckets"))
+
+
+class _Copies:
+    """Copies of one jitted program (`StepConfig.graph_copies`), each variant's calls
+    taking them in turn: with one call in flight ahead, a call's fresh buffers sit where
+    the call before last put its own, so each copy's CUDA graphs see the addresses they
+    were recorded with."""
+
+    def __init__(self, copies):
+        self.copies = tuple(copies)
+        self._turns: collections.Counter = collections.Counter()
+
+    def __call__(self, variant, *args, **kwargs):
+        turn = self._turns[variant]
+        self._turns[variant] += 1
+        return self.copies[turn % len(self.copies)](*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,10 +105,11 @@ class Executor:
         on_mesh = functools.partial(_traced_on_mesh, mesh)
         if cfg.graph_copies < 1:
             raise ValueError(f"graph_copies is {cfg.graph_copies}; it must be at least 1")
-        self._step_fns = tuple(on_mesh(_packed_step_for(cfg, c)) for c in range(cfg.graph_copies))
-        self._step_calls: collections.Counter = collections.Counter()  # per program variant
-        self._import = on_mesh(_import_step_for(cfg))
-        self._redraft, self._export = on_mesh(_redraft_step_for(cfg)), on_mesh(export_step)
+        copies = range(cfg.graph_copies)
+        self._steps = _Copies(on_mesh(_packed_step_for(cfg, c)) for c in copies)
+        self._imports = _Copies(on_mesh(_import_step_for(cfg, c)) for c in copies)
+        self._exports = _Copies(on_mesh(_export_step_for(c)) for c in copies)
+        self._redraft = on_mesh(_redraft_step_for(cfg))
         self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
         self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
                                 if mesh is None else jax.sharding.NamedSharding(
@@ -182,7 +207,7 @@ class Executor:
         """Calls whose rows all pad (compile that variant, every copy of it; change
         nothing): a decode call of `decode_steps` steps, or a prefill call of
         `num_prefill` rows (0: a call that only empties slots)."""
-        for _ in self._step_fns:
+        for _ in self._steps.copies:
             self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
                        decode=decode, greedy=greedy, decode_steps=decode_steps if decode else 1)
 
@@ -216,12 +241,19 @@ class Executor:
         return out
 
     def _step_fn(self, params, state, batch, **static):
-        """The jitted step: of a variant's copies (`StepConfig.graph_copies`), the one
-        whose turn it is."""
-        variant = tuple(sorted(static.items()))
-        copy = self._step_calls[variant] % len(self._step_fns)
-        self._step_calls[variant] += 1
-        return self._step_fns[copy](params, state, batch, **static)
+        """The jitted step (of its variant's copies, the one whose turn it is)."""
+        return self._steps(tuple(sorted(static.items())), params, state, batch, **static)
+
+    def _import(self, state, index, payloads, **static):
+        """The jitted import (of its variant's copies, the one whose turn it is)."""
+        variant = (tuple(sorted(static.items())), len(payloads),
+                   tuple(b.shape for b in payloads[0][2]))
+        return self._imports(variant, state, index, payloads, **static)
+
+    def _export(self, state, index, **static):
+        """The jitted export (of its variant's copies, the one whose turn it is)."""
+        return self._exports((tuple(sorted(static.items())), index.shape), state, index,
+                             **static)
 
     def _empty_batch(self, num_prefill: int) -> StepBatch:
         spec, dummy = self.spec, self.spec.dummy_slot
@@ -305,9 +337,9 @@ class Executor:
         dummy = self.spec.dummy_slot
         for buckets, n in shapes.items():
             for rows in sorted({1, self.transfer_rows}):
-                if exports:
+                for _ in self._exports.copies if exports else ():
                     self.export([(dummy, n)] * rows)
-                if imports:
+                for _ in self._imports.copies if imports else ():
                     self._import_rows([(dummy, self._empty_payload(buckets))] * rows,
                                       self._no_slots())
         if imports and self._redrafts:

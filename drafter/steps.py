@@ -92,11 +92,13 @@ class StepConfig:
     # graph nodes, not kernel by kernel from the host. Off: it moved neither the
     # demo's serving nor the 8B-shaped steps (docs/decisions.md, Serving).
     graph_loops: bool = False
-    # Copies of each step program an executor alternates between, call by call. A CUDA
-    # graph holds its buffers' addresses and XLA records it again whenever one moved;
-    # with one step in flight ahead, a call's output sits where the call before last put
-    # its own, never where the last call did, so one program records again every call
-    # and two alternated programs each see the same addresses (docs/decisions.md, Serving).
+    # Copies of each step, import and export program an executor alternates between,
+    # call by call (a private-mode redraft runs one program). A CUDA graph holds its
+    # buffers' addresses, and XLA records it again whenever one moved. With one step in
+    # flight ahead, a call's output is allocated while the last call's is unread, so it
+    # never sits where the last call's did: one program records again every call, while
+    # each of two alternated copies can find the addresses it recorded
+    # (docs/decisions.md, Serving; `gpu_all.sh graph_copies` measures it).
     graph_copies: int = 1
 
     @property

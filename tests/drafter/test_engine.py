@@ -281,12 +281,9 @@ def test_alternated_step_copies_give_the_same_tokens_and_are_all_warmed(caplog):
     want = Engine(params, cfg).generate(prompts, 13)
     engine = Engine(params, dataclasses.replace(cfg, graph_copies=2))
     engine.warmup(40)
-    used = []
-    for k, fn in enumerate(engine.executor._step_fns):
-        engine.executor._step_fns = (engine.executor._step_fns[:k]
-                                     + ((lambda *a, k=k, fn=fn, **kw: (used.append(k),
-                                                                        fn(*a, **kw))[1]),)
-                                     + engine.executor._step_fns[k + 1:])
+    used, steps = [], engine.executor._steps
+    steps.copies = tuple((lambda *a, k=k, fn=fn, **kw: (used.append(k), fn(*a, **kw))[1])
+                         for k, fn in enumerate(steps.copies))
     with compiled_in(caplog, "step") as compiled:
         got = engine.generate(prompts, 13)
     assert not compiled, compiled

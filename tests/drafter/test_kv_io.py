@@ -184,14 +184,16 @@ def test_time_to_first_token_counts_the_poll_that_brought_the_kv(pair):
     assert result.ok and result.time_to_first_token_s >= 0.3, result.time_to_first_token_s
 
 
-def test_warmup_compiles_every_transfer_of_its_lengths_and_changes_nothing(caplog):
+@pytest.mark.parametrize("graph_copies", [1, 2])
+def test_warmup_compiles_every_transfer_of_its_lengths_and_changes_nothing(caplog, graph_copies):
     """After `warmup(max_len)`, prompts of three page buckets leave a context engine and
     arrive at a generation engine (one arriving alone, two together) without compiling
-    anything that either runs (its steps, exports, imports); the warm-ups changed no
-    state, so the requests generate what aggregated serving does and every page comes
-    back."""
+    anything that either runs (its steps, exports, imports, every copy of each:
+    `StepConfig.graph_copies`); the warm-ups changed no state, so the requests generate
+    what aggregated serving does and every page comes back."""
     # a config no other test compiles (compiled_in sees only this test's compiles)
     params, cfg, _ = tiny_pair(num_slots=3, max_seq_len=152, block_size=3)
+    cfg = dataclasses.replace(cfg, graph_copies=graph_copies)
     lengths = (5, 30, 70)   # 1, 4 and 16 full-pool pages: three buckets
     prompts = {f"r{i}": [(3 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate(lengths)}
     sender = Engine(params, cfg, export=True, speculative=False)
