@@ -16,75 +16,15 @@ import functools
 import jax
 import numpy as np
 
-from drafter.kv_io import (KVPayload, call_groups, export_payloads, export_step, import_step,
-                           pack_import_index, padded_rows, receiver_shardings, redraft_step,
-                           sent_pool_ids, transfer_shapes)
-from drafter.mixed_step import StepBatch, pack_batch, packed_step, unpack_outputs
+from drafter.kv_io import (KVPayload, call_groups, export_payloads, pack_import_index,
+                           padded_rows, receiver_shardings, sent_pool_ids, transfer_shapes)
+from drafter.mixed_step import StepBatch, pack_batch, unpack_outputs
+from drafter.programs import (Copies, export_step_for, import_step_for, packed_step_for,
+                              redraft_step_for, traced_on_mesh)
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
 from models.layers import step_params
 from unified_kv import BAD_PAGE_INDEX, bucket_width, init_state
-
-
-@functools.lru_cache(maxsize=64)
-def _packed_step_for(cfg: StepConfig, copy: int = 0):
-    """The jitted step with `cfg` bound, shared by every executor of that config: a
-    static config argument would be hashed and compared on every call. Each `copy` is
-    a program of its own (`StepConfig.graph_copies`)."""
-    del copy  # only keys the cache: a distinct jit object compiles its own executable
-    return jax.jit(functools.partial(packed_step, cfg=cfg),
-                   static_argnames=("num_prefill", "table_width", "decode", "speculative",
-                                    "greedy", "decode_steps"), donate_argnums=1,
-                   compiler_options=cfg.compiler_options)
-
-
-@functools.lru_cache(maxsize=64)
-def _import_step_for(cfg: StepConfig, copy: int = 0):
-    del copy  # as in _packed_step_for
-    return jax.jit(functools.partial(import_step, cfg=cfg), static_argnames=("pool_ids", "mode"),
-                   donate_argnums=0, compiler_options=cfg.compiler_options)
-
-
-@functools.lru_cache(maxsize=8)
-def _export_step_for(copy: int = 0):
-    if copy == 0:
-        return export_step
-    return jax.jit(export_step.__wrapped__, static_argnames=("pool_ids", "buckets"))
-
-
-class _Copies:
-    """Copies of one jitted program (`StepConfig.graph_copies`), each variant's calls
-    taking them in turn: with one call in flight ahead, a call's fresh buffers sit where
-    the call before last put its own, so each copy's CUDA graphs see the addresses they
-    were recorded with."""
-
-    def __init__(self, copies):
-        self.copies = tuple(copies)
-        self._turns: collections.Counter = collections.Counter()
-
-    def __call__(self, variant, *args, **kwargs):
-        turn = self._turns[variant]
-        self._turns[variant] += 1
-        return self.copies[turn % len(self.copies)](*args, **kwargs)
-
-
-@functools.lru_cache(maxsize=64)
-def _redraft_step_for(cfg: StepConfig):
-    return jax.jit(functools.partial(redraft_step, cfg=cfg), static_argnames=("table_width",),
-                   donate_argnums=1, compiler_options=cfg.compiler_options)
-
-
-def _traced_on_mesh(mesh, jitted):
-    """Call `jitted` with `mesh` as the context mesh, so the Pallas kernels run
-    per device over the kv heads (models/attention.py)."""
-    if mesh is None:
-        return jitted
-
-    @functools.wraps(jitted)
-    def call(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return jitted(*args, **kwargs)
-    return call
 
 
 class Executor:
@@ -102,14 +42,14 @@ class Executor:
         # projections fused), converted once: it copies every layer weight.
         self.params = self._place(step_params(params, cfg.scans_layers))
         self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
-        on_mesh = functools.partial(_traced_on_mesh, mesh)
+        on_mesh = functools.partial(traced_on_mesh, mesh)
         if cfg.graph_copies < 1:
             raise ValueError(f"graph_copies is {cfg.graph_copies}; it must be at least 1")
         copies = range(cfg.graph_copies)
-        self._steps = _Copies(on_mesh(_packed_step_for(cfg, c)) for c in copies)
-        self._imports = _Copies(on_mesh(_import_step_for(cfg, c)) for c in copies)
-        self._exports = _Copies(on_mesh(_export_step_for(c)) for c in copies)
-        self._redraft = on_mesh(_redraft_step_for(cfg))
+        self._steps = Copies(on_mesh(packed_step_for(cfg, c)) for c in copies)
+        self._imports = Copies(on_mesh(import_step_for(cfg, c)) for c in copies)
+        self._exports = Copies(on_mesh(export_step_for(c)) for c in copies)
+        self._redraft = on_mesh(redraft_step_for(cfg))
         self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
         self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
                                 if mesh is None else jax.sharding.NamedSharding(
