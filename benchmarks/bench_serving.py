@@ -264,7 +264,8 @@ def main(argv=None) -> dict:
                     help="every part: StepConfig.graph_loops (loops in CUDA graphs)")
     ap.add_argument("--graph-copies", type=int, default=1,
                     help="every part: StepConfig.graph_copies (alternated copies of each "
-                         "step program, so CUDA graphs keep their buffers' addresses)")
+                         "step, import and export program, so CUDA graphs can keep their "
+                         "buffers' addresses)")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
     cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
