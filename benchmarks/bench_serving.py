@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import cProfile
 import os
 import time
@@ -54,6 +55,7 @@ from benchmarks.timing import report_goals, write_results
 from disagg.transfer import move_payload
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
+from drafter.steps import CALL_KINDS
 from drafter.evaluate import device_rate, prefilled_engine
 
 GOAL_KEYS = ("disagg_shared_over_aggregated", "disagg_shared_threaded_over_aggregated",
@@ -266,16 +268,24 @@ def main(argv=None) -> dict:
                     help="every part: StepConfig.graph_copies (alternated copies of each "
                          "step, import and export program, so CUDA graphs can keep their "
                          "buffers' addresses)")
+    ap.add_argument("--handoff-lengths", type=int, nargs="+", default=None,
+                    help="handoff part: the prompt lengths to time (default: every length "
+                         "of the held-out set)")
+    ap.add_argument("--graph-calls", nargs="+", choices=CALL_KINDS, default=list(CALL_KINDS),
+                    help="demo, handoff and load parts: StepConfig.graph_calls (the kinds of "
+                         "call that launch as CUDA graphs; the others launch kernel by kernel)")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
     cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
                               graph_loops=args.graph_loops, graph_copies=args.graph_copies)
+    cfg = dataclasses.replace(cfg, graph_calls=tuple(args.graph_calls))
     held_out = load_prompts()
     by_len = {}
     for q in held_out:
         by_len.setdefault(q["length"], q["tokens"])
     report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()),
-              "graph_loops": args.graph_loops, "graph_copies": args.graph_copies}
+              "graph_loops": args.graph_loops, "graph_copies": args.graph_copies,
+              "graph_calls": list(cfg.graph_calls)}
     if args.quick:
         short = [q["tokens"][:40] for q in held_out[:4]]
         demo_prompts, handoff_prompts, load_prompts_ = short, {24: short[0][:24]}, short
@@ -283,6 +293,11 @@ def main(argv=None) -> dict:
     else:
         demo_prompts = [q["tokens"] for q in held_out if q["length"] <= 512][:6]
         handoff_prompts, load_prompts_ = by_len, [q["tokens"] for q in held_out]
+        if args.handoff_lengths:
+            if missing := sorted(set(args.handoff_lengths) - set(by_len)):
+                ap.error(f"--handoff-lengths: no held-out prompt is {missing} tokens long; "
+                         f"the lengths are {sorted(by_len)}")
+            handoff_prompts = {n: by_len[n] for n in args.handoff_lengths}
         repeats, new, batches, steps = args.repeats, 48, args.engine_batches, 32
 
     def save() -> None:

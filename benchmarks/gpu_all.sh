@@ -25,6 +25,9 @@
 # steps into scale_b1_graphs_{off,on}.json.
 # graph_copies (not in the default list): the demo with one program per step variant
 # beside two alternated copies (StepConfig.graph_copies), and the copies' graph records.
+# graph_calls (not in the default list): the demo and short handoffs with transfers,
+# then prefills too, launched kernel by kernel rather than as CUDA graphs
+# (StepConfig.graph_calls).
 # handoff_timeline, graph_records (not in the default list): one handoff's calls and reads
 # in order (benchmarks/profile_handoff.py), and how often the demo's calls record their
 # CUDA graphs again (benchmarks/graph_records.py).
@@ -46,7 +49,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -151,6 +154,19 @@ for stage in "${stages[@]}"; do
       run 30 graph_copies_records python3 benchmarks/graph_records.py \
         "$OUT/graph_copies_records_log.txt"
       [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/graph_copies_records_log.txt" ;;
+    graph_calls)
+      # the demo and a 128/512-token handoff with every kind of call as CUDA graphs (the
+      # default) beside transfers, then prefills too, launched kernel by kernel
+      # (StepConfig.graph_calls), and transfers so with two copies of each step program
+      for v in "all:prefill decode import export:1" "steps:prefill decode:1" \
+               "decode:decode:1" "steps2:prefill decode:2"; do
+        IFS=: read -r name calls copies <<< "$v"
+        mkdir -p "$OUT/graph_calls_$name"
+        run 145 serving_graph_calls_$name python3 benchmarks/bench_serving.py \
+          --out "$OUT/graph_calls_$name" --parts demo handoff --repeats 5 \
+          --demo-modes disagg-shared --handoff-lengths 128 512 --graph-calls $calls \
+          --graph-copies $copies
+      done ;;
     graph_loops_serving)
       for g in off on; do
         mkdir -p "$OUT/graphs_$g"

@@ -46,9 +46,10 @@ class Executor:
         if cfg.graph_copies < 1:
             raise ValueError(f"graph_copies is {cfg.graph_copies}; it must be at least 1")
         copies = range(cfg.graph_copies)
-        self._steps = Copies(on_mesh(packed_step_for(cfg, c)) for c in copies)
+        self._steps = {kind: Copies(on_mesh(packed_step_for(cfg, kind, c)) for c in copies)
+                       for kind in ("prefill", "decode")}
         self._imports = Copies(on_mesh(import_step_for(cfg, c)) for c in copies)
-        self._exports = Copies(on_mesh(export_step_for(c)) for c in copies)
+        self._exports = Copies(on_mesh(export_step_for(cfg, c)) for c in copies)
         self._redraft = on_mesh(redraft_step_for(cfg))
         self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
         self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -147,7 +148,7 @@ class Executor:
         """Calls whose rows all pad (compile that variant, every copy of it; change
         nothing): a decode call of `decode_steps` steps, or a prefill call of
         `num_prefill` rows (0: a call that only empties slots)."""
-        for _ in self._steps.copies:
+        for _ in range(self.cfg.graph_copies):
             self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
                        decode=decode, greedy=greedy, decode_steps=decode_steps if decode else 1)
 
@@ -182,7 +183,8 @@ class Executor:
 
     def _step_fn(self, params, state, batch, **static):
         """The jitted step (of its variant's copies, the one whose turn it is)."""
-        return self._steps(tuple(sorted(static.items())), params, state, batch, **static)
+        steps = self._steps["decode" if static["decode"] else "prefill"]
+        return steps(tuple(sorted(static.items())), params, state, batch, **static)
 
     def _import(self, state, index, payloads, **static):
         """The jitted import (of its variant's copies, the one whose turn it is)."""

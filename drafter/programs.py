@@ -1,9 +1,9 @@
 """The jitted programs an executor calls, built once per step config and shared by every
 executor of it, and their copies (`StepConfig.graph_copies`).
 
-    packed_step_for(cfg, copy)   prefill chunks and/or decode steps   (state donated)
-    import_step_for(cfg, copy)   arrived KV into empty slots          (state donated)
-    export_step_for(copy)        a slot's live pages into buffers
+    packed_step_for(cfg, kind, copy)   prefill chunks, or decode steps   (state donated)
+    import_step_for(cfg, copy)         arrived KV into empty slots       (state donated)
+    export_step_for(cfg, copy)         a slot's live pages into buffers
     redraft_step_for(cfg)        a fresh draft block for imported rows (private mode)
 """
 
@@ -20,35 +20,37 @@ from drafter.steps import StepConfig
 
 
 @functools.lru_cache(maxsize=64)
-def packed_step_for(cfg: StepConfig, copy: int = 0):
+def packed_step_for(cfg: StepConfig, kind: str = "decode", copy: int = 0):
     """The jitted step with `cfg` bound, shared by every executor of that config: a
-    static config argument would be hashed and compared on every call. Each `copy` is
-    a program of its own (`StepConfig.graph_copies`)."""
+    static config argument would be hashed and compared on every call. `kind`
+    ("prefill" or "decode", the calls it takes) picks its compiler options
+    (`StepConfig.graph_calls`); each `copy` is a program of its own
+    (`StepConfig.graph_copies`)."""
     del copy  # only keys the cache: a distinct jit object compiles its own executable
     return jax.jit(functools.partial(packed_step, cfg=cfg),
                    static_argnames=("num_prefill", "table_width", "decode", "speculative",
                                     "greedy", "decode_steps"), donate_argnums=1,
-                   compiler_options=cfg.compiler_options)
+                   compiler_options=cfg.compiler_options_for(kind))
 
 
 @functools.lru_cache(maxsize=64)
 def import_step_for(cfg: StepConfig, copy: int = 0):
     del copy  # as in packed_step_for
     return jax.jit(functools.partial(import_step, cfg=cfg), static_argnames=("pool_ids", "mode"),
-                   donate_argnums=0, compiler_options=cfg.compiler_options)
+                   donate_argnums=0, compiler_options=cfg.compiler_options_for("import"))
 
 
-@functools.lru_cache(maxsize=8)
-def export_step_for(copy: int = 0):
-    if copy == 0:
-        return export_step
-    return jax.jit(export_step.__wrapped__, static_argnames=("pool_ids", "buckets"))
+@functools.lru_cache(maxsize=64)
+def export_step_for(cfg: StepConfig, copy: int = 0):
+    del copy  # as in packed_step_for
+    return jax.jit(export_step.__wrapped__, static_argnames=("pool_ids", "buckets"),
+                   compiler_options=cfg.compiler_options_for("export"))
 
 
 @functools.lru_cache(maxsize=64)
 def redraft_step_for(cfg: StepConfig):
     return jax.jit(functools.partial(redraft_step, cfg=cfg), static_argnames=("table_width",),
-                   donate_argnums=1, compiler_options=cfg.compiler_options)
+                   donate_argnums=1, compiler_options=cfg.compiler_options_for("import"))
 
 
 class Copies:

@@ -39,6 +39,11 @@ from unified_kv import (CacheSpec, KVState, allocate_pages, grow, release_slots,
 MAX_UNROLLED_GPU_LAYERS = 8
 # XLA's default command-buffer commands on GPUs (what `graph_loops` extends)
 GRAPH_COMMANDS = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION")
+# The kinds of jitted call an executor makes (`StepConfig.graph_calls`)
+CALL_KINDS = ("prefill", "decode", "import", "export")
+# XLA forms a command buffer only from a run of at least this many commands: above any
+# program's length, so a call left out of `graph_calls` launches its kernels one by one
+NO_GRAPH_MIN_COMMANDS = 1 << 30
 
 
 @flax.struct.dataclass
@@ -94,12 +99,17 @@ class StepConfig:
     graph_loops: bool = False
     # Copies of each step, import and export program an executor alternates between,
     # call by call (a private-mode redraft runs one program). A CUDA graph holds its
-    # buffers' addresses, and XLA records it again whenever one moved. With one step in
-    # flight ahead, a call's output is allocated while the last call's is unread, so it
-    # never sits where the last call's did: one program records again every call, while
-    # each of two alternated copies can find the addresses it recorded
-    # (docs/decisions.md, Serving; `gpu_all.sh graph_copies` measures it).
+    # buffers' addresses, and XLA records it again whenever one moved; with one step in
+    # flight ahead a call's output never sits where the last call's did, but may sit
+    # where the call before last put its own. One: the copies did not stop the records
+    # and double the steps' compiles (docs/decisions.md, Serving).
     graph_copies: int = 1
+    # The kinds of call (CALL_KINDS) whose programs launch as CUDA graphs on GPUs; the
+    # others launch their kernels one by one. A transfer's buffers are new every call,
+    # so its graph is recorded every time; every kind stays a graph all the same, since
+    # launching a transfer kernel by kernel made the handoff slower (docs/decisions.md,
+    # Serving).
+    graph_calls: tuple[str, ...] = CALL_KINDS
 
     @property
     def scans_layers(self) -> bool:
@@ -125,6 +135,18 @@ class StepConfig:
             out.update(xla_gpu_enable_triton_gemm=False, xla_gpu_enable_dynamic_slice_fusion=True)
         if self.graph_loops:
             out["xla_gpu_enable_command_buffer"] = ",".join(GRAPH_COMMANDS + ("WHILE", "CONDITIONAL"))
+        return out
+
+    def compiler_options_for(self, kind: str) -> dict:
+        """`compiler_options` for the programs of one kind of call (CALL_KINDS): on GPUs,
+        a kind left out of `graph_calls` forms no command buffer."""
+        unknown = sorted(set(self.graph_calls) - set(CALL_KINDS) | {kind} - set(CALL_KINDS))
+        if unknown:
+            raise ValueError(f"graph_calls: unknown call kind(s) {unknown}; the kinds are "
+                             f"{list(CALL_KINDS)}")
+        out = self.compiler_options
+        if jax.default_backend() == "gpu" and kind not in self.graph_calls:
+            out = dict(out, xla_gpu_graph_min_graph_size=NO_GRAPH_MIN_COMMANDS)
         return out
 
     @property

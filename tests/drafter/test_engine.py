@@ -281,9 +281,10 @@ def test_alternated_step_copies_give_the_same_tokens_and_are_all_warmed(caplog):
     want = Engine(params, cfg).generate(prompts, 13)
     engine = Engine(params, dataclasses.replace(cfg, graph_copies=2))
     engine.warmup(40)
-    used, steps = [], engine.executor._steps
-    steps.copies = tuple((lambda *a, k=k, fn=fn, **kw: (used.append(k), fn(*a, **kw))[1])
-                         for k, fn in enumerate(steps.copies))
+    used = []
+    for steps in engine.executor._steps.values():
+        steps.copies = tuple((lambda *a, k=k, fn=fn, **kw: (used.append(k), fn(*a, **kw))[1])
+                             for k, fn in enumerate(steps.copies))
     with compiled_in(caplog, "step") as compiled:
         got = engine.generate(prompts, 13)
     assert not compiled, compiled

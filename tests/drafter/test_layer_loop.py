@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from drafter.engine import Engine
-from drafter.steps import GRAPH_COMMANDS, MAX_UNROLLED_GPU_LAYERS
+from drafter.steps import CALL_KINDS, GRAPH_COMMANDS, MAX_UNROLLED_GPU_LAYERS, NO_GRAPH_MIN_COMMANDS
 from tests.drafter.tiny import tiny_pair
 
 
@@ -92,3 +92,27 @@ def test_graph_loops_put_loops_and_conditionals_in_gpu_command_buffers(monkeypat
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: 2 * y, x),
                    compiler_options=options)
     assert float(loop(np.float32(1.0))) == 8.0
+
+
+def test_calls_left_out_of_graph_calls_form_no_gpu_command_buffer(monkeypatch):
+    """StepConfig.graph_calls: on GPUs a kind of call left out launches its kernels one
+    by one (no command buffer forms below XLA's minimum graph size); the others keep
+    the shared options; an unknown kind is refused by name."""
+    _, cfg, _ = tiny_pair()
+    cfg = dataclasses.replace(cfg, layer_loop="unrolled", graph_calls=("prefill", "decode"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert all(cfg.compiler_options_for(k) == {} for k in CALL_KINDS)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert cfg.compiler_options_for("decode") == cfg.compiler_options_for("prefill") == {}
+    for kind in ("import", "export"):
+        assert cfg.compiler_options_for(kind) == {
+            "xla_gpu_graph_min_graph_size": NO_GRAPH_MIN_COMMANDS}
+    looped = dataclasses.replace(cfg, graph_loops=True).compiler_options_for("export")
+    assert "xla_gpu_enable_command_buffer" in looped and "xla_gpu_graph_min_graph_size" in looped
+    with pytest.raises(ValueError, match=r"unknown call kind\(s\) \['imports'\]"):
+        dataclasses.replace(cfg, graph_calls=("imports",)).compiler_options_for("decode")
+    options = cfg.compiler_options_for("import")
+    monkeypatch.undo()
+    # XLA takes the option by name on any backend
+    step = jax.jit(lambda x: x + 1, compiler_options=options)
+    assert float(step(np.float32(1.0))) == 2.0
