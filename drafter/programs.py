@@ -49,6 +49,7 @@ def export_step_for(cfg: StepConfig, copy: int = 0):
 
 @functools.lru_cache(maxsize=64)
 def redraft_step_for(cfg: StepConfig):
+    """Private mode's redraft of arrived rows: part of a step's imports, so of their kind."""
     return jax.jit(functools.partial(redraft_step, cfg=cfg), static_argnames=("table_width",),
                    donate_argnums=1, compiler_options=cfg.compiler_options_for("import"))
 
