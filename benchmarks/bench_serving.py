@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import cProfile
+import dataclasses
 import os
 import time
 
@@ -55,8 +55,8 @@ from benchmarks.timing import report_goals, write_results
 from disagg.transfer import move_payload
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
-from drafter.steps import CALL_KINDS
 from drafter.evaluate import device_rate, prefilled_engine
+from drafter.steps import CALL_KINDS
 
 GOAL_KEYS = ("disagg_shared_over_aggregated", "disagg_shared_threaded_over_aggregated",
              "handoff_overhead_ms_p50", "engine_over_device_b1", "engine_over_device_b16",

@@ -4,7 +4,7 @@ executor of it, and their copies (`StepConfig.graph_copies`).
     packed_step_for(cfg, kind, copy)   prefill chunks, or decode steps   (state donated)
     import_step_for(cfg, copy)         arrived KV into empty slots       (state donated)
     export_step_for(cfg, copy)         a slot's live pages into buffers
-    redraft_step_for(cfg)        a fresh draft block for imported rows (private mode)
+    redraft_step_for(cfg)              a fresh draft block for imported rows (private mode)
 """
 
 from __future__ import annotations
