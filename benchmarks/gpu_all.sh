@@ -75,6 +75,7 @@ for stage in "${stages[@]}"; do
       run 500 pytest_gpu python3 -m pytest -q -p no:cacheprovider \
         tests/pallas_kernels/test_gpu_compiled.py \
         tests/pallas_kernels/test_paged_attention_gluon.py tests/pallas_kernels/test_gluon_call.py \
+        tests/pallas_kernels/test_rope_store.py \
         tests/drafter/test_tensor_parallel.py ;;
     lossless)
       # speculative == plain greedy token for token with the GPU's kernels and lookahead

@@ -8,7 +8,8 @@ Prefills `batch` random prompts of `context` tokens, then runs the plain and
 the speculative step in a jitted loop under the jax profiler, and reads the
 Perfetto trace back: device time per step of each kernel (summed over its
 launches), largest first, beside the step's weight-read bound at the copy
-bandwidth measured in the same run. `--engine CALLS` profiles the engine's
+bandwidth measured in the same run, and the idle time between consecutive kernels by
+the pair they sit between. `--engine CALLS` profiles the engine's
 own calls too (several decode steps each), so the two programs' kernels can be
 set side by side. XLA flags (XLA_FLAGS) apply per process, so
 compare them by running this once per setting; a step's own compiler options
@@ -93,6 +94,26 @@ def kernel_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
     for e in kernel_events(events, device_pids, threads):
         total[e["name"]] += e["dur"] / 1e3
         count[e["name"]] += 1
+    return [(n, t / calls, count[n] // calls) for n, t in total.most_common()]
+
+
+def kernel_gaps(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
+    """Idle time between consecutive kernels of one stream, per call: (kernel -> next
+    kernel, device ms idle per call, times per call), largest first. A gap over 1 ms
+    (the host between profiled runs) is not counted."""
+    events, device_pids, threads = device_lines(trace_dir)
+    by_line = collections.defaultdict(list)
+    for e in kernel_events(events, device_pids, threads):
+        by_line[(e["pid"], e.get("tid"))].append(e)
+    total, count = collections.Counter(), collections.Counter()
+    for line in by_line.values():
+        line.sort(key=lambda e: e["ts"])
+        for a, b in zip(line, line[1:]):
+            gap = b["ts"] - (a["ts"] + a["dur"])
+            if 0 < gap < 1000:
+                pair = f"{a['name'][:40]} -> {b['name'][:40]}"
+                total[pair] += gap / 1e3
+                count[pair] += 1
     return [(n, t / calls, count[n] // calls) for n, t in total.most_common()]
 
 
@@ -187,9 +208,15 @@ def profile(engine, steps: int, top: int, label: str) -> dict:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         step_ms = device_rate(engine, steps, repeats)["device_step_ms"]
     # the profiled region ran the loop 1 + repeats times (the compile-and-warm run first)
-    out = print_kernels(kernel_times(trace_dir, (1 + repeats) * steps), top,
+    calls = (1 + repeats) * steps
+    out = print_kernels(kernel_times(trace_dir, calls), top,
                         f"{label}: device loop, {step_ms:.3f} ms a step")
-    return {"device_step_ms": step_ms, **out}
+    gaps = kernel_gaps(trace_dir, calls)
+    print(f"idle between kernels: {sum(t for _, t, _ in gaps):.3f} ms a step", flush=True)
+    for name, ms, times in gaps[:15]:
+        print(f"  {ms:8.3f} ms  x{times:<4d} {name}", flush=True)
+    return {"device_step_ms": step_ms, "idle_ms": sum(t for _, t, _ in gaps),
+            "idle": [{"between": n, "ms": t, "times": c} for n, t, c in gaps[:15]], **out}
 
 
 def profile_engine(engine, calls: int, top: int, label: str) -> dict:

@@ -25,7 +25,7 @@ import optax
 
 from drafter.dflash import DFlashConfig, block_logits_from_hidden
 from models.qwen3 import (Qwen3Config, dense_attention, dense_forward, decoder_layer, qkv,
-                          rms_norm)
+                          rms_norm, rotated)
 from models.training import train_loop
 
 
@@ -70,7 +70,7 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
             values = jnp.concatenate([v_ctx[rows], v_blk], axis=1)
             return dense_attention(q, keys, values, allowed)
 
-        x = decoder_layer(p, x, positions, cfg, dense_block)
+        x = decoder_layer(p, x, cfg, rotated(dense_block, positions, cfg))
     return block_logits_from_hidden(draft_params, cfg, target_params, target_cfg, x)
 
 

@@ -16,6 +16,7 @@ the kernel is chosen from those per-device shapes.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,10 @@ from pallas_kernels import attention as kernels
 from pallas_kernels.attention import IMPLS, resolve_impl  # noqa: F401  (re-exported)
 from pallas_kernels.kv_store import write_kv
 from pallas_kernels.pool_layout import BAD_PAGE_INDEX
+from pallas_kernels.rope_store import rope_store, rope_store_reference, unaddressable
 from unified_kv import LayerSpec
+
+log = logging.getLogger(__name__)
 
 
 def _layer_args(layer: LayerSpec, offset: int) -> dict:
@@ -54,6 +58,51 @@ def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offs
     pool, _ = write_kv(pool, table, starts, num_tokens, k, v, layer_offset=offset,
                        k_scale=layer.k_scale, v_scale=layer.v_scale)
     return pool
+
+
+def store_rotated_kv(qkv, q_norm, k_norm, cos, sin, pool, targets, layer: LayerSpec, offset, *,
+                     num_q_heads: int, eps: float, impl: str):
+    """One layer's q and k normed and rotated, its K/V stored at pool `offset` (int or
+    traced i32), in one kernel (`pallas_kernels.rope_store`): (q' [N, Hq * D], pool).
+    qkv: the raw projections (`models.qwen3.projections`); targets: `store_targets`.
+    A pool (per device) the kernel cannot address runs the same arithmetic as XLA ops,
+    with a warning once."""
+    impl = resolve_impl(impl)
+    kw = dict(eps=eps, k_scale=layer.k_scale, v_scale=layer.v_scale)
+    args = (q_norm, k_norm, cos, sin)
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh.empty else mesh.shape[mesh.axis_names[0]]
+    reason = unaddressable((pool.shape[0] // devices,) + pool.shape[1:], pool.dtype)
+    if reason and impl != "reference":
+        _warn_once(f"rope_store cannot address {reason}: norms, RoPE and the K/V store run "
+                   "as XLA ops (several launches a layer). Size the pool below 2^31 "
+                   "elements or above 4 GiB to fuse them.")
+    if impl == "reference" or reason:  # plain jnp: XLA partitions it itself
+        return rope_store_reference(qkv, *args, pool, *targets, offset, num_q_heads=num_q_heads,
+                                    **kw)
+    if devices == 1:
+        return rope_store(qkv, *args, pool, *targets, offset, num_q_heads=num_q_heads,
+                          interpret=impl == "interpret", **kw)
+    # Tensor parallel: each device norms its own heads and stores into its slice of the
+    # pool; the fused projections split into q, k, v first, so each splits by heads.
+    axis = mesh.axis_names[0]
+    if not isinstance(qkv, tuple):
+        kv_cols = pool.shape[0] * pool.shape[-1]
+        qkv = tuple(jnp.split(qkv, [qkv.shape[-1] - 2 * kv_cols, qkv.shape[-1] - kv_cols], -1))
+
+    def per_device(q, k, v, pool, offset, pages, slots, *args):
+        return rope_store((q, k, v), *args, pool, pages, slots, offset,
+                          num_q_heads=num_q_heads // devices, interpret=impl == "interpret",
+                          **kw)
+    heads = P(None, axis)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(heads,) * 3 + (P(axis),) + (P(),) * 7,
+                         out_specs=(heads, P(axis)), check_vma=False)(
+        *qkv, pool, jnp.asarray(offset, jnp.int32), *targets, *args)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def _per_kv_head_shard(kernel, num_heads_args: int, num_other_args: int):

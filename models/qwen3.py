@@ -23,8 +23,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.rope_store import store_targets
 from unified_kv import CacheSpec, LayerSpec, layer_name
-from models.attention import attend, attend_draft_block, write_layer_kv
+from models.attention import attend, attend_draft_block, store_rotated_kv
 from models.layers import layer_runs, scan_layers, unstack_layers
 from models.rope import RopeScaling, rope_frequencies
 
@@ -137,17 +138,24 @@ def rms_norm(x, weight, eps):
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+def rope_tables(positions, head_dim: int, theta, scaling: RopeScaling | None = None):
+    """(cos, sin) f32[..., head_dim / 2] of i32 `positions` (models/rope.py), YaRN's
+    attention factor applied: a step computes them once for all its layers."""
+    inv_freq, attention_factor = rope_frequencies(head_dim, float(theta), scaling)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:  # YaRN: HF scales cos and sin
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
+
+
 def rope(x, positions, theta, scaling: RopeScaling | None = None):
     """NeoX-style rotary embedding (models/rope.py: linear / YaRN scaling).
 
     x: [B, T, heads, D]; positions: i32[B, T] absolute positions.
     """
-    inv_freq, attention_factor = rope_frequencies(x.shape[-1], float(theta), scaling)
-    angles = positions[..., None].astype(jnp.float32) * inv_freq    # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    if attention_factor != 1.0:  # YaRN: HF scales cos and sin
-        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = rope_tables(positions, x.shape[-1], theta, scaling)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
@@ -161,21 +169,35 @@ def mlp(p, x):
     return (jax.nn.silu(gate) * up) @ p["down"]
 
 
+def projections(p, x, num_heads, num_kv_heads, head_dim):
+    """x [B, T, H] -> the q, k, v projections [B*T, heads * D] before norm and RoPE: the
+    step form's one fused matrix ([B*T, (Hq + 2 Hkv) * D], models/layers.py
+    `fuse_projections`), else a (q, k, v) tuple."""
+    x = x.reshape(-1, x.shape[-1])
+    if "qkv" in p:
+        return x @ p["qkv"]
+    return x @ p["q"], x @ p["k"], x @ p["v"]
+
+
 def qkv(p, x, positions, num_heads, num_kv_heads, head_dim, theta, eps,
         scaling: RopeScaling | None = None):
     """Projections, per-head q/k RMSNorm, RoPE. x: [B, T, H] -> q [B,T,Hq,D], k, v [B,T,Hkv,D]."""
     b, t, _ = x.shape
-    if "qkv" in p:  # the step form (models/layers.py, `fuse_projections`)
-        q, k, v = jnp.split(x @ p["qkv"], [num_heads * head_dim,
-                                           (num_heads + num_kv_heads) * head_dim], axis=-1)
-    else:
-        q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
-    q = q.reshape(b, t, num_heads, head_dim)
-    k = k.reshape(b, t, num_kv_heads, head_dim)
-    v = v.reshape(b, t, num_kv_heads, head_dim)
+    out = projections(p, x, num_heads, num_kv_heads, head_dim)
+    if not isinstance(out, tuple):
+        out = jnp.split(out, [num_heads * head_dim, (num_heads + num_kv_heads) * head_dim], -1)
+    q, k, v = (y.reshape(b, t, -1, head_dim) for y in out)
     q = rope(rms_norm(q, p["q_norm"], eps), positions, theta, scaling)
     k = rope(rms_norm(k, p["k_norm"], eps), positions, theta, scaling)
     return q, k, v
+
+
+def rotated(attention, positions, cfg):
+    """A `decoder_layer` attention from `attention(q [B,T,Hq,D], k, v [B,T,Hkv,D])` that
+    takes q, k, v normed and rotated (`qkv`): the dense and draft-block paths."""
+    return lambda p, h: attention(*qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads,
+                                       cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps,
+                                       cfg.rope_scaling))
 
 
 def lm_head_weight(params, cfg: Qwen3Config):
@@ -188,17 +210,15 @@ def lm_head(params, cfg, x):
             ).astype(jnp.float32)
 
 
-def decoder_layer(p, x, positions, cfg, attention):
+def decoder_layer(p, x, cfg, attention):
     """x += attn(norm(x)); x += mlp(norm(x)).
 
-    `attention(q [B,T,Hq,D], k, v [B,T,Hkv,D]) -> [B,T,Hq,D]` is the one part the
-    paged, dense and draft-block paths do differently. `cfg` is a Qwen3Config
-    or a DFlashConfig (same head and norm fields).
+    `attention(p, h [B,T,H]) -> [B,T,Hq,D]` is the one part the paged, dense and
+    draft-block paths do differently (`rotated` builds the last two). `cfg` is a
+    Qwen3Config or a DFlashConfig (same head and norm fields).
     """
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-    q, k, v = qkv(p, h, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                  cfg.rope_theta, cfg.rms_norm_eps, cfg.rope_scaling)
-    x = x + attention(q, k, v).reshape(x.shape[0], x.shape[1], -1) @ p["o"]
+    x = x + attention(p, h).reshape(x.shape[0], x.shape[1], -1) @ p["o"]
     return x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
 
 
@@ -208,7 +228,9 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
     """Run `tokens` through the target, storing their K/V into the cache.
 
     Stacked params["layers"] run as scans over runs of alike layers, a list of
-    per-layer dicts unrolled (models/layers.py).
+    per-layer dicts unrolled (models/layers.py). What every layer shares (RoPE's
+    tables, each token's store page and slot, the rows' key counts) is computed once,
+    outside the layers.
 
     Args:
       pools: KVState.pools; tables: per pool, batch tables i32[B, W] (page * 2L).
@@ -218,18 +240,26 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
       (logits f32[B, T, vocab], pools, features [B, T, len(feature_layers) * H]):
       features are the residual stream after each requested layer.
     """
-    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    b, t = tokens.shape
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    cos, sin = (a.reshape(b * t, -1) for a in rope_tables(positions, cfg.head_dim,
+                                                          cfg.rope_theta, cfg.rope_scaling))
+    targets = [store_targets(table, starts, num_tokens, pool.shape[4], t)
+               for pool, table in zip(pools, tables)]
+    kv_lens = starts + num_tokens
 
     def layer_fn(p, x, pools, layer, pool_id, offset):
         pools = list(pools)
 
-        def paged(q, k, v):  # store the new K/V, then attend over the row's pages
-            pools[pool_id] = write_layer_kv(pools[pool_id], tables[pool_id], starts,
-                                            num_tokens, k, v, layer, offset)
-            return attend(q, pools[pool_id], tables[pool_id], starts + num_tokens, num_tokens,
-                          layer, offset, impl=impl)
+        def paged(p, h):  # store the new K/V, then attend over the row's pages
+            q, pools[pool_id] = store_rotated_kv(
+                projections(p, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                p["q_norm"], p["k_norm"], cos, sin, pools[pool_id], targets[pool_id], layer,
+                offset, num_q_heads=cfg.num_heads, eps=cfg.rms_norm_eps, impl=impl)
+            return attend(q.reshape(b, t, cfg.num_heads, cfg.head_dim), pools[pool_id],
+                          tables[pool_id], kv_lens, num_tokens, layer, offset, impl=impl)
 
-        return decoder_layer(p, x, positions, cfg, paged), tuple(pools)
+        return decoder_layer(p, x, cfg, paged), tuple(pools)
 
     x, pools, features = scan_layers(
         layer_fn, params["layers"], layer_runs(spec, "target", cfg.num_layers),
@@ -254,7 +284,7 @@ def block_forward(layers, cfg, spec: CacheSpec, pools, tables, x, positions, ctx
             return attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens,
                                       k, v, layer, offset, causal_in_block=causal, impl=impl)
 
-        return decoder_layer(p, x, positions, cfg, paged_block), ()
+        return decoder_layer(p, x, cfg, rotated(paged_block, positions, cfg)), ()
 
     x, _, _ = scan_layers(layer_fn, layers, layer_runs(spec, "draft", cfg.num_layers), x, ())
     return x
@@ -291,6 +321,7 @@ def dense_forward(params, cfg: Qwen3Config, tokens):
     hidden = []
     for i, p in enumerate(unstack_layers(params["layers"])):
         mask = causal_mask(t, cfg.window(i))
-        x = decoder_layer(p, x, positions, cfg, lambda q, k, v: dense_attention(q, k, v, mask))
+        x = decoder_layer(p, x, cfg, rotated(lambda q, k, v: dense_attention(q, k, v, mask),
+                                             positions, cfg))
         hidden.append(x)
     return lm_head(params, cfg, x), hidden

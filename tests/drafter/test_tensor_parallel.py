@@ -29,8 +29,11 @@ def test_pallas_kernels_on_a_kv_head_mesh_give_the_single_device_tokens(monkeypa
     engine = Engine(params, cfg, mesh=mesh)
     assert not sharded  # without a mesh the kernels run as they are
     got = engine.generate(prompts, 6)
-    assert sharded and all(spec[0] == jax.sharding.PartitionSpec(None, None, "tp")
-                           for spec in sharded)
+    # every kernel splits its first operand's heads over the mesh: attention's q
+    # [B, T, heads, D] and rope_store's projections [N, heads * D]
+    assert sharded and all(spec[0] == jax.sharding.PartitionSpec(*[None] * (len(spec[0]) - 1),
+                                                                 "tp") for spec in sharded)
+    assert any(len(spec[0]) == 2 for spec in sharded)  # rope_store ran per device
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert [r.acceptance for r in got] == [r.acceptance for r in want]
     pool = engine.state.kv.pools[0]
