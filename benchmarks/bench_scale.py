@@ -183,7 +183,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
-    ap.add_argument("--layers", type=int, default=36, help="target layers (36: Qwen3-8B)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="target layers (default 36: Qwen3-8B; 2 with --quick)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--tag", default="", help="results file scale{TAG}.json (runs split "
                     "over several calls)")
@@ -194,8 +195,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--graph-loops", action="store_true",
                     help="loops in CUDA graphs (StepConfig.graph_loops)")
     ap.add_argument("--quick", action="store_true",
-                    help="small probes and a 4K vocabulary: a smoke test on CPU")
+                    help="small probes, a 4K vocabulary and 2 layers: a smoke test on CPU")
     args = ap.parse_args(argv)
+    if args.layers is None:
+        args.layers = 2 if args.quick else 36
     tcfg, dcfg = qwen3_8b_pair(num_target_layers=args.layers,
                                num_draft_layers=5 if args.layers >= 8 else 1,
                                **({"vocab_size": 4096} if args.quick else {}))
