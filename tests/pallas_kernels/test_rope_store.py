@@ -144,3 +144,31 @@ def test_offsets_reach_every_element_or_the_pool_is_refused():
     with pytest.raises(ValueError, match="cannot address"):
         jax.eval_shape(lambda p: rope_store(**dict(args, pool=p), layer_offset=0,
                                             num_q_heads=HEADS, eps=EPS), pool)
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_past_4_gib_stores_what_it_stores_below():
+    """A bf16 pool of 2.5e9 elements (4.9 GB) takes Pallas Triton's 64-bit offsets: tokens
+    stored into its last page land as they do in a small pool's (32-bit offsets)."""
+    rng = np.random.default_rng(5)
+    n, heads, kv_heads, dim, page = 4, 8, 2, 128, 16
+    big_pages = 300_000                                   # 2 * 300,000 * 2 * 16 * 128 > 2^31
+    qkv = jnp.asarray(rng.standard_normal((n, (heads + 2 * kv_heads) * dim)), jnp.bfloat16)
+    norms = [jnp.asarray(1 + 0.1 * rng.standard_normal(dim), jnp.bfloat16) for _ in range(2)]
+    angles = rng.uniform(0, 50, (n, dim // 2)).astype(np.float32)
+    slots = jnp.arange(n, dtype=jnp.int32)
+    kw = dict(num_q_heads=heads, eps=EPS, layer_offset=0)
+
+    def stored(num_pages):
+        pool = jnp.zeros((kv_heads, num_pages, 1, 2, page, dim), jnp.bfloat16)
+        pages = jnp.full((n,), 2 * (num_pages - 1), jnp.int32)   # the pool's last page
+        q, pool = jax.jit(lambda p: rope_store(qkv, *norms, jnp.cos(angles), jnp.sin(angles),
+                                               p, pages, slots, **kw))(pool)
+        return np.asarray(q, np.float32), np.asarray(pool[:, -1], np.float32)
+
+    small_q, small_page = stored(4)
+    big_q, big_page = stored(big_pages)
+    assert unaddressable((kv_heads, big_pages, 1, 2, page, dim), jnp.bfloat16) is None
+    np.testing.assert_array_equal(big_q, small_q)
+    np.testing.assert_array_equal(big_page, small_page)
+    assert (small_page != 0).sum() == 2 * kv_heads * dim * n
