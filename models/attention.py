@@ -52,7 +52,8 @@ def _kernel_offset(table, offset, impl: str):
 
 
 def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offset):
-    """Store new K/V of one layer (at pool `offset`: int or traced i32); returns the pool.
+    """Store new K/V of one layer (at pool `offset`: int or traced i32), already normed
+    and rotated (the drafter's context K/V); returns the pool.
     Rows the step could not allocate for were already reported by `allocate_pages`;
     their writes drop."""
     pool, _ = write_kv(pool, table, starts, num_tokens, k, v, layer_offset=offset,

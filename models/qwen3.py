@@ -9,9 +9,9 @@ with params as an argument and the cache state donated.
     logits = rmsnorm(x) @ lm_head        (lm_head = embed.T when tied)
 
 Attention per layer: q/k/v projections, per-head RMSNorm on q and k, NeoX
-RoPE, new K/V stored into the layer's pool pages (`write_kv`), then paged
-attention over the row's pages (`paged_attention`), windowed for
-"sliding_attention" layers. `forward` runs the layers as scans over runs of alike
+RoPE and the new K/V stored into the layer's pool pages (one kernel:
+`pallas_kernels.rope_store`), then paged attention over the row's pages
+(`paged_attention`), windowed for "sliding_attention" layers. `forward` runs the layers as scans over runs of alike
 layers (models/layers.py), so its compile time does not grow with depth.
 """
 
