@@ -26,7 +26,8 @@ from pallas_kernels import attention as kernels
 from pallas_kernels.attention import IMPLS, resolve_impl  # noqa: F401  (re-exported)
 from pallas_kernels.kv_store import write_kv
 from pallas_kernels.pool_layout import BAD_PAGE_INDEX
-from pallas_kernels.rope_store import rope_store, rope_store_reference, unaddressable
+from pallas_kernels.rope_store import (rope_store, rope_store_reference, split_projections,
+                                      unaddressable)
 from unified_kv import LayerSpec
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,7 @@ def store_rotated_kv(qkv, q_norm, k_norm, cos, sin, pool, targets, layer: LayerS
     # Tensor parallel: each device norms its own heads and stores into its slice of the
     # pool; the fused projections split into q, k, v first, so each splits by heads.
     axis = mesh.axis_names[0]
-    if not isinstance(qkv, tuple):
-        kv_cols = pool.shape[0] * pool.shape[-1]
-        qkv = tuple(jnp.split(qkv, [qkv.shape[-1] - 2 * kv_cols, qkv.shape[-1] - kv_cols], -1))
+    qkv = split_projections(qkv, num_q_heads, pool.shape[0], pool.shape[-1])
 
     def per_device(q, k, v, pool, offset, pages, slots, *args):
         return rope_store((q, k, v), *args, pool, pages, slots, offset,

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.rope_store import store_targets
+from pallas_kernels.rope_store import split_projections, store_targets
 from unified_kv import CacheSpec, LayerSpec, layer_name
 from models.attention import attend, attend_draft_block, store_rotated_kv
 from models.layers import layer_runs, scan_layers, unstack_layers
@@ -169,7 +169,7 @@ def mlp(p, x):
     return (jax.nn.silu(gate) * up) @ p["down"]
 
 
-def projections(p, x, num_heads, num_kv_heads, head_dim):
+def projections(p, x):
     """x [B, T, H] -> the q, k, v projections [B*T, heads * D] before norm and RoPE: the
     step form's one fused matrix ([B*T, (Hq + 2 Hkv) * D], models/layers.py
     `fuse_projections`), else a (q, k, v) tuple."""
@@ -183,10 +183,8 @@ def qkv(p, x, positions, num_heads, num_kv_heads, head_dim, theta, eps,
         scaling: RopeScaling | None = None):
     """Projections, per-head q/k RMSNorm, RoPE. x: [B, T, H] -> q [B,T,Hq,D], k, v [B,T,Hkv,D]."""
     b, t, _ = x.shape
-    out = projections(p, x, num_heads, num_kv_heads, head_dim)
-    if not isinstance(out, tuple):
-        out = jnp.split(out, [num_heads * head_dim, (num_heads + num_kv_heads) * head_dim], -1)
-    q, k, v = (y.reshape(b, t, -1, head_dim) for y in out)
+    q, k, v = (y.reshape(b, t, -1, head_dim) for y in split_projections(
+        projections(p, x), num_heads, num_kv_heads, head_dim))
     q = rope(rms_norm(q, p["q_norm"], eps), positions, theta, scaling)
     k = rope(rms_norm(k, p["k_norm"], eps), positions, theta, scaling)
     return q, k, v
@@ -253,7 +251,7 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
 
         def paged(p, h):  # store the new K/V, then attend over the row's pages
             q, pools[pool_id] = store_rotated_kv(
-                projections(p, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                projections(p, h),
                 p["q_norm"], p["k_norm"], cos, sin, pools[pool_id], targets[pool_id], layer,
                 offset, num_q_heads=cfg.num_heads, eps=cfg.rms_norm_eps, impl=impl)
             return attend(q.reshape(b, t, cfg.num_heads, cfg.head_dim), pools[pool_id],

@@ -60,7 +60,9 @@ def unaddressable(pool_shape, dtype) -> str | None:
             "are 32-bit and signed there")
 
 
-def _split(qkv, num_q_heads: int, num_kv_heads: int, head_dim: int):
+def split_projections(qkv, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """The fused projections [..., (Hq + 2 Hkv) * D] as (q, k, v) along the last axis (a
+    tuple already split: as is)."""
     if isinstance(qkv, (tuple, list)):
         return tuple(qkv)
     return tuple(jnp.split(qkv, [num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim],
@@ -86,7 +88,7 @@ def rope_store_reference(qkv, q_norm, k_norm, cos, sin, pool, store_pages, store
                          v_scale: float = 1.0):
     """`rope_store` in plain jnp (scatters for the store): (q' [N, Hq * D], pool)."""
     num_kv_heads, num_pages, num_layers, _, page_size, head_dim = pool.shape
-    q, k, v = _split(qkv, num_q_heads, num_kv_heads, head_dim)
+    q, k, v = split_projections(qkv, num_q_heads, num_kv_heads, head_dim)
     n = q.shape[0]
     q = _rope(_norm(q.reshape(n, num_q_heads, head_dim), q_norm, eps), cos, sin)
     k = _rope(_norm(k.reshape(n, num_kv_heads, head_dim), k_norm, eps), cos, sin)
