@@ -25,6 +25,7 @@ a request in 90% of the memory the weights leave. Writes scale.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import jax
@@ -38,6 +39,7 @@ from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
 from models.layers import step_params
+from pallas_kernels import launch_plan
 from drafter.steps import StepConfig
 from disagg.frontend import kv_budget_bytes
 from unified_kv import CacheSpec, budget_for, capacity
@@ -196,7 +198,12 @@ def main(argv=None) -> dict:
                     help="loops in CUDA graphs (StepConfig.graph_loops)")
     ap.add_argument("--quick", action="store_true",
                     help="small probes, a 4K vocabulary and 2 layers: a smoke test on CPU")
+    ap.add_argument("--split-keys", type=int, nargs="+", default=None,
+                    help="keys per attention key split at small batch "
+                         "(launch_plan.SMALL_BATCH_SPLIT_KEYS; 0: none), each measured in "
+                         "turn on the same weights; the goal keys come from the first")
     args = ap.parse_args(argv)
+    split_keys = args.split_keys or [launch_plan.SMALL_BATCH_SPLIT_KEYS]
     if args.layers is None:
         args.layers = 2 if args.quick else 36
     tcfg, dcfg = qwen3_8b_pair(num_target_layers=args.layers,
@@ -213,20 +220,23 @@ def main(argv=None) -> dict:
     report = {"device": jax.devices()[0].device_kind, "target_layers": args.layers,
               "layer_loop": "scan" if probe.scans_layers else "unrolled",
               "scan_unroll": args.scan_unroll, "graph_loops": args.graph_loops,
+              "small_batch_split_keys": split_keys[0],
               "weight_bytes": {"target": param_bytes(params["target"]),
                                "draft": param_bytes(params["draft"])},
               "copy_bandwidth_bytes_per_s": bw, "bf16_matmul_flops_per_s": peak, "runs": []}
     report["memory"] = memory_plan(tcfg, dcfg)
-    for context in args.contexts:
-        for batch in args.batches:
-            report["runs"].append(measure(params, tcfg, dcfg, batch, context, args.steps,
-                                          bw, peak, args.layer_loop, args.scan_unroll,
-                                          args.graph_loops))
-            if args.out:  # a run stopped at its time limit keeps the runs it finished
-                write_results(f"scale{args.tag}", {"partial": True, **report}, args.out)
+    for keys, context, batch in itertools.product(split_keys, args.contexts, args.batches):
+        launch_plan.SMALL_BATCH_SPLIT_KEYS = keys  # read when the engines' steps trace
+        print(f"small-batch key splits of {keys} keys", flush=True)
+        report["runs"].append({"split_keys": keys, **measure(
+            params, tcfg, dcfg, batch, context, args.steps, bw, peak, args.layer_loop,
+            args.scan_unroll, args.graph_loops)})
+        if args.out:  # a run stopped at its time limit keeps the runs it finished
+            write_results(f"scale{args.tag}", {"partial": True, **report}, args.out)
     stats = jax.devices()[0].memory_stats() or {}
     report["peak_memory_bytes"] = stats.get("peak_bytes_in_use")
-    by = {(r["batch"], r["context"]): r for r in report["runs"]}
+    by = {(r["batch"], r["context"]): r for r in report["runs"]
+          if r["split_keys"] == split_keys[0]}
     base = min(args.contexts)
     if (1, base) in by:
         b1 = by[(1, base)]

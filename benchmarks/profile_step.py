@@ -44,6 +44,7 @@ from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import qwen3_8b_pair, random_params
 from models.layers import step_params
+from pallas_kernels import launch_plan
 
 # launches that are the profiler's own or the host's, not the step's kernels
 _NOT_KERNELS = re.compile(r"^(Memcpy|Memset|cuda|cu[A-Z]|ThunkExecutor|\$)")
@@ -274,19 +275,26 @@ def main(argv=None) -> dict:
                     help="8b: Qwen3-8B shapes, random weights; embedded: the default pair")
     ap.add_argument("--quick", action="store_true", help="4K vocabulary: a CPU smoke test")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--split-keys", type=int, default=None,
+                    help="keys per attention key split at small batch for this run "
+                         "(launch_plan.SMALL_BATCH_SPLIT_KEYS; 0: none)")
     args = ap.parse_args(argv)
+    if args.split_keys is not None:
+        launch_plan.SMALL_BATCH_SPLIT_KEYS = args.split_keys
     params, tcfg, dcfg, config = load_pair(args)
     bw = device_copy_bandwidth(64 << 20, 3) if args.quick else device_copy_bandwidth()
     weights_t, weights_d = weight_read_bytes(params)
     scans = config(None).scans_layers
     label = (f"{'embedded pair' if args.pair == 'embedded' else f'L{args.layers}'} "
              f"b{args.batch} ctx{args.context} {'scan' if scans else 'unrolled'} "
-             f"{args.precision} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+             f"{args.precision} split{launch_plan.SMALL_BATCH_SPLIT_KEYS} "
+             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{label}: copy bandwidth {bw / 1e12:.2f} TB/s; weight-read bound plain "
           f"{weights_t / bw * 1e3:.3f} ms, speculative {(weights_t + weights_d) / bw * 1e3:.3f} ms",
           flush=True)
     rng = np.random.default_rng(0)
-    report = {"label": label, "copy_bandwidth_bytes_per_s": bw}
+    report = {"label": label, "copy_bandwidth_bytes_per_s": bw,
+              "small_batch_split_keys": launch_plan.SMALL_BATCH_SPLIT_KEYS}
     for name, speculative in (("plain", False), ("speculative", True)):
         if speculative and args.plain_only:
             break

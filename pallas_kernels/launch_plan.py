@@ -25,6 +25,11 @@ FEW_Q_ROWS = 32  # at most this many query rows per block for those (2 warps)
 # Key pages per split: for few-query calls when rows x kv heads cannot fill the GPU
 # (measured on the H200 against 32-page splits: docs/decisions.md), and for prefill always.
 FEW_Q_SPLIT_PAGES = 128
+# Key splits of the Gluon kernel's few-query calls at small batch: keys per split for up
+# to 16 (row, kv head) programs, doubling with every doubling past that, so a batch-1
+# step's attention runs on 4 x as many programs at a 1K context while the partial
+# results of a long context stay a bounded size (docs/decisions.md).
+SMALL_BATCH_SPLIT_KEYS = 256
 
 
 class LaunchOptions(NamedTuple):
@@ -52,6 +57,19 @@ class LaunchPlan(NamedTuple):
     prefetch_page_ids: bool
     rescale_threshold: float
     warps_split_rows: bool  # Triton's layout for the dots: rows >= head_dim (see below)
+
+
+def small_batch_split_keys(batch: int, num_kv_heads: int, num_sms: int | None = None) -> int:
+    """Keys per key split of the Gluon kernel's few-query calls (decode, verify, draft
+    block), or 0 for none: split when batch x kv heads is at most half the SM count
+    (one program per (row, kv head) then leaves most of the GPU idle). The split size
+    follows the batch only, never the table width or the query count, so a row's decode
+    and verify passes in one engine split its keys alike; engines of equal slot counts
+    agree bit for bit."""
+    programs = batch * num_kv_heads
+    if 2 * programs > (num_sms or device_info().num_sms):
+        return 0
+    return SMALL_BATCH_SPLIT_KEYS * pow2_at_least(-(-programs // 16))
 
 
 def arithmetic(plan: LaunchPlan) -> tuple:

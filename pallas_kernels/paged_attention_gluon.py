@@ -26,10 +26,11 @@ Blocks are PPB pages on a grid aligned to page 0, and a row's 1-query decode and
 K+1-query verify run the same per-row arithmetic (rows are independent in the dots and
 the softmax; the row sums come from a dot, so they add in the same order whichever way
 the warps are laid out), so greedy speculative decoding reproduces plain decoding bit for
-bit (tested compiled). No key splits: it is chosen when batch x kv heads fill the GPU
-(`pallas_kernels.attention.select_backend`). What it does per key block:
-`gluon_key_block.py`. GPU only (`gluon_call`); on CPU the Pallas kernel runs in interpret
-mode.
+bit (tested compiled). Few-query calls at small batch split keys in fixed-size pieces
+(`launch_plan.small_batch_split_keys`), combined by `combine_splits` as the Pallas
+kernel's are; at larger batches one program reads all of a (row, kv head)'s keys. What
+it does per key block: `gluon_key_block.py`. GPU only (`gluon_call`); on CPU the Pallas
+kernel runs in interpret mode.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -45,7 +47,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from pallas_kernels.gluon_call import gluon_call
 from pallas_kernels.gluon_key_block import (LOG2E, MASK_, cap_logits, copy_block, cta_barrier,
                                             mask_logits, pv_step, softmax_step)
-from pallas_kernels.launch_plan import FEW_Q_MAX, MIN_ROWS, plan_launch
+from pallas_kernels.launch_plan import (FEW_Q_MAX, MIN_ROWS, plan_launch,
+                                        small_batch_split_keys)
+from pallas_kernels.paged_attention_kernel import combine_splits
 from pallas_kernels.pool_layout import pow2_at_least, static_validate_inputs
 
 GLUON_POOL_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16))  # pools it reads
@@ -66,18 +70,20 @@ DRAFT_BF16_WARPS = 4
 def paged_attention_kernel(
         q_ptr, pool_ptr, table_ptr, kv_lens_ptr, q_lens_ptr, block_k_ptr, block_v_ptr,
         table_width, head_pages, layer_pages, window, logit_scale, cap_log2e, v_scale,
-        block_k_scale, block_v_scale, q_rows, o_ptr,
+        block_k_scale, block_v_scale, q_rows, num_splits, o_ptr, stats_ptr,
         MAX_Q: gl.constexpr, HQ: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
         PAGE: gl.constexpr, PPB: gl.constexpr, ROWS: gl.constexpr, TOKENS: gl.constexpr,
         STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARPS_M: gl.constexpr,
         KV_FP8: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr,
         QUERIES_CACHED: gl.constexpr, BLOCK_KEYS_PAD: gl.constexpr,
-        BLOCK_CAUSAL: gl.constexpr, EDGE_MASKS: gl.constexpr, SUM_BY_MMA: gl.constexpr):
-    """Program (query block, row b, kv head h). q and o [batch, MAX_Q, HQ, D] in q's
-    layout; the pool [kv heads, head_pages, PAGE * D] (head_pages = pages x layers x 2, K
-    then V^T per page and layer); table i32[batch, table_width] of page * 2L (BAD = -1);
-    layer_pages = 2 x layer offset; window 0 unless HAS_WINDOW; q x logit_scale gives
-    base-2 logits (divided by the soft cap when HAS_CAP: then tanh(s) x cap_log2e).
+        BLOCK_CAUSAL: gl.constexpr, EDGE_MASKS: gl.constexpr, SUM_BY_MMA: gl.constexpr,
+        SPLIT_BLOCKS: gl.constexpr):
+    """Program (query block x num_splits + split, row b, kv head h). q and o [batch,
+    MAX_Q, HQ, D] in q's layout; the pool [kv heads, head_pages, PAGE * D] (head_pages =
+    pages x layers x 2, K then V^T per page and layer); table i32[batch, table_width] of
+    page * 2L (BAD = -1); layer_pages = 2 x layer offset; window 0 unless HAS_WINDOW; q x
+    logit_scale gives base-2 logits (divided by the soft cap when HAS_CAP: then tanh(s) x
+    cap_log2e).
     QUERIES_CACHED: query i sits at kv_len - q_len + i (decode, verify, prefill), else at
     kv_len + i (the draft block: kv_len is the context length). BLOCK_KEYS_PAD > 0: the
     draft block's own keys, block K and V [batch, MAX_Q, kv heads, D] as the caller has
@@ -90,7 +96,12 @@ def paged_attention_kernel(
     edges are masked (the others are visible to every valid row: the same arithmetic).
     SUM_BY_MMA: p's row sums come from a dot (p @ ones), whose order of additions is the
     tensor cores', not the warps' layout's: with it a [1, 2] decode and a [2, 1] verify
-    agree bit for bit."""
+    agree bit for bit.
+    SPLIT_BLOCKS > 0: split s reads key blocks [s x SPLIT_BLOCKS, (s + 1) x SPLIT_BLOCKS)
+    (split 0 also the draft block's own keys) and writes its normalized f32 result to
+    o [num_splits, batch, MAX_Q, HQ, D] and its softmax max and sum (base 2) to
+    stats [num_splits, batch, MAX_Q, HQ, 2] for `combine_splits`; else o is the result
+    in q's dtype and stats is unused."""
     KW: gl.constexpr = 4 if KV_FP8 else 2
     CDT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
     KV_DT: gl.constexpr = gl.float8e4nv if KV_FP8 else gl.bfloat16
@@ -116,7 +127,8 @@ def paged_attention_kernel(
     k_smem = gl.allocate_shared_memory(KV_DT, [STAGES, BK, D], k_sl)
     v_smem = gl.allocate_shared_memory(KV_DT, [STAGES, PPB * D, PAGE], v_sl)
 
-    q_block, b, h = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    program, b, h = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    q_block, split = program // num_splits, program % num_splits
     kv_len = gl.load(kv_lens_ptr + b)
     q_len = gl.load(q_lens_ptr + b)
     q_start = kv_len - q_len if QUERIES_CACHED else kv_len
@@ -146,6 +158,9 @@ def paged_attention_kernel(
     if HAS_WINDOW:  # the block holding the earliest query's window start
         lo_block = gl.maximum(q_start + first_tok - window + 1, 0) // BK
     hi_block = gl.cdiv(gl.cdiv(key_end, PAGE), PPB)
+    if SPLIT_BLOCKS > 0:  # this split's blocks only; blocks stay aligned to page 0
+        lo_block = gl.maximum(lo_block, split * SPLIT_BLOCKS)
+        hi_block = gl.minimum(hi_block, (split + 1) * SPLIT_BLOCKS)
     num_blocks = gl.maximum(hi_block - lo_block, 0) * (last_tok >= first_tok).to(gl.int32)
 
     kj = gl.arange(0, BK, layout=gl.SliceLayout(1, k_ld))
@@ -215,7 +230,7 @@ def paged_attention_kernel(
         logits = mma_v2(q, block_k_t, gl.zeros([ROWS, BLOCK_KEYS_PAD], gl.float32,
                                                layout=mma))
         j = gl.arange(0, BLOCK_KEYS_PAD, layout=gl.SliceLayout(0, mma))
-        visible = valid[:, None] & (j[None, :] < q_len)
+        visible = valid[:, None] & (j[None, :] < q_len) & (split == 0)
         if BLOCK_CAUSAL:
             visible = visible & (j[None, :] <= tok_m[:, None])
         if HAS_WINDOW:
@@ -242,6 +257,10 @@ def paged_attention_kernel(
     in_q_m = (rows_m < TOKENS * GQA) & (tok_m < MAX_Q)
     o_row = (b * MAX_Q + tok_m) * HQ + h * GQA + rows_m % GQA
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
+    if SPLIT_BLOCKS > 0:  # this split's part, and its max and sum for the combine
+        o_row = o_row + split.to(gl.int64) * gl.num_programs(1) * (MAX_Q * HQ)
+        gl.store(stats_ptr + o_row * 2, gl.where(has_keys, m_i, MASK_), mask=in_q_m)
+        gl.store(stats_ptr + o_row * 2 + 1, gl.where(has_keys, l_i, 0.0), mask=in_q_m)
     gl.store(o_ptr + o_row[:, None] * D + cols[None, :], out.to(o_ptr.dtype.element_ty),
              mask=in_q_m[:, None])
 
@@ -260,7 +279,7 @@ def supports(q, pool, *, draft_block: bool = False) -> str | None:
 
 
 def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=None,
-           soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None):
+           soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None, split_keys=None):
     """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
     K / V pointers), constexprs and grid for a call; `supports` must hold. draft_block:
     None, or (padded block keys, causal within the block). Decode, verify and the draft
@@ -268,7 +287,9 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     DRAFT_BF16_WARPS; more rows than 2 warps hold: FEW_Q_WIDE_ROWS rows a program, a
     warp per 16), edge-only masks and row sums by dot; prefill PREFILL_ROWS rows per
     program over PREFILL_WARPS warps, every block masked and rows summed by `gl.sum`
-    (faster for prefill than the few-query options). Warps go along the rows, 16 rows each."""
+    (faster for prefill than the few-query options). Warps go along the rows, 16 rows each.
+    Few-query calls split keys by `launch_plan.small_batch_split_keys` (split_keys: keys
+    per split, a multiple of BLOCK_KEYS, to override it; 0 for none); prefill never does."""
     batch, max_q, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, num_layers, _, page_size, _ = pool.shape
     q_per_kv = num_q_heads // num_kv_heads
@@ -293,12 +314,20 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     # Warps along the rows, 16 rows each, the rest along the dots' columns: a program's
     # warps then exchange nothing per key block.
     warps_m = max(1, min(num_warps, plan.rows // 16))
+    if split_keys is None:
+        split_keys = small_batch_split_keys(batch, num_kv_heads) if few_q else 0
+    if split_keys % BLOCK_KEYS:
+        raise ValueError(f"split_keys={split_keys} must be a multiple of {BLOCK_KEYS}")
+    split_blocks = split_keys // BLOCK_KEYS
+    blocks = pl.cdiv(batch_table.shape[1], BLOCK_KEYS // page_size)
+    num_splits = pl.cdiv(blocks, split_blocks) if split_blocks else 1
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
     scalars = (batch_table.shape[1], num_pages * num_layers * 2, 2 * layer_offset,
                sliding_window or 0, float(logit_scale),
                float(0.0 if soft_cap is None else soft_cap * LOG2E), float(v_scale),
-               float(1.0 / k_scale), float(1.0 / v_scale), plan.tokens_per_block * q_per_kv)
+               float(1.0 / k_scale), float(1.0 / v_scale), plan.tokens_per_block * q_per_kv,
+               num_splits)
     block_keys_pad, block_causal = draft_block or (0, False)
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
                       PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
@@ -306,18 +335,31 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
                       NUM_WARPS=num_warps, WARPS_M=warps_m, KV_FP8=fp8,
                       HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
                       QUERIES_CACHED=draft_block is None, BLOCK_KEYS_PAD=block_keys_pad,
-                      BLOCK_CAUSAL=block_causal, EDGE_MASKS=few_q, SUM_BY_MMA=few_q)
-    return scalars, constexprs, (plan.num_q_blocks, batch, num_kv_heads)
+                      BLOCK_CAUSAL=block_causal, EDGE_MASKS=few_q, SUM_BY_MMA=few_q,
+                      SPLIT_BLOCKS=split_blocks)
+    return scalars, constexprs, (plan.num_q_blocks * num_splits, batch, num_kv_heads)
 
 
 def _call(q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t, **kw):
     scalars, constexprs, grid = launch(q, pool, batch_table, **kw)
     kind = ("draft" if kw.get("draft_block") else "q") + str(q.shape[1])
-    return gluon_call(
+    num_splits = scalars[-1]
+    split = constexprs["SPLIT_BLOCKS"] > 0
+    # Split or not follows the batch alone: one split still takes the combine, so a row's
+    # bits never depend on how many splits the table width makes.
+    out_shape = ((jax.ShapeDtypeStruct((num_splits, *q.shape), jnp.float32),
+                  jax.ShapeDtypeStruct((num_splits, *q.shape[:-1], 2), jnp.float32))
+                 if split else (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                jax.ShapeDtypeStruct((1,), jnp.float32)))  # stats unused
+    o, stats = gluon_call(
         paged_attention_kernel, q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t,
-        *scalars, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=grid,
-        num_warps=constexprs["NUM_WARPS"], constexprs=constexprs,
-        name=f"paged_attention_gluon_{kind}_g{constexprs['GQA']}_r{constexprs['ROWS']}")
+        *scalars, out_shape=out_shape, grid=grid, num_warps=constexprs["NUM_WARPS"],
+        constexprs=constexprs,
+        name=(f"paged_attention_gluon_{kind}_g{constexprs['GQA']}_r{constexprs['ROWS']}"
+              f"{'_split' if split else ''}"))
+    if not split:
+        return o
+    return combine_splits(o, stats[..., 0], stats[..., 1]).astype(q.dtype)
 
 
 def _refuse(q, pool, draft_block=False):

@@ -315,7 +315,7 @@ def attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_c
     )(*inputs)
     if num_splits == 1 and not q_in_rows:
         return o.reshape(q.shape)
-    out = o[0] if num_splits == 1 else _combine_splits(o, *split_stats)
+    out = o[0] if num_splits == 1 else combine_splits(o, *split_stats)
     return _rows_to_queries(out, q.shape, plan).astype(q.dtype)
 
 
@@ -386,8 +386,8 @@ def _rows_to_queries(out, q_shape, plan):
     return out[:, :, :max_q].transpose(0, 2, 1, 3, 4).reshape(q_shape)
 
 
-def _combine_splits(o, m, l):
-    """Merge per-split softmax parts: o [S, B, H, R, D], m and l [S, B, H, R].
+def combine_splits(o, m, l):
+    """Merge per-split softmax parts: o [S, ..., D], m and l [S, ...] (m in base 2).
 
     Written as S unrolled elementwise terms, not reductions over the split
     axis: XLA picks a reduction's order by shape, and a row must combine the

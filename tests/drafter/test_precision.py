@@ -13,6 +13,7 @@ from drafter.engine import Engine
 from drafter.shapes import qwen3_8b_pair, random_params
 from drafter.steps import StepConfig, init_step_state, matmul_precision_for, plain_decode_step
 from models.qwen3 import Qwen3Config, dense_forward, init_params
+from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS
 from unified_kv import CacheSpec, init_state
 
 
@@ -72,19 +73,29 @@ def test_near_tie_accepts_close_pairs_only():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="TF32 / bf16 tensor cores: a GPU")
-def test_speculative_equals_plain_greedy_at_8b_layer_shape_up_to_near_ties():
+@pytest.mark.parametrize("max_seq_len,budget_bytes", [(1024, 256 << 20), (163840, 8 << 30)],
+                         ids=["small_pool", "pool_past_2_32_elements"])
+def test_speculative_equals_plain_greedy_at_8b_layer_shape_up_to_near_ties(max_seq_len,
+                                                                           budget_bytes):
     """4 Qwen3-8B-shaped target layers, a 1-layer block-16 drafter, bf16 weights, fp8
     target KV, the shipped StepConfig precision: the verify of 16 tokens and the 1-token
     plain step pick the same argmax at every position, or where they part, both
-    tokens are a near-tie of the exact (f32, uncached) logits there."""
+    tokens are a near-tie of the exact (f32, uncached) logits there. At 4 slots the
+    attention takes the Gluon kernel with key splits; a cache for 4 x 160K tokens puts
+    the target's fp8 pool past 2^32 elements, so its reads and K/V stores take 64-bit
+    offsets too, as a long-context 8B server's do."""
     tcfg, dcfg = qwen3_8b_pair(num_target_layers=4, num_draft_layers=1)
     params = random_params(tcfg, dcfg, seed=3)
 
     def cfg(draft):
         layers = tcfg.layer_specs("fp8_e4m3") + (draft.layer_specs("bf16") if draft else [])
-        spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=4, max_seq_len=1024,
-                         memory_budget_bytes=256 << 20, max_step_tokens=256)
+        spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=4,
+                         max_seq_len=max_seq_len, memory_budget_bytes=budget_bytes,
+                         max_step_tokens=256)
         return StepConfig(tcfg, spec, draft)
+
+    fp8_pool = next(p for p in cfg(dcfg).spec.pools if p.kv_dtype == "fp8_e4m3")
+    assert (np.prod(fp8_pool.shape) > 2 * MAX_POOL_ELEMENTS) == (max_seq_len > 1024)
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150_000, n).tolist() for n in (17, 300, 511, 64)]

@@ -83,9 +83,10 @@ def test_auto_and_pallas_off_the_gpu():
 
 def test_which_calls_take_the_gluon_kernel():
     """Decode, verify and the draft block over fp8, and bf16 draft blocks of more than 32
-    query rows (block 16), at batch x kv heads >= 2 x SMs take it by measurement; prefill
-    and other bf16 calls only where the Pallas kernels cannot address the pool (past 2^31
-    elements). The rule follows the device's SM count."""
+    query rows (block 16), at batch x kv heads >= 2 x SMs, or at most SMs / 2 (where the
+    Gluon kernel splits keys), take it by measurement; prefill and other bf16 calls only
+    where the Pallas kernels cannot address the pool (past 2^31 elements). The rule
+    follows the device's SM count."""
     for kv, fp8 in ((FP8, True), (jnp.bfloat16, False)):
         small = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), kv)
         large = jax.ShapeDtypeStruct((8, 2**31 // (8 * 2 * 16 * 128) + 1, 1, 2, 16, 128), kv)
@@ -97,11 +98,21 @@ def test_which_calls_take_the_gluon_kernel():
             assert pick == ("gluon" if want_small else "pallas"), (kv, max_q, draft)
             assert kernels.select_backend(q, large, impl="pallas", draft_block=draft,
                                           device=H200) == "gluon", (kv, max_q, draft)
-        q2 = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
-        assert kernels.select_backend(q2, small, impl="pallas", device=H200) == "pallas"
-        q2 = jax.ShapeDtypeStruct((2, 16, 32, 128), jnp.bfloat16)  # a batch that cannot fill
+        for batch, want in ((2, "gluon" if fp8 else "pallas"), (8, "gluon" if fp8 else "pallas"),
+                            (9, "pallas"), (32, "pallas")):  # key splits up to 8 x 8 <= 66
+            q2 = jax.ShapeDtypeStruct((batch, 1, 32, 128), jnp.bfloat16)
+            assert kernels.select_backend(q2, small, impl="pallas", device=H200) == want, batch
+            prefill = jax.ShapeDtypeStruct((batch, 64, 32, 128), jnp.bfloat16)
+            assert kernels.select_backend(prefill, small, impl="pallas", device=H200) == "pallas"
+        q2 = jax.ShapeDtypeStruct((2, 16, 32, 128), jnp.bfloat16)  # the Gluon kernel splits
         assert kernels.select_backend(q2, small, impl="pallas", draft_block=True,
+                                      device=H200) == "gluon"
+        q20 = jax.ShapeDtypeStruct((20, 16, 32, 128), jnp.bfloat16)  # neither fills nor splits
+        assert kernels.select_backend(q20, small, impl="pallas", draft_block=True,
                                       device=H200) == "pallas"
+        small_heads = jax.ShapeDtypeStruct((2, 1024, 1, 2, 16, 32), kv)  # the embedded pair's
+        q32 = jax.ShapeDtypeStruct((4, 16, 8, 32), jnp.bfloat16)
+        assert kernels.select_backend(q32, small_heads, impl="pallas", device=H200) == "pallas"
     q = jax.ShapeDtypeStruct((64, 1, 32, 128), jnp.bfloat16)
     small = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), FP8)
     bigger_gpu = DeviceInfo(platform="gpu", compute_capability=(9, 0), num_sms=300)

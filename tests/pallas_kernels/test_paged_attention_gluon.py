@@ -12,6 +12,7 @@ pytest.importorskip("triton.experimental.gluon._runtime",
 from pallas_kernels import attention as kernels  # noqa: E402
 from pallas_kernels import gluon_call as gc  # noqa: E402
 from pallas_kernels import paged_attention_gluon as pg  # noqa: E402
+from pallas_kernels.launch_plan import small_batch_split_keys  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
     draft_block_attention_reference, paged_attention_reference)
 from tests.pallas_kernels.test_paged_attention import (  # noqa: E402
@@ -33,8 +34,11 @@ def compile_for_hopper(q, pool, *, block=None, **kw):
     lens = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
     scalars, constexprs, grid = pg.launch(q, pool, table, layer_offset=1, **kw)
     arrays = [q, pool, table, lens, lens, *(block or (q, q))]
+    outs = [q, jax.ShapeDtypeStruct((1,), jnp.float32)]  # f32 parts when split: same types
+    if constexprs["SPLIT_BLOCKS"]:
+        outs[0] = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     sig = gc.signature(pg.paged_attention_kernel, arrays, (None,) * len(arrays) + scalars,
-                       [q], tuple(sorted(constexprs.items())))
+                       outs, tuple(sorted(constexprs.items())))
     compiled = gc.compile_gluon(pg.paged_attention_kernel, tuple(sig.items()),
                                 tuple(sorted(constexprs.items())), constexprs["NUM_WARPS"], 90)
     return compiled, grid
@@ -114,6 +118,44 @@ def test_launch_configs():
         assert (prefill["ROWS"], prefill["NUM_WARPS"], prefill["WARPS_M"], prefill["STAGES"]) \
             == (pg.PREFILL_ROWS, pg.PREFILL_WARPS, pg.PREFILL_WARPS, pg.PREFILL_STAGES)
         assert not (prefill["SUM_BY_MMA"] or prefill["EDGE_MASKS"])
+        assert all(c["SPLIT_BLOCKS"] == 0 for c in (verify, decode, wide, draft, prefill))
+
+
+@pytest.mark.parametrize("batch,table_width,split_keys,num_splits", [
+    (1, 64, 256, 4), (1, 65, 256, 5), (2, 2048, 256, 128), (4, 64, 512, 2), (8, 64, 1024, 1),
+    (9, 64, 0, 1)])
+def test_small_batches_split_keys_by_the_batch_alone(batch, table_width, split_keys,
+                                                     num_splits):
+    """At most num_sms / 2 (row, kv head) programs: fixed-size key splits, whose size
+    follows the batch (never the table width or the query count), and one split still
+    runs split (the combine), so a row's bits never follow the table width."""
+    table = jax.ShapeDtypeStruct((batch, table_width), jnp.int32)
+    pool = jax.ShapeDtypeStruct((8, 4096, 1, 2, 16, 128), FP8)
+    assert small_batch_split_keys(batch, 8, num_sms=132) == split_keys
+    for max_q, draft_block in ((1, None), (8, None), (16, None), (8, (16, False))):
+        q = jax.ShapeDtypeStruct((batch, max_q, 32, 128), jnp.bfloat16)
+        scalars, constexprs, grid = pg.launch(q, pool, table, layer_offset=0,
+                                              draft_block=draft_block)
+        assert constexprs["SPLIT_BLOCKS"] * pg.BLOCK_KEYS == split_keys
+        assert grid == (num_splits, batch, 8) and scalars[-1] == num_splits
+    prefill = pg.launch(jax.ShapeDtypeStruct((batch, 64, 32, 128), jnp.bfloat16), pool,
+                        table, layer_offset=0)
+    assert prefill[1]["SPLIT_BLOCKS"] == 0 and prefill[0][-1] == 1
+    unsplit = pg.launch(jax.ShapeDtypeStruct((batch, 1, 32, 128), jnp.bfloat16), pool, table,
+                        layer_offset=0, split_keys=0)
+    assert unsplit[1]["SPLIT_BLOCKS"] == 0 and unsplit[2] == (1, batch, 8)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pg.launch(jax.ShapeDtypeStruct((batch, 1, 32, 128), jnp.bfloat16), pool, table,
+                  layer_offset=0, split_keys=100)
+
+
+@pytest.mark.parametrize("max_q,split_keys", [(1, 256), (8, 128), (16, 256)])
+def test_split_launches_compile_for_hopper(max_q, split_keys):
+    q = jax.ShapeDtypeStruct((1, max_q, 32, 128), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((8, 40, 2, 2, 16, 128), FP8)
+    compiled, grid = compile_for_hopper(q, pool, split_keys=split_keys)
+    splits = -(-3 // (split_keys // pg.BLOCK_KEYS))  # 9 pages: 3 key blocks
+    assert compiled.metadata.shared <= 100 * 1024 and grid == (splits, 1, 8)
 
 
 CASES = [  # kv dtype, max_q, window, soft cap, q heads per kv head
@@ -125,13 +167,14 @@ CASES = [  # kv dtype, max_q, window, soft cap, q heads per kv head
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch", [12, 4], ids=["one_program", "key_splits"])
 @pytest.mark.parametrize("kv_dtype,max_q,window,soft_cap,gqa", CASES)
-def test_matches_reference(kv_dtype, max_q, window, soft_cap, gqa):
+def test_matches_reference(kv_dtype, max_q, window, soft_cap, gqa, batch):
     rng = np.random.default_rng(max_q * 7 + gqa)
-    kv_lens = rng.integers(max_q, 3000, 12)
+    kv_lens = rng.integers(max_q, 3000, batch)
     kv_lens[:3] = [max_q, 16 * 40, 16 * 40 + 1]  # at and around page / block edges
     q, pool, table, kv_lens, q_lens = make_case(
-        rng, batch=12, max_q=max_q, num_q_heads=8 * gqa, num_kv_heads=8, head_dim=128,
+        rng, batch=batch, max_q=max_q, num_q_heads=8 * gqa, num_kv_heads=8, head_dim=128,
         page_size=16, kv_dtype=kv_dtype, window=window, kv_lens=kv_lens)
     q_lens = q_lens.at[-1].set(0)  # a padding row
     kw = dict(layer_offset=1, sliding_window=window, soft_cap=soft_cap, **kv_scales(pool))
@@ -149,6 +192,38 @@ def test_verify_equals_decode_bit_for_bit(kv_dtype, window, max_q):
                                 num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                                 kv_dtype=kv_dtype, window=window, interpret=False,
                                 attention=gluon_attention)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [FP8, jnp.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("max_q", [8, 16])
+def test_split_verify_equals_decode_over_any_table_width(kv_dtype, window, max_q):
+    """Key splits (batch 4 x 8 kv heads: 32 pages each): a row's decode over a narrow
+    table (3 splits) and its verify over a wide one (5) give the same bits, and NaN in
+    query tokens past q_len changes no live bit."""
+    rng = np.random.default_rng(9)
+    q, pool, table, kv_lens, q_lens = make_case(
+        rng, batch=4, max_q=max_q, num_q_heads=32, num_kv_heads=8, head_dim=128,
+        page_size=16, kv_dtype=kv_dtype, window=window, q_lens=np.full(4, max_q),
+        kv_lens=[max_q, 16 * 16 + 3, 700, 1100], table_width=160)
+    assert pg.launch(q, pool, table, layer_offset=1)[2][0] == 5
+    kw = dict(layer_offset=1, sliding_window=window, k_scale=0.5, v_scale=0.25)
+    verify = np.asarray(gluon_attention(q, pool, table, kv_lens, q_lens, **kw))
+    narrow = table[:, :80]   # every row's pages
+    ones = jnp.ones((4,), jnp.int32)
+    for i in range(max_q):
+        decode = gluon_attention(q[:, i:i + 1], pool, narrow, kv_lens - (max_q - 1 - i), ones,
+                                 **kw)
+        np.testing.assert_array_equal(np.asarray(decode)[:, 0], verify[:, i],
+                                      err_msg=f"query {i}")
+    ragged = q_lens.at[1].set(3).at[2].set(0)
+    past = jnp.arange(max_q)[None, :] >= ragged[:, None]
+    out = np.asarray(gluon_attention(q, pool, table, kv_lens, ragged, **kw))
+    q_nan = jnp.where(past[:, :, None, None], jnp.nan, q)
+    np.testing.assert_array_equal(
+        np.asarray(gluon_attention(q_nan, pool, table, kv_lens, ragged, **kw)), out)
+    assert_zero_past_q_len(out, ragged)
 
 
 @pytest.mark.gpu
@@ -193,9 +268,11 @@ def test_prefill_matches_reference(kv_dtype, max_q, window, soft_cap, gqa):
     (jnp.bfloat16, 8, False, 100, None, 4), (jnp.bfloat16, 5, True, None, 30.0, 1),
     (jnp.bfloat16, 16, False, None, None, 4),  # DFlash-b16's draft layers: 64 rows, 4 warps
 ])
-def test_draft_block_matches_reference(kv_dtype, block, causal, window, soft_cap, gqa):
+@pytest.mark.parametrize("batch", [12, 4], ids=["one_program", "key_splits"])
+def test_draft_block_matches_reference(kv_dtype, block, causal, window, soft_cap, gqa, batch):
     rng = np.random.default_rng(block + gqa)
-    args, kw = make_draft_case(rng, ctx=[0, 16 * 64, 16 * 64 + 1, *rng.integers(1, 4000, 9)],
+    args, kw = make_draft_case(rng, ctx=[0, 16 * 64, 16 * 64 + 1,
+                                         *rng.integers(1, 4000, batch - 3)],
                                num_q_heads=8 * gqa, num_kv_heads=8, head_dim=128,
                                page_size=16, kv_dtype=kv_dtype, window=window, causal=causal,
                                block=block)
