@@ -15,10 +15,10 @@ SM count) and the call's shapes, at trace time. Under "pallas" it takes the Gluo
 (`paged_attention_gluon`) for every call over a pool past 2^31 elements (the Pallas
 kernels' 32-bit offsets refuse those) and for fp8 decode, verify and draft blocks, and
 bf16 draft blocks of 16 tokens, whose batch x kv heads fill the GPU twice or, at head
-dim 128, are at most half its SM count (there the Gluon kernel splits keys); everything else takes the Pallas
-kernels (`paged_attention`). The rule never
-looks at the query count among decode and verify, so a row's decode and verify passes
-take the same kernel and agree bit for bit. Nothing falls back silently: without a Triton
+dim 128, are at most half its SM count (there the Gluon kernel splits keys); everything
+else takes the Pallas kernels (`paged_attention`). The rule never looks at the query
+count among decode and verify, so a row's decode and verify passes take the same kernel
+and agree bit for bit. Nothing falls back silently: without a Triton
 that has Gluon, a call that only Gluon can run raises, and the first call Gluon would
 have run faster logs a warning once.
 """
@@ -40,7 +40,7 @@ from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS
 IMPLS = ("auto", "pallas", "interpret", "reference")
 BACKENDS = ("reference", "interpret", "pallas", "gluon")
 GLUON_MIN_CAPABILITY = (8, 0)  # cp.async and mma.sync (Ampere and later)
-SMALL_BATCH_GLUON_HEAD_DIM = 128
+SMALL_BATCH_GLUON_HEAD_DIM = 128  # key splits at small batch measured from this head dim
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +73,15 @@ def _gluon_preferred(q, pool, *, draft_block: bool, device: DeviceInfo) -> bool:
     """The measured rule (docs/decisions.md): past 2^31 pool elements always; else, when
     batch x kv heads >= 2 x the SM count or the Gluon kernel splits keys
     (`launch_plan.small_batch_split_keys`: at most half the SM count; head dim 128 and
-    up), fp8 decode /
-    verify / draft block, and a bf16 draft block of more query rows than FEW_Q_ROWS
-    (block 16: the Gluon kernel reads each key block once for all of them, the Pallas
-    kernel once per 32 rows)."""
+    up), fp8 decode / verify / draft block, and a bf16 draft block of more query rows
+    than FEW_Q_ROWS (block 16: the Gluon kernel reads each key block once for all of
+    them, the Pallas kernel once per 32 rows)."""
     if pool.size > MAX_POOL_ELEMENTS:
         return True
     if q.shape[1] > FEW_Q_MAX:
         return False
     batch, num_kv_heads = q.shape[0], pool.shape[0]
-    # Key splits measured at head dim 128 (the 8B shape); smaller heads (the embedded
-    # pair's 32) keep the Pallas kernel at small batch.
+    # smaller heads (the embedded pair's 32) keep the Pallas kernel at small batch
     splits = (q.shape[-1] >= SMALL_BATCH_GLUON_HEAD_DIM
               and small_batch_split_keys(batch, num_kv_heads, device.num_sms) > 0)
     if batch * num_kv_heads < 2 * device.num_sms and not splits:

@@ -319,7 +319,8 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     if split_keys % BLOCK_KEYS:
         raise ValueError(f"split_keys={split_keys} must be a multiple of {BLOCK_KEYS}")
     split_blocks = split_keys // BLOCK_KEYS
-    blocks = pl.cdiv(batch_table.shape[1], BLOCK_KEYS // page_size)
+    pages_per_block = BLOCK_KEYS // page_size
+    blocks = pl.cdiv(batch_table.shape[1], pages_per_block)
     num_splits = pl.cdiv(blocks, split_blocks) if split_blocks else 1
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
@@ -330,7 +331,7 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
                num_splits)
     block_keys_pad, block_causal = draft_block or (0, False)
     constexprs = dict(MAX_Q=max_q, HQ=num_q_heads, GQA=q_per_kv, D=head_dim, PAGE=page_size,
-                      PPB=BLOCK_KEYS // page_size, ROWS=plan.rows,
+                      PPB=pages_per_block, ROWS=plan.rows,
                       TOKENS=plan.tokens_per_block, STAGES=STAGES if few_q else PREFILL_STAGES,
                       NUM_WARPS=num_warps, WARPS_M=warps_m, KV_FP8=fp8,
                       HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
@@ -340,21 +341,26 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     return scalars, constexprs, (plan.num_q_blocks * num_splits, batch, num_kv_heads)
 
 
+def output_shapes(q, num_splits: int, constexprs: dict) -> tuple:
+    """The kernel's outputs (o, stats) for a `launch`: split, f32 parts
+    [num_splits, *q.shape] and their (max, sum) [num_splits, *q.shape[:-1], 2]; else
+    o in q's shape and dtype and a 1-element stats the kernel never writes. Split or not
+    follows the batch alone: one split still takes the combine, so a row's bits never
+    depend on how many splits the table width makes."""
+    if constexprs["SPLIT_BLOCKS"]:
+        return (jax.ShapeDtypeStruct((num_splits, *q.shape), jnp.float32),
+                jax.ShapeDtypeStruct((num_splits, *q.shape[:-1], 2), jnp.float32))
+    return jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1,), jnp.float32)
+
+
 def _call(q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t, **kw):
     scalars, constexprs, grid = launch(q, pool, batch_table, **kw)
     kind = ("draft" if kw.get("draft_block") else "q") + str(q.shape[1])
-    num_splits = scalars[-1]
     split = constexprs["SPLIT_BLOCKS"] > 0
-    # Split or not follows the batch alone: one split still takes the combine, so a row's
-    # bits never depend on how many splits the table width makes.
-    out_shape = ((jax.ShapeDtypeStruct((num_splits, *q.shape), jnp.float32),
-                  jax.ShapeDtypeStruct((num_splits, *q.shape[:-1], 2), jnp.float32))
-                 if split else (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                jax.ShapeDtypeStruct((1,), jnp.float32)))  # stats unused
     o, stats = gluon_call(
         paged_attention_kernel, q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t,
-        *scalars, out_shape=out_shape, grid=grid, num_warps=constexprs["NUM_WARPS"],
-        constexprs=constexprs,
+        *scalars, out_shape=output_shapes(q, scalars[-1], constexprs), grid=grid,
+        num_warps=constexprs["NUM_WARPS"], constexprs=constexprs,
         name=(f"paged_attention_gluon_{kind}_g{constexprs['GQA']}_r{constexprs['ROWS']}"
               f"{'_split' if split else ''}"))
     if not split:

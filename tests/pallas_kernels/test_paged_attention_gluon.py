@@ -34,11 +34,9 @@ def compile_for_hopper(q, pool, *, block=None, **kw):
     lens = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
     scalars, constexprs, grid = pg.launch(q, pool, table, layer_offset=1, **kw)
     arrays = [q, pool, table, lens, lens, *(block or (q, q))]
-    outs = [q, jax.ShapeDtypeStruct((1,), jnp.float32)]  # f32 parts when split: same types
-    if constexprs["SPLIT_BLOCKS"]:
-        outs[0] = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     sig = gc.signature(pg.paged_attention_kernel, arrays, (None,) * len(arrays) + scalars,
-                       outs, tuple(sorted(constexprs.items())))
+                       pg.output_shapes(q, scalars[-1], constexprs),
+                       tuple(sorted(constexprs.items())))
     compiled = gc.compile_gluon(pg.paged_attention_kernel, tuple(sig.items()),
                                 tuple(sorted(constexprs.items())), constexprs["NUM_WARPS"], 90)
     return compiled, grid
