@@ -20,8 +20,8 @@
 # scale_unroll (not in the default list): the batch-1 8B-shaped steps with 4 scanned
 # target layers per loop trip (StepConfig.scan_unroll), into scale_unroll4.json.
 # scale_splits (not in the default list): the batch-1 8B-shaped steps with the Gluon
-# attention's small-batch key splits of 256 keys (the default), 128, 512 and none, on
-# the same weights in one call, into scale_splits.json.
+# attention's small-batch key splits of 256 keys (the default) and 512, on the same
+# weights in one call, into scale_splits.json.
 # graph_loops_serving, graph_loops_scale (not in the default list): XLA command buffers
 # that also take loops (StepConfig.graph_loops) beside the default, same call: the demo
 # and handoff with one profiled run each, into graphs_{off,on}/; the 8B-shaped batch-1
@@ -209,7 +209,7 @@ for stage in "${stages[@]}"; do
         --layer-loop scan --scan-unroll 4 --steps 8 --tag _unroll4 ;;
     scale_splits)
       run 540 scale_splits python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
-        --layer-loop scan --steps 8 --split-keys 256 128 512 0 --tag _splits ;;
+        --layer-loop scan --steps 8 --split-keys 256 512 --tag _splits ;;
     scale_long)
       # 8K prompts at batch 1: prefill utilisation and the step over a longer context
       run 330 scale_long python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
