@@ -22,6 +22,9 @@
 # scale_splits (not in the default list): the batch-1 8B-shaped steps with the Gluon
 # attention's small-batch key splits of 256 keys (the default) and 512, on the same
 # weights in one call, into scale_splits.json.
+# scale_gemm_tuning (not in the default list): the batch-1 8B-shaped steps with XLA's
+# while-loop unroller on (static weight slices, autotuned matmuls), into
+# scale_xla_full_unroll.json.
 # graph_loops_serving, graph_loops_scale (not in the default list): XLA command buffers
 # that also take loops (StepConfig.graph_loops) beside the default, same call: the demo
 # and handoff with one profiled run each, into graphs_{off,on}/; the 8B-shaped batch-1
@@ -52,7 +55,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_gemm_tuning|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -179,6 +182,14 @@ for stage in "${stages[@]}"; do
           --profile "$OUT/graphs_$g" $([ $g = on ] && echo --graph-loops)
         rm -rf "$OUT/graphs_$g"/trace_* "$OUT/graphs_$g"/demo_profile_*  # the log has them
       done ;;
+    scale_gemm_tuning)
+      # the batch-1 8B-shaped steps with XLA's while-loop unroller taking the layer scan
+      # apart after tracing: static weight slices, whose matmuls the autotuner sees (the
+      # scan's matmuls read their weights through dynamic-slice fusions, which it skips;
+      # docs/decisions.md, Layers in a step); step and compile time beside `scale_splits`
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL" \
+        run 400 scale_full_unroll python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
+          --layer-loop scan --steps 8 --tag _xla_full_unroll ;;
     graph_loops_scale)
       for g in off on; do
         run 280 scale_graphs_$g python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
