@@ -28,6 +28,7 @@ from pallas_kernels.kv_store import write_kv
 from pallas_kernels.pool_layout import BAD_PAGE_INDEX
 from pallas_kernels.rope_store import (rope_store, rope_store_reference, split_projections,
                                       unaddressable)
+from models.layers import LayerRow
 from unified_kv import LayerSpec
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,13 @@ def store_rotated_kv(qkv, q_norm, k_norm, cos, sin, pool, targets, layer: LayerS
                      num_q_heads: int, eps: float, impl: str):
     """One layer's q and k normed and rotated, its K/V stored at pool `offset` (int or
     traced i32), in one kernel (`pallas_kernels.rope_store`): (q' [N, Hq * D], pool).
-    qkv: the raw projections (`models.qwen3.projections`); targets: `store_targets`.
+    qkv: the raw projections (`models.qwen3.projections`); q_norm, k_norm: [D], or
+    `LayerRow`s of the stacks (the kernel reads the row); targets: `store_targets`.
     A pool (per device) the kernel cannot address runs the same arithmetic as XLA ops,
     with a warning once."""
     impl = resolve_impl(impl)
+    norm_row = q_norm.row if isinstance(q_norm, LayerRow) else 0
+    q_norm, k_norm = (w.stack if isinstance(w, LayerRow) else w for w in (q_norm, k_norm))
     kw = dict(eps=eps, k_scale=layer.k_scale, v_scale=layer.v_scale)
     args = (q_norm, k_norm, cos, sin)
     mesh = jax.sharding.get_abstract_mesh()
@@ -81,23 +85,24 @@ def store_rotated_kv(qkv, q_norm, k_norm, cos, sin, pool, targets, layer: LayerS
                    "elements or above 4 GiB to fuse them.")
     if impl == "reference" or reason:  # plain jnp: XLA partitions it itself
         return rope_store_reference(qkv, *args, pool, *targets, offset, num_q_heads=num_q_heads,
-                                    **kw)
+                                    norm_row=norm_row, **kw)
     if devices == 1:
         return rope_store(qkv, *args, pool, *targets, offset, num_q_heads=num_q_heads,
-                          interpret=impl == "interpret", **kw)
+                          norm_row=norm_row, interpret=impl == "interpret", **kw)
     # Tensor parallel: each device norms its own heads and stores into its slice of the
     # pool; the fused projections split into q, k, v first, so each splits by heads.
     axis = mesh.axis_names[0]
     qkv = split_projections(qkv, num_q_heads, pool.shape[0], pool.shape[-1])
 
-    def per_device(q, k, v, pool, offset, pages, slots, *args):
+    def per_device(q, k, v, pool, offset, norm_row, pages, slots, *args):
         return rope_store((q, k, v), *args, pool, pages, slots, offset,
-                          num_q_heads=num_q_heads // devices, interpret=impl == "interpret",
-                          **kw)
+                          num_q_heads=num_q_heads // devices, norm_row=norm_row,
+                          interpret=impl == "interpret", **kw)
     heads = P(None, axis)
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(heads,) * 3 + (P(axis),) + (P(),) * 7,
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(heads,) * 3 + (P(axis),) + (P(),) * 8,
                          out_specs=(heads, P(axis)), check_vma=False)(
-        *qkv, pool, jnp.asarray(offset, jnp.int32), *targets, *args)
+        *qkv, pool, jnp.asarray(offset, jnp.int32), jnp.asarray(norm_row, jnp.int32),
+        *targets, *args)
 
 
 @functools.cache

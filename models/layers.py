@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -160,16 +161,26 @@ def layer_runs(spec: CacheSpec, role: str, num_layers: int) -> tuple[LayerRun, .
     return tuple(runs)
 
 
+class LayerRow(NamedTuple):
+    """A weight every layer has, left stacked ([num_layers, ...]) with the row of the layer
+    at hand: for a kernel that reads the row itself (a slice handed to a custom call is
+    a copy, one launch a layer, ahead of it)."""
+
+    stack: jax.Array
+    row: jax.Array
+
+
 def scan_layers(layer_fn, layers, runs: tuple[LayerRun, ...], x, pools, *,
-                taps: tuple[int, ...] = (), unroll: int = 1):
+                taps: tuple[int, ...] = (), unroll: int = 1, unsliced: tuple[str, ...] = ()):
     """Run every layer of `runs` in order.
 
     `layer_fn(p, x, pools, layer: LayerSpec, pool_id: int, offset) -> (x, pools)`
     is one layer, with `p` its weights. Stacked `layers` (a dict of [num_layers, ...]
-    arrays) run as one `lax.scan` per run: `p` is a slice read by a traced index and
-    `offset` a traced i32. A list of per-layer dicts runs unrolled: `p` is the layer's
-    own arrays (nothing sliced or copied) and `offset` a Python int. `unroll`: iterations
-    of a run's body per loop trip (`lax.scan`'s; the arithmetic is the same).
+    arrays) run as one `lax.scan` per run: `p` is a slice read by a traced index (the
+    `unsliced` names: a `LayerRow`) and `offset` a traced i32. A list of per-layer dicts
+    runs unrolled: `p` is the layer's own arrays (nothing sliced or copied) and `offset`
+    a Python int. `unroll`: iterations of a run's body per loop trip (`lax.scan`'s; the
+    arithmetic is the same).
     Returns (x, pools, taps_out): taps_out[i] is x after layer taps[i] (None without
     taps).
     """
@@ -187,9 +198,10 @@ def scan_layers(layer_fn, layers, runs: tuple[LayerRun, ...], x, pools, *,
             x, pools, feats = carry
             layer_ids, offsets, tap_slots = xs
             for j, (layer, pool_id) in enumerate(run.kinds):
-                p = jax.tree.map(
-                    lambda w: jax.lax.dynamic_index_in_dim(w, layer_ids[j], keepdims=False),
-                    layers)
+                p = {name: LayerRow(w, layer_ids[j]) if name in unsliced else jax.tree.map(
+                         lambda a: jax.lax.dynamic_index_in_dim(a, layer_ids[j],
+                                                                keepdims=False), w)
+                     for name, w in layers.items()}
                 x, pools = layer_fn(p, x, pools, layer, pool_id, offsets[j])
                 if feats is not None:
                     feats = jax.lax.dynamic_update_index_in_dim(feats, x, tap_slots[j], 0)

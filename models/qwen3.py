@@ -261,7 +261,8 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
 
     x, pools, features = scan_layers(
         layer_fn, params["layers"], layer_runs(spec, "target", cfg.num_layers),
-        params["embed"][tokens], tuple(pools), taps=tuple(feature_layers), unroll=scan_unroll)
+        params["embed"][tokens], tuple(pools), taps=tuple(feature_layers), unroll=scan_unroll,
+        unsliced=("q_norm", "k_norm"))
     feats = jnp.concatenate(features, axis=-1) if feature_layers else None
     return lm_head(params, cfg, x), pools, feats
 

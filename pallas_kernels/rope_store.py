@@ -83,12 +83,21 @@ def _rope(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
+def norm_weight_row(weight, row):
+    """A head-norm weight [D], or row `row` (int or traced i32) of a stack [L, D]."""
+    if weight.ndim == 1:
+        return weight
+    return jax.lax.dynamic_index_in_dim(weight, jnp.asarray(row, jnp.int32).reshape(()),
+                                        keepdims=False)
+
+
 def rope_store_reference(qkv, q_norm, k_norm, cos, sin, pool, store_pages, store_slots,
                          layer_offset, *, num_q_heads: int, eps: float, k_scale: float = 1.0,
-                         v_scale: float = 1.0):
+                         v_scale: float = 1.0, norm_row=0):
     """`rope_store` in plain jnp (scatters for the store): (q' [N, Hq * D], pool)."""
     num_kv_heads, num_pages, num_layers, _, page_size, head_dim = pool.shape
     q, k, v = split_projections(qkv, num_q_heads, num_kv_heads, head_dim)
+    q_norm, k_norm = norm_weight_row(q_norm, norm_row), norm_weight_row(k_norm, norm_row)
     n = q.shape[0]
     q = _rope(_norm(q.reshape(n, num_q_heads, head_dim), q_norm, eps), cos, sin)
     k = _rope(_norm(k.reshape(n, num_kv_heads, head_dim), k_norm, eps), cos, sin)
@@ -106,22 +115,23 @@ def rope_store_reference(qkv, q_norm, k_norm, cos, sin, pool, store_pages, store
     return q.reshape(n, -1), v_pages.reshape(pool.shape)
 
 
-def _rope_store_kernel(q_ref, k_ref, v_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref,
-                       pages_ref, slots_ref, offset_ref, _pool_in, q_out_ref, pool_ref, *,
-                       q_col, k_col, v_col, q_per_kv, group, eps, k_scale, v_scale,
-                       page_size, fp8):
+def _rope_store_kernel(q_ref, k_ref, v_ref, q_norm_ref, k_norm_ref, norm_row_ref, cos_ref,
+                       sin_ref, pages_ref, slots_ref, offset_ref, _pool_in, q_out_ref, pool_ref,
+                       *, q_col, k_col, v_col, q_per_kv, group, eps, k_scale, v_scale,
+                       head_dim, page_size, fp8):
     n, h = pl.program_id(0), pl.program_id(1)
-    head_dim = q_norm_ref.shape[0]
     half = head_dim // 2
     j = jnp.arange(half, dtype=jnp.int32)
     cos, sin = cos_ref[...], sin_ref[...]
+    w_first = norm_row_ref[0] * head_dim   # the layer's row of the flattened norm weights
 
     def norm_rope(x1, x2, w_ref):  # x1, x2 [heads, half] halves of each head
         act = x1.dtype
         x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
         inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / head_dim
                             + eps)[:, None]
-        w1, w2 = w_ref[j].astype(jnp.float32), w_ref[half + j].astype(jnp.float32)
+        w1 = w_ref[w_first + j].astype(jnp.float32)
+        w2 = w_ref[w_first + half + j].astype(jnp.float32)
         x1 = (x1 * inv * w1[None]).astype(act).astype(jnp.float32)
         x2 = (x2 * inv * w2[None]).astype(act).astype(jnp.float32)
         return ((x1 * cos[None] - x2 * sin[None]).astype(act),
@@ -164,14 +174,17 @@ def _rope_store_kernel(q_ref, k_ref, v_ref, q_norm_ref, k_norm_ref, cos_ref, sin
 
 def rope_store(qkv, q_norm, k_norm, cos, sin, pool, store_pages, store_slots, layer_offset,
                *, num_q_heads: int, eps: float, k_scale: float = 1.0, v_scale: float = 1.0,
-               interpret: bool = False):
+               norm_row=0, interpret: bool = False):
     """Norm and rotate q and k, store K/V: (q' [N, Hq * D] in qkv's dtype, pool).
 
     Args:
       qkv: [N, (Hq + 2 Hkv) * D], the fused projections' output, or a tuple
         (q [N, Hq * D], k [N, Hkv * D], v [N, Hkv * D]) (a tensor-parallel shard).
-      q_norm, k_norm: [D] head-norm weights. cos, sin: f32[N, D / 2] for each token's
-        position (`models.qwen3.rope_tables`, attention factor included).
+      q_norm, k_norm: [D] head-norm weights, or every layer's [L, D] with `norm_row`
+        (int or traced i32) the layer's row: a scanned step passes its stacks whole, so
+        no per-layer slice of them runs as a launch of its own ahead of the kernel.
+        cos, sin: f32[N, D / 2] for each token's position (`models.qwen3.rope_tables`,
+        attention factor included).
       pool: [Hkv, num_pages, num_layers, 2, page_size, D] (donate it: written in place).
       store_pages, store_slots: i32[N] from `store_targets`.
       layer_offset: the layer's offset in the pool, an int or a traced i32[].
@@ -185,6 +198,9 @@ def rope_store(qkv, q_norm, k_norm, cos, sin, pool, store_pages, store_slots, la
     if cos.shape != (n, head_dim // 2) or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must be [{n}, {head_dim // 2}], got {cos.shape} "
                          f"and {sin.shape}")
+    if q_norm.shape[-1] != head_dim or k_norm.shape != q_norm.shape or q_norm.ndim > 2:
+        raise ValueError(f"q_norm and k_norm must both be [{head_dim}] or [layers, "
+                         f"{head_dim}], got {q_norm.shape} and {k_norm.shape}")
     if store_pages.shape != (n,) or store_slots.shape != (n,):
         raise ValueError(f"store_pages and store_slots must be [{n}], got "
                          f"{store_pages.shape} and {store_slots.shape}")
@@ -199,25 +215,28 @@ def rope_store(qkv, q_norm, k_norm, cos, sin, pool, store_pages, store_slots, la
     kernel_rows = num_pages * num_layers * 2 * page_size
     k_rows = pool.reshape(num_kv_heads, kernel_rows, head_dim)
     offset = jnp.asarray(layer_offset, jnp.int32).reshape(1)
+    norm_row = jnp.asarray(norm_row if q_norm.ndim == 2 else 0, jnp.int32).reshape(1)
     row = lambda x: pl.BlockSpec((None, x.shape[1]), lambda i, h: (i, 0))
     whole = pl.BlockSpec(memory_space=None)
     pool_spec = pl.BlockSpec((None, kernel_rows, head_dim), lambda i, h: (h, 0, 0))
     kernel = functools.partial(
         _rope_store_kernel, q_col=cols[0], k_col=cols[1], v_col=cols[2], q_per_kv=q_per_kv,
         group=pow2_at_least(q_per_kv), eps=float(eps), k_scale=float(k_scale),
-        v_scale=float(v_scale), page_size=page_size, fp8=pool.dtype == jnp.float8_e4m3fn)
+        v_scale=float(v_scale), head_dim=head_dim, page_size=page_size,
+        fp8=pool.dtype == jnp.float8_e4m3fn)
     q_out, k_rows = pl.pallas_call(
         kernel,
         grid=(n, num_kv_heads),
-        in_specs=[row(q), row(k), row(v), whole, whole, row(cos), row(sin), whole, whole,
-                  whole, pool_spec],
+        in_specs=[row(q), row(k), row(v), whole, whole, whole, row(cos), row(sin), whole,
+                  whole, whole, pool_spec],
         out_specs=[pl.BlockSpec((None, num_q_heads * head_dim), lambda i, h: (i, 0)),
                    pool_spec],
         out_shape=[jax.ShapeDtypeStruct((n, num_q_heads * head_dim), q.dtype),
                    jax.ShapeDtypeStruct(k_rows.shape, pool.dtype)],
-        input_output_aliases={10: 1},
+        input_output_aliases={11: 1},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name=f"rope_store_g{q_per_kv}_d{head_dim}",
-    )(q, k, v, q_norm, k_norm, cos, sin, store_pages, store_slots, offset, k_rows)
+    )(q, k, v, q_norm.reshape(-1), k_norm.reshape(-1), norm_row, cos, sin, store_pages,
+      store_slots, offset, k_rows)
     return q_out, k_rows.reshape(pool.shape)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from models.checkpoint import fingerprint
-from models.layers import (FUSED_PROJECTIONS, fused_parts, layer_runs, stack_params,
+from models.layers import (FUSED_PROJECTIONS, fused_parts, layer_runs, scan_layers, stack_params,
                            step_params, unstack_layers, unstack_params)
 from models.qwen3 import Qwen3Config, dense_forward, init_params
 from unified_kv import CacheSpec
@@ -89,3 +89,32 @@ def test_the_step_form_fingerprints_like_the_checkpoint():
     changed = step_params({"target": params}, False)["target"]
     changed["layers"][1]["qkv"] = changed["layers"][1]["qkv"].at[0, -1].add(1.0)  # a v weight
     assert fingerprint(changed, fused=fused_parts(cfg)) != want
+
+
+def test_unsliced_weights_reach_the_layer_stacked_with_its_row():
+    """A scan hands `unsliced` names over whole, with the row of the layer at hand (here
+    a two-layer body run twice, then a lone layer); the others arrive sliced to that
+    row."""
+    full, slide = "full_attention", "sliding_attention"
+    cfg, spec = _spec((full, slide, full, slide, full))
+    runs = layer_runs(spec, "target", 5)
+    assert _shape(runs) == [(0, 2, 2), (4, 1, 1)]
+    layers = {"norm": jnp.arange(5 * 3, dtype=jnp.float32).reshape(5, 3),
+              "w": jnp.arange(5 * 2, dtype=jnp.float32).reshape(5, 2)}
+
+    def layer_fn(p, x, pools, layer, pool_id, offset):
+        norm = p["norm"]
+        picked = jax.lax.dynamic_index_in_dim(norm.stack, norm.row, keepdims=False)
+        assert norm.stack.shape == (5, 3) and p["w"].shape == (2,)
+        return x + (picked[0] / 3 - p["w"][0] / 2), pools   # 0 when row and slice agree
+
+    x, _, taps = scan_layers(layer_fn, layers, runs, jnp.zeros(1), (), taps=(0, 2, 4),
+                             unsliced=("norm",))
+    assert float(x[0]) == 0.0
+
+    def row_of(p, x, pools, layer, pool_id, offset):
+        return x * 0 + p["norm"].row.astype(x.dtype), pools
+
+    _, _, rows = scan_layers(row_of, layers, runs, jnp.zeros(()), (), taps=(0, 1, 2, 3, 4),
+                             unsliced=("norm",))
+    assert [int(r) for r in rows] == [0, 1, 2, 3, 4]

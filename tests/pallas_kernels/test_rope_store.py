@@ -102,6 +102,21 @@ def check_kernel(args, split, interpret, heads, kv_heads, dim, **kw):
     assert ((got != UNWRITTEN) == (want != UNWRITTEN)).all()
     # K and V of 4 + 3 + 4 tokens (row 2's fifth falls on a BAD page; row 3 is padding)
     assert (want != UNWRITTEN).sum() == 2 * kv_heads * dim * 11
+    # Every layer's norm weights with a traced row (a scan's form): the same bits as the
+    # row's own [D] weights, in the kernel and in the reference.
+    rng = np.random.default_rng(7)
+    stacks = {name: jnp.stack([jnp.asarray(1 + 0.1 * rng.standard_normal(dim), w.dtype), w,
+                               jnp.asarray(1 + 0.1 * rng.standard_normal(dim), w.dtype)])
+              for name, w in (("q_norm", args["q_norm"]), ("k_norm", args["k_norm"]))}
+    stacked_q, stacked_pool = jax.jit(
+        lambda a, o, r: rope_store(**dict(a, **stacks), layer_offset=o, norm_row=r,
+                                   interpret=interpret, **kw))(args, jnp.int32(2), jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(stacked_q, np.float32), np.asarray(got_q, np.float32))
+    np.testing.assert_array_equal(np.asarray(stacked_pool, np.float32), got)
+    ref_q, ref_pool = rope_store_reference(**dict(args, pool=args["pool"] + 0, **stacks),
+                                           layer_offset=2, norm_row=jnp.int32(1), **kw)
+    np.testing.assert_array_equal(np.asarray(ref_q, np.float32), np.asarray(want_q, np.float32))
+    np.testing.assert_array_equal(np.asarray(ref_pool, np.float32), want)
 
 
 @pytest.mark.parametrize("dtype,k_scale,v_scale", [(jnp.bfloat16, 1.0, 1.0),
