@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from models.checkpoint import fingerprint
 from models.layers import (FUSED_PROJECTIONS, fused_parts, layer_runs, scan_layers, stack_params,
