@@ -23,8 +23,8 @@
 # attention's small-batch key splits of 256 keys (the default) and 512, on the same
 # weights in one call, into scale_splits.json.
 # scale_gemm_tuning (not in the default list): the batch-1 8B-shaped steps with XLA's
-# while-loop unroller on (static weight slices, autotuned matmuls), into
-# scale_xla_full_unroll.json.
+# while-loop unroller on, into scale_xla_full_unroll.json: whether static weight slices
+# get the matmuls autotuned, and at what compile time.
 # graph_loops_serving, graph_loops_scale (not in the default list): XLA command buffers
 # that also take loops (StepConfig.graph_loops) beside the default, same call: the demo
 # and handoff with one profiled run each, into graphs_{off,on}/; the 8B-shaped batch-1
@@ -183,10 +183,10 @@ for stage in "${stages[@]}"; do
         rm -rf "$OUT/graphs_$g"/trace_* "$OUT/graphs_$g"/demo_profile_*  # the log has them
       done ;;
     scale_gemm_tuning)
-      # the batch-1 8B-shaped steps with XLA's while-loop unroller taking the layer scan
-      # apart after tracing: static weight slices, whose matmuls the autotuner sees (the
-      # scan's matmuls read their weights through dynamic-slice fusions, which it skips;
-      # docs/decisions.md, Layers in a step); step and compile time beside `scale_splits`
+      # the batch-1 8B-shaped steps with XLA's while-loop unroller taking the loops apart
+      # after tracing: with static weight slices the autotuner may see the matmuls it
+      # skips behind the scan's dynamic-slice fusions (docs/decisions.md, Layers in a
+      # step); step and compile time beside `scale_splits`
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL" \
         run 400 scale_full_unroll python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
           --layer-loop scan --steps 8 --tag _xla_full_unroll ;;
