@@ -22,9 +22,8 @@
 # scale_splits (not in the default list): the batch-1 8B-shaped steps with the Gluon
 # attention's small-batch key splits of 256 keys (the default) and 512, on the same
 # weights in one call, into scale_splits.json.
-# scale_gemm_tuning (not in the default list): the batch-1 8B-shaped steps with XLA's
-# while-loop unroller on, into scale_xla_full_unroll.json: whether static weight slices
-# get the matmuls autotuned, and at what compile time.
+# scale_b1 (not in the default list): the batch-1 8B-shaped steps at 1K alone (the goal
+# keys of `scale` without batch 32), into scale_b1.json.
 # graph_loops_serving, graph_loops_scale (not in the default list): XLA command buffers
 # that also take loops (StepConfig.graph_loops) beside the default, same call: the demo
 # and handoff with one profiled run each, into graphs_{off,on}/; the 8B-shaped batch-1
@@ -55,7 +54,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_gemm_tuning|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_b1|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -182,14 +181,6 @@ for stage in "${stages[@]}"; do
           --profile "$OUT/graphs_$g" $([ $g = on ] && echo --graph-loops)
         rm -rf "$OUT/graphs_$g"/trace_* "$OUT/graphs_$g"/demo_profile_*  # the log has them
       done ;;
-    scale_gemm_tuning)
-      # the batch-1 8B-shaped steps with XLA's while-loop unroller taking the loops apart
-      # after tracing: with static weight slices the autotuner may see the matmuls it
-      # skips behind the scan's dynamic-slice fusions (docs/decisions.md, Layers in a
-      # step); step and compile time beside `scale_splits`
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL" \
-        run 400 scale_full_unroll python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
-          --layer-loop scan --steps 8 --tag _xla_full_unroll ;;
     graph_loops_scale)
       for g in off on; do
         run 280 scale_graphs_$g python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
@@ -218,6 +209,9 @@ for stage in "${stages[@]}"; do
       # arithmetic; fewer trips of the layer loop)
       run 330 scale_unroll python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
         --layer-loop scan --scan-unroll 4 --steps 8 --tag _unroll4 ;;
+    scale_b1)
+      run 330 scale_b1 python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
+        --layer-loop scan --steps 8 --tag _b1 ;;
     scale_splits)
       run 540 scale_splits python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
         --layer-loop scan --steps 8 --split-keys 256 512 --tag _splits ;;
