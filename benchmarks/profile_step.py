@@ -43,7 +43,6 @@ from drafter.default import default_step_config, load_default
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
 from drafter.shapes import qwen3_8b_pair, random_params
-from models import layers
 from models.layers import step_params
 from pallas_kernels import launch_plan
 
@@ -279,14 +278,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--split-keys", type=int, default=None,
                     help="keys per attention key split at small batch for this run "
                          "(launch_plan.SMALL_BATCH_SPLIT_KEYS; 0: none)")
-    ap.add_argument("--streamed-rows", type=int, default=None,
-                    help="rows up to which stacked weights stream through the Triton kernel "
-                         "for this run (models.layers.STREAMED_ROWS; 0: XLA's matmul only)")
     args = ap.parse_args(argv)
     if args.split_keys is not None:
         launch_plan.SMALL_BATCH_SPLIT_KEYS = args.split_keys
-    if args.streamed_rows is not None:
-        layers.STREAMED_ROWS = args.streamed_rows
     params, tcfg, dcfg, config = load_pair(args)
     bw = device_copy_bandwidth(64 << 20, 3) if args.quick else device_copy_bandwidth()
     weights_t, weights_d = weight_read_bytes(params)
@@ -294,15 +288,13 @@ def main(argv=None) -> dict:
     label = (f"{'embedded pair' if args.pair == 'embedded' else f'L{args.layers}'} "
              f"b{args.batch} ctx{args.context} {'scan' if scans else 'unrolled'} "
              f"{args.precision} split{launch_plan.SMALL_BATCH_SPLIT_KEYS} "
-             f"streamed{layers.STREAMED_ROWS} "
              f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{label}: copy bandwidth {bw / 1e12:.2f} TB/s; weight-read bound plain "
           f"{weights_t / bw * 1e3:.3f} ms, speculative {(weights_t + weights_d) / bw * 1e3:.3f} ms",
           flush=True)
     rng = np.random.default_rng(0)
     report = {"label": label, "copy_bandwidth_bytes_per_s": bw,
-              "small_batch_split_keys": launch_plan.SMALL_BATCH_SPLIT_KEYS,
-              "streamed_rows": layers.STREAMED_ROWS}
+              "small_batch_split_keys": launch_plan.SMALL_BATCH_SPLIT_KEYS}
     for name, speculative in (("plain", False), ("speculative", True)):
         if speculative and args.plain_only:
             break

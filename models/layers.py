@@ -37,14 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention import resolve_impl
 from unified_kv import CacheSpec, LayerSpec
 
 MAX_PERIOD = 4  # longest repeating pattern of layer kinds one scan body holds
-# Rows up to which a GPU step streams a stacked bf16 weight with its own kernel
-# (`linear`): a decode row, or a speculative block of 16. Past them the weight's reads
-# are shared by enough rows that XLA's matmul is at least as fast (small_batch_linear.json).
-STREAMED_ROWS = 16
 
 
 def stack_layers(layers) -> dict:
@@ -173,22 +168,6 @@ class LayerRow(NamedTuple):
 
     stack: jax.Array
     row: jax.Array
-
-
-def linear(x, w, *, impl: str = "auto"):
-    """x [..., K] @ w, in x's dtype. `w` is a [K, N] array or a `LayerRow` of a stacked
-    [L, K, N] one. A row of bf16 weights at up to `STREAMED_ROWS` rows on a GPU
-    ("pallas" `impl`) streams through `pallas_kernels.small_batch_linear`, reading the
-    row in place; otherwise XLA's matmul reads the row's slice."""
-    if not isinstance(w, LayerRow):
-        return x @ w
-    rows = int(np.prod(x.shape[:-1]))
-    if (resolve_impl(impl) == "pallas" and rows <= STREAMED_ROWS
-            and x.dtype == w.stack.dtype == jnp.bfloat16):
-        from pallas_kernels.small_batch_linear import linear_parts  # Triton: GPU only
-        parts = linear_parts(x.reshape(rows, x.shape[-1]), w.stack, w.row)
-        return parts.sum(0).astype(x.dtype).reshape(*x.shape[:-1], -1)
-    return x @ jax.lax.dynamic_index_in_dim(w.stack, w.row, keepdims=False)
 
 
 def scan_layers(layer_fn, layers, runs: tuple[LayerRun, ...], x, pools, *,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from pallas_kernels.rope_store import split_projections, store_targets
 from unified_kv import CacheSpec, LayerSpec, layer_name
 from models.attention import attend, attend_draft_block, store_rotated_kv
-from models.layers import layer_runs, linear, scan_layers, unstack_layers
+from models.layers import layer_runs, scan_layers, unstack_layers
 from models.rope import RopeScaling, rope_frequencies
 
 
@@ -160,11 +160,10 @@ def rope(x, positions, theta, scaling: RopeScaling | None = None):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def mlp(p, x, impl: str = "auto"):
-    """SwiGLU over separate gate / up weights, or the step form's fused "gate_up" (an
-    array, or a scan's `LayerRow`: models.layers.linear)."""
+def mlp(p, x):
+    """SwiGLU over separate gate / up weights, or the step form's fused "gate_up"."""
     if "gate_up" in p:
-        gate, up = jnp.split(linear(x, p["gate_up"], impl=impl), 2, axis=-1)
+        gate, up = jnp.split(x @ p["gate_up"], 2, axis=-1)
     else:
         gate, up = x @ p["gate"], x @ p["up"]
     return (jax.nn.silu(gate) * up) @ p["down"]
@@ -209,17 +208,16 @@ def lm_head(params, cfg, x):
             ).astype(jnp.float32)
 
 
-def decoder_layer(p, x, cfg, attention, impl: str = "auto"):
+def decoder_layer(p, x, cfg, attention):
     """x += attn(norm(x)); x += mlp(norm(x)).
 
     `attention(p, h [B,T,H]) -> [B,T,Hq,D]` is the one part the paged, dense and
     draft-block paths do differently (`rotated` builds the last two). `cfg` is a
-    Qwen3Config or a DFlashConfig (same head and norm fields). `impl` picks the
-    MLP's kernel where its weight is a scan's `LayerRow` (`mlp`).
+    Qwen3Config or a DFlashConfig (same head and norm fields).
     """
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
     x = x + attention(p, h).reshape(x.shape[0], x.shape[1], -1) @ p["o"]
-    return x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps), impl)
+    return x + mlp(p, rms_norm(x, p["post_norm"], cfg.rms_norm_eps))
 
 
 def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, starts,
@@ -259,12 +257,12 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
             return attend(q.reshape(b, t, cfg.num_heads, cfg.head_dim), pools[pool_id],
                           tables[pool_id], kv_lens, num_tokens, layer, offset, impl=impl)
 
-        return decoder_layer(p, x, cfg, paged, impl), tuple(pools)
+        return decoder_layer(p, x, cfg, paged), tuple(pools)
 
     x, pools, features = scan_layers(
         layer_fn, params["layers"], layer_runs(spec, "target", cfg.num_layers),
         params["embed"][tokens], tuple(pools), taps=tuple(feature_layers), unroll=scan_unroll,
-        unsliced=("q_norm", "k_norm", "gate_up"))
+        unsliced=("q_norm", "k_norm"))
     feats = jnp.concatenate(features, axis=-1) if feature_layers else None
     return lm_head(params, cfg, x), pools, feats
 
@@ -285,10 +283,9 @@ def block_forward(layers, cfg, spec: CacheSpec, pools, tables, x, positions, ctx
             return attend_draft_block(q, pools[pool_id], tables[pool_id], ctx_lens, block_lens,
                                       k, v, layer, offset, causal_in_block=causal, impl=impl)
 
-        return decoder_layer(p, x, cfg, rotated(paged_block, positions, cfg), impl), ()
+        return decoder_layer(p, x, cfg, rotated(paged_block, positions, cfg)), ()
 
-    x, _, _ = scan_layers(layer_fn, layers, layer_runs(spec, "draft", cfg.num_layers), x, (),
-                          unsliced=("gate_up",))
+    x, _, _ = scan_layers(layer_fn, layers, layer_runs(spec, "draft", cfg.num_layers), x, ())
     return x
 
 

@@ -1,5 +1,4 @@
-"""Call a Gluon kernel (Triton's layout-explicit language), or a plain Triton kernel, from
-JAX on a CUDA GPU.
+"""Call a Gluon kernel (Triton's layout-explicit language) from JAX on a CUDA GPU.
 
     out = gluon_call(kernel, q, k_pool, table, 32768, out_shape=jax.ShapeDtypeStruct(...),
                      grid=(512,), num_warps=2, constexprs={"ROWS": 16})
@@ -104,15 +103,12 @@ def compile_gluon(kernel, sig_items: tuple, constexprs: tuple, num_warps: int, c
     declared 16-byte aligned, as XLA's buffers are."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = dict(sig_items)
     pointers = [(i,) for i, t in enumerate(sig.values()) if t.startswith("*")]
-    # a plain @triton.jit kernel goes through Triton's layout-choosing pipeline
-    source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
-    source = source_type(fn=kernel, signature=sig, constexprs=dict(constexprs),
-                         attrs={p: [["tt.divisibility", 16]] for p in pointers})
+    source = GluonASTSource(fn=kernel, signature=sig, constexprs=dict(constexprs),
+                            attrs={p: [["tt.divisibility", 16]] for p in pointers})
     # FMA fusion pinned on: Triton's default changes in 3.10, and decode and verify
     # must keep the arithmetic their bit-for-bit tests were measured with.
     return triton.compile(source, target=GPUTarget("cuda", capability, 32),

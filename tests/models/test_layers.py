@@ -1,15 +1,12 @@
-"""Layers as scans: runs of alike layers, the stacked form, one fingerprint for both forms,
-and stacked weights read in place (`linear`)."""
+"""Layers as scans: runs of alike layers, the stacked form, and one fingerprint for both forms."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from models.checkpoint import fingerprint
-from models.layers import (FUSED_PROJECTIONS, LayerRow, fused_parts, layer_runs, linear,
-                           scan_layers, stack_params, step_params, unstack_layers,
-                           unstack_params)
+from models.layers import (FUSED_PROJECTIONS, fused_parts, layer_runs, scan_layers, stack_params,
+                           step_params, unstack_layers, unstack_params)
 from models.qwen3 import Qwen3Config, dense_forward, init_params
 from unified_kv import CacheSpec
 
@@ -120,34 +117,3 @@ def test_unsliced_weights_reach_the_layer_stacked_with_its_row():
     _, _, rows = scan_layers(row_of, layers, runs, jnp.zeros(()), (), taps=(0, 1, 2, 3, 4),
                              unsliced=("norm",))
     assert [int(r) for r in rows] == [0, 1, 2, 3, 4]
-
-
-def test_linear_streams_a_stacked_bf16_row_on_gpus_at_few_rows(monkeypatch):
-    """`linear` hands a `LayerRow` to the streaming kernel only on the GPU route, for bf16
-    at up to STREAMED_ROWS rows (the kernel is stood in for by its reference here: the
-    launch itself is a GPU test); every other case is XLA's matmul of the row's slice,
-    and the result is x @ w[row] either way."""
-    pytest.importorskip("triton", reason="the kernel's module imports Triton")
-    from pallas_kernels import small_batch_linear as sbl
-    calls = []
-
-    def parts_by_reference(x, stack, row):
-        calls.append(x.shape[0])
-        return sbl.linear_reference(x, stack, row, splits=2)
-
-    monkeypatch.setattr(sbl, "linear_parts", parts_by_reference)
-    stack = jax.random.normal(jax.random.key(0), (3, 64, 48), jnp.float32)
-    for dtype, rows, impl, streamed in [(jnp.bfloat16, 16, "pallas", True),
-                                        (jnp.bfloat16, 17, "pallas", False),
-                                        (jnp.bfloat16, 4, "reference", False),
-                                        (jnp.bfloat16, 4, "interpret", False),
-                                        (jnp.float32, 4, "pallas", False)]:
-        calls.clear()
-        x = jax.random.normal(jax.random.key(rows), (1, rows, 64), jnp.float32).astype(dtype)
-        w = stack.astype(dtype)
-        got = linear(x, LayerRow(w, jnp.int32(1)), impl=impl)
-        assert calls == ([rows] if streamed else []), (dtype, rows, impl)
-        want = np.asarray(x, np.float32) @ np.asarray(w[1], np.float32)
-        assert got.shape == (1, rows, 48) and got.dtype == dtype
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=5e-2)
-    assert linear(x, w[1]).shape == (1, 4, 48)   # a plain weight is a plain matmul
