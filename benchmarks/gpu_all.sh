@@ -24,6 +24,9 @@
 # weights in one call, into scale_splits.json.
 # scale_b1 (not in the default list): the batch-1 8B-shaped steps at 1K alone (the goal
 # keys of `scale` without batch 32), into scale_b1.json.
+# scale_batches, scale_32k (not in the default list): the 8B-shaped steps at batches 8 and
+# 64 (1K), and at 32K contexts for batches 1 and 8, into scale_batches.json and
+# scale_32k.json (a run cut at its limit keeps the rows it finished).
 # graph_loops_serving, graph_loops_scale (not in the default list): XLA command buffers
 # that also take loops (StepConfig.graph_loops) beside the default, same call: the demo
 # and handoff with one profiled run each, into graphs_{off,on}/; the 8B-shaped batch-1
@@ -54,7 +57,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_b1|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_b1|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -212,6 +215,12 @@ for stage in "${stages[@]}"; do
     scale_b1)
       run 330 scale_b1 python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
         --layer-loop scan --steps 8 --tag _b1 ;;
+    scale_batches)
+      run 560 scale_batches python3 benchmarks/bench_scale.py --out "$OUT" --batches 8 64 \
+        --layer-loop scan --steps 8 --tag _batches ;;
+    scale_32k)
+      run 560 scale_32k python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 8 \
+        --contexts 32768 --layer-loop scan --steps 8 --tag _32k ;;
     scale_splits)
       run 540 scale_splits python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
         --layer-loop scan --steps 8 --split-keys 256 512 --tag _splits ;;
