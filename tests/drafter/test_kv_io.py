@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from drafter.engine import Engine
-from drafter import kv_io
 from drafter.kv_io import live_logical_pages, page_bucket
 from drafter.steps import empty_slots
 from tests.compile_log import compiled_in
