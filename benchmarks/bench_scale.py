@@ -215,8 +215,11 @@ def main(argv=None) -> dict:
           flush=True)
     # once, in the form the steps run (the engines then take them as they are)
     probe = step_config(tcfg, dcfg, 1, 1024, args.layer_loop)
-    params = random_params(tcfg, dcfg)
-    params = step_params(params, probe.scans_layers)
+    start = time.perf_counter()
+    params = step_params(random_params(tcfg, dcfg), probe.scans_layers)
+    jax.block_until_ready(params)
+    # progress: a run that stalls before its first row shows where
+    print(f"random weights in step form: {time.perf_counter() - start:.1f} s", flush=True)
     report = {"device": jax.devices()[0].device_kind, "target_layers": args.layers,
               "layer_loop": "scan" if probe.scans_layers else "unrolled",
               "scan_unroll": args.scan_unroll, "graph_loops": args.graph_loops,
