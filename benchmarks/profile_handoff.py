@@ -33,7 +33,7 @@ from drafter.default import default_step_config, load_default, load_prompts
 
 MODES = ("aggregated", "disagg-shared")
 # the labels `instrumented` puts on a trace besides the jitted calls' own
-ANNOTATED = ("collect", "gen collect", "ctx collect", "book_first_tokens")
+ANNOTATED = ("collect", "gen collect", "ctx collect", "book_first_tokens", "gen poll")
 
 
 def _wrap(obj, name: str, label: str, events: list) -> None:
@@ -57,9 +57,11 @@ def instrumented(engine, events: list):
     contexts = [ctx.engine for ctx in getattr(engine.kv_source, "contexts", ())]
     for e, who in [(engine, "gen" if contexts else "")] + [(c, "ctx") for c in contexts]:
         for name, label in (("_step_fn", "step"), ("_import", "import"),
-                            ("_export", "export")):
+                            ("_import_then_step_fn", "import+step"), ("_export", "export")):
             _wrap(e.executor, name, f"{who} {label}".strip(), events)
         _wrap(e, "_collect", f"{who} collect".strip(), events)
+    if contexts:
+        _wrap(engine.kv_source, "poll", "gen poll", events)
     _wrap(engine.arrivals, "_book_first_tokens", "book_first_tokens", events)
     return engine
 
