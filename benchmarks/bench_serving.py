@@ -81,7 +81,7 @@ def calls_of(engine: Engine) -> collections.Counter:
 
 def demo_part(params, cfg, prompts, max_new: int, repeats: int,
               max_num_batched_tokens: int | None = None, profile_dir: str | None = None,
-              modes=DEMO_MODES, **engine_kwargs) -> dict:
+              modes=DEMO_MODES) -> dict:
     """Every mode's engine is built and compiled first; then `repeats` rounds each run
     every mode once, in an order that rotates by round, so drift (clocks, the host)
     falls on all modes alike. Per mode: median tokens/s over the rounds; `paired` ratios
@@ -92,8 +92,7 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
     engines = {}
     for mode in modes:
         engines[mode] = make_engine(mode, params, cfg,
-                                    max_num_batched_tokens=max_num_batched_tokens,
-                                    **engine_kwargs)
+                                    max_num_batched_tokens=max_num_batched_tokens)
         for _ in range(cfg.graph_copies):  # compile (every copy) outside the timing
             engines[mode].generate(prompts, max_new)
     runs = {m: {"rates": [], "ttfts": [], "als": [], "tokens": None, "calls": {}} for m in modes}
@@ -160,11 +159,11 @@ def move_ms(payload) -> float:
     return 1e3 * best
 
 
-def handoff_part(params, cfg, prompts_by_len, repeats: int, **engine_kwargs) -> dict:
+def handoff_part(params, cfg, prompts_by_len, repeats: int) -> dict:
     # One decode step per call on both sides: the first generation step's token then
     # comes from one step in either mode (the aggregated engine would otherwise run its
     # first decode call as several steps, the disaggregated one, importing, as one).
-    agg, dis = (make_engine(mode, params, cfg, decode_steps_per_call=1, **engine_kwargs)
+    agg, dis = (make_engine(mode, params, cfg, decode_steps_per_call=1)
                 for mode in ("aggregated", "disagg-shared"))
     captured = []
     source = dis.kv_source
@@ -275,12 +274,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--graph-calls", nargs="+", choices=CALL_KINDS, default=list(CALL_KINDS),
                     help="demo, handoff and load parts: StepConfig.graph_calls (the kinds of "
                          "call that launch as CUDA graphs; the others launch kernel by kernel)")
-    ap.add_argument("--imports-in-step", choices=("on", "off"), default=None,
-                    help="demo and handoff parts: a generation step's imports inside its "
-                         "decode call (Engine's imports_in_step; default: the engine's own)")
     args = ap.parse_args(argv)
-    imports_in_step = {None: {}, "on": {"imports_in_step": True},
-                       "off": {"imports_in_step": False}}[args.imports_in_step]
     params, tcfg, dcfg = load_default()
     cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
                               graph_loops=args.graph_loops, graph_copies=args.graph_copies)
@@ -290,7 +284,6 @@ def main(argv=None) -> dict:
     for q in held_out:
         by_len.setdefault(q["length"], q["tokens"])
     report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()),
-              "imports_in_step": args.imports_in_step or "engine default",
               "graph_loops": args.graph_loops, "graph_copies": args.graph_copies,
               "graph_calls": list(cfg.graph_calls)}
     if args.quick:
@@ -316,8 +309,7 @@ def main(argv=None) -> dict:
         print("demo workload:", flush=True)
         modes = ["aggregated"] + [m for m in args.demo_modes if m != "aggregated"]
         report["demo"] = d = demo_part(params, cfg, demo_prompts, new, repeats,
-                                       args.max_num_batched_tokens, args.profile, modes,
-                                       **imports_in_step)
+                                       args.max_num_batched_tokens, args.profile, modes)
         base = d["aggregated"]
         for mode, key in (("disagg-shared", "disagg_shared_over_aggregated"),
                           ("disagg-shared-threaded", "disagg_shared_threaded_over_aggregated")):
@@ -329,8 +321,7 @@ def main(argv=None) -> dict:
         save()
     if "handoff" in args.parts:
         print("handoff (one request at a time):", flush=True)
-        report["handoff"] = handoff_part(params, cfg, handoff_prompts, repeats,
-                                         **imports_in_step)
+        report["handoff"] = handoff_part(params, cfg, handoff_prompts, repeats)
         report["handoff_overhead_ms_p50"] = report["handoff"]["handoff_overhead_ms_p50"]
         save()
     if "engine" in args.parts:

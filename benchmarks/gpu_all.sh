@@ -33,8 +33,6 @@
 # steps into scale_b1_graphs_{off,on}.json.
 # graph_copies (not in the default list): the demo with one program per step variant
 # beside two alternated copies (StepConfig.graph_copies), and the copies' graph records.
-# imports_in_step (not in the default list): serving.json with a step's imports inside
-# its decode call (the engines' GPU default), beside the demo and handoff without.
 # graph_calls (not in the default list): the demo and short handoffs with transfers,
 # then prefills too, launched kernel by kernel rather than as CUDA graphs
 # (StepConfig.graph_calls).
@@ -59,7 +57,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_b1|imports_in_step|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_b1|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -165,16 +163,6 @@ for stage in "${stages[@]}"; do
       run 30 graph_copies_records python3 benchmarks/graph_records.py \
         "$OUT/graph_copies_records_log.txt"
       [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/graph_copies_records_log.txt" ;;
-    imports_in_step)
-      # the engines' default on the GPU (a step's imports inside its decode call), every
-      # demo mode and the handoff, into serving.json; then the demo's shared mode and
-      # short handoffs with imports in calls of their own, the baseline, same call
-      run 330 serving python3 benchmarks/bench_serving.py --out "$OUT" \
-        --parts demo handoff --repeats 9 --handoff-lengths 128 512 2048 8192
-      mkdir -p "$OUT/imports_in_step_off"
-      run 200 serving_imports_in_step_off python3 benchmarks/bench_serving.py \
-        --out "$OUT/imports_in_step_off" --parts demo handoff --repeats 9 \
-        --demo-modes disagg-shared --handoff-lengths 128 512 2048 --imports-in-step off ;;
     graph_calls)
       # the demo and a 128/512-token handoff with every kind of call as CUDA graphs (the
       # default) beside transfers, then prefills too, launched kernel by kernel

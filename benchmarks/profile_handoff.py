@@ -57,7 +57,7 @@ def instrumented(engine, events: list):
     contexts = [ctx.engine for ctx in getattr(engine.kv_source, "contexts", ())]
     for e, who in [(engine, "gen" if contexts else "")] + [(c, "ctx") for c in contexts]:
         for name, label in (("_step_fn", "step"), ("_import", "import"),
-                            ("_import_then_step_fn", "import+step"), ("_export", "export")):
+                            ("_export", "export")):
             _wrap(e.executor, name, f"{who} {label}".strip(), events)
         _wrap(e, "_collect", f"{who} collect".strip(), events)
     if contexts:

@@ -64,11 +64,6 @@ class Engine:
         device while nothing waits to be admitted, prefilled or imported (one
         host round trip per call). Default: 8 on an accelerator, 1 on CPU
         (where compile time, not the host loop, is the cost).
-      imports_in_step: a step's imports (shared mode), or a call's worth of them, run inside
-        its decode call when they
-        fit it (`Executor._dispatch_imports`): one launch fewer between a
-        request's arrival and its first generation step. Default: on an accelerator,
-        not on CPU (where it is one more program to compile, not a launch saved).
       batch_invariant: every prefill call runs the step's full prefill rows (a lone
         prompt's padded), so each kind of call has one shape and a request's tokens do
         not depend on what shares its steps: matmuls round by their shapes, and
@@ -79,8 +74,7 @@ class Engine:
                  max_num_batched_tokens: int | None = None, kv_source: KVSource | None = None,
                  export: bool = False, mode: str = "shared", lookahead: bool = True,
                  eos_token_ids=(), kv_timeout_s: float = 60.0,
-                 decode_steps_per_call: int | None = None, imports_in_step: bool | None = None,
-                 batch_invariant: bool = False):
+                 decode_steps_per_call: int | None = None, batch_invariant: bool = False):
         if speculative and cfg.draft is None:
             raise ValueError("speculative=True needs StepConfig.draft (a DFlash config)")
         if mode not in ("shared", "private"):
@@ -106,11 +100,8 @@ class Engine:
                                    lookahead=int(lookahead), eos_token_ids=eos_token_ids,
                                    decode_steps=self.decode_steps)
         # a step exports at most its prefill rows; imports are grouped as many
-        if imports_in_step is None:
-            imports_in_step = jax.default_backend() != "cpu"
         self.executor = Executor(params, cfg, mesh=mesh, speculative=self.speculative,
-                                 mode=mode, transfer_rows=self.scheduler.max_prefill_rows,
-                                 imports_in_step=imports_in_step)
+                                 mode=mode, transfer_rows=self.scheduler.max_prefill_rows)
         self._inflight: deque = deque()  # dispatched steps not yet read, oldest first
         self._exports: list[Export] = []
         self.arrivals = Arrivals(self.scheduler)
@@ -325,7 +316,7 @@ class Engine:
         lengths = range(max(min_len, 1), max_len + 1)
         if self.scheduler.export or self.kv_source is not None:   # one per page bucket
             self.executor.warm_transfers(lengths, exports=self.scheduler.export,
-                                         imports=self.kv_source is not None, sampled=sampled)
+                                         imports=self.kv_source is not None)
         if (warm_source := getattr(self.kv_source, "warmup", None)) is not None:
             warm_source(max_len, min_len, sampled=sampled)   # in-process senders' steps
         jax.block_until_ready(self.state)
@@ -350,15 +341,13 @@ class Engine:
         return self.scheduler.max_prefill_rows
 
     def _dispatch(self, plan):
-        accepted, imported = self._accept_arrivals(plan.imports)
+        imported = self._import_arrived(plan.imports, plan.reset_slots)
+        if any(got is not None for got in imported):
+            plan.reset_slots = []  # the first import call emptied them
         steady = not (plan.prefill or plan.imports or plan.reset_slots or plan.fetch
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
-        outputs, oks = self.executor.run(
-            plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
-            decode_steps=self.decode_steps if steady else 1,
-            arrivals=[(seq.slot, payload, seq.request.params) for _, seq, payload in accepted])
-        for (k, _, payload), ok in zip(accepted, oks):
-            imported[k] = (ok, payload.first_token, payload.origin)
+        outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
+                                    decode_steps=self.decode_steps if steady else 1)
         leaving = [(i, chunk.seq) for i, chunk in enumerate(plan.prefill)
                    if chunk.seq in plan.exports]
         if leaving:
@@ -369,10 +358,11 @@ class Engine:
                 self.scheduler.release_exported(seq)
         return plan, outputs, imported
 
-    def _accept_arrivals(self, seqs) -> tuple[list, list]:
-        """The arrived payloads this worker can import: ([(k, seq, payload)], per seq
-        None); a request whose payload cannot be for this worker ends here (its None
-        stays)."""
+    def _import_arrived(self, seqs, reset_slots) -> list:
+        """Dispatch the imports of arrived payloads (the first call empties `reset_slots`
+        before importing); per request (ok, first token, origin), ok and the token
+        on the device, or None when its payload cannot be for this worker (the request
+        fails)."""
         accepted, out = [], [None] * len(seqs)
         for k, seq in enumerate(seqs):
             payload, seq.kv = seq.kv, None
@@ -384,7 +374,11 @@ class Engine:
                                       f"{request.request_id!r}: KV import refused: {problem}")
             else:
                 accepted.append((k, seq, payload))
-        return accepted, out
+        done = self.executor.import_payloads([(seq.slot, payload, seq.request.params)
+                                              for _, seq, payload in accepted], reset_slots)
+        for (k, _, payload), ok in zip(accepted, done):
+            out[k] = (ok, payload.first_token, payload.origin)
+        return out
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
         outputs, imported = jax.device_get((outputs, imported))

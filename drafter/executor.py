@@ -17,12 +17,10 @@ import jax
 import numpy as np
 
 from drafter.kv_io import (KVPayload, call_groups, export_payloads, pack_import_index,
-                           padded_rows, receiver_shardings, sent_logical_pages, sent_pool_ids,
-                           transfer_shapes)
+                           padded_rows, receiver_shardings, sent_pool_ids, transfer_shapes)
 from drafter.mixed_step import StepBatch, pack_batch, unpack_outputs
-from drafter.programs import (Copies, export_step_for, import_step_for,
-                              import_then_step_for, packed_step_for, redraft_step_for,
-                              traced_on_mesh)
+from drafter.programs import (Copies, export_step_for, import_step_for, packed_step_for,
+                              redraft_step_for, traced_on_mesh)
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
 from models.layers import step_params
@@ -33,15 +31,12 @@ class Executor:
     """Args: params, cfg, mesh (None: the default device), speculative, mode
     ("shared" / "private": which pools an export sends and an import expects),
     transfer_rows (requests of one page bucket an export or import call takes; a call
-    runs 1 row or this many), imports_in_step (shared mode: a step's imports, or one call's
-    worth of them, run inside its decode call when `_dispatch_imports` allows)."""
+    runs 1 row or this many)."""
 
     def __init__(self, params, cfg: StepConfig, *, mesh, speculative: bool, mode: str,
-                 transfer_rows: int = 1, imports_in_step: bool = False):
+                 transfer_rows: int = 1):
         self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
         self.transfer_rows = transfer_rows
-        # shared mode only: private mode redrafts its arrivals between import and step
-        self.imports_in_step = imports_in_step and mode == "shared"
         self.speculative, self.mode = speculative, mode
         # Layers as the steps run them (stacked for a scan, else one dict per layer;
         # projections fused), converted once: it copies every layer weight.
@@ -54,7 +49,6 @@ class Executor:
         self._steps = {kind: Copies(on_mesh(packed_step_for(cfg, kind, c)) for c in copies)
                        for kind in ("prefill", "decode")}
         self._imports = Copies(on_mesh(import_step_for(cfg, c)) for c in copies)
-        self._imports_then_steps = Copies(on_mesh(import_then_step_for(cfg, c)) for c in copies)
         self._exports = Copies(on_mesh(export_step_for(cfg, c)) for c in copies)
         self._redraft = on_mesh(redraft_step_for(cfg))
         self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
@@ -104,17 +98,12 @@ class Executor:
 
     # ------------------------------------------------------------ steps
 
-    def run(self, plan: StepPlan, *, prefill_rows: int, decode_steps: int,
-            arrivals=()) -> tuple[list, list]:
-        """Dispatch a plan's imports, prefill chunks and decode rows. arrivals: (slot,
-        payload, SamplingParams) per import (the plan's, as the host accepted them),
-        imported first: one group inside the decode call when `_dispatch_imports` leaves
-        it there, the rest by calls of their own. Returns ([(packed outputs, decode steps)] per
-        step call, per arrival its ok: bool[] on the device)."""
+    def run(self, plan: StepPlan, *, prefill_rows: int, decode_steps: int) -> list:
+        """Dispatch a plan's prefill chunks and decode rows (imports first, by
+        `import_payloads`). Returns [(packed outputs, decode steps)] per call."""
         block = self.cfg.block_size
         for slot in plan.reset_slots:
             self.len_bound[slot] = 0
-        self._book_arrivals(arrivals)
         batch = self._empty_batch(prefill_rows)
         batch.reset_slots[:len(plan.reset_slots)] = plan.reset_slots
         sampled = []
@@ -140,12 +129,6 @@ class Executor:
             self.len_bound[seq.slot] += k * block
         greedy = not np.any(self.temperatures[sampled]) if sampled else True
         width = self.table_width(max_len)
-        imports, oks = None, []
-        if arrivals:  # the imports take the step's resets (they empty slots first)
-            in_step = plan.decode and not plan.prefill and self.imports_in_step
-            oks, imports = self._dispatch_imports(arrivals, batch.reset_slots,
-                                                  width if in_step else None, k)
-            batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         # Prefill chunks and decode rows of one plan go out as two calls: one
         # program holding both compiles ~2x longer per variant and multiplies
         # the variants (prefill row buckets x decode or not).
@@ -155,15 +138,10 @@ class Executor:
                             1))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
-            out = self._call(dataclasses.replace(batch, **self._no_prefill()),
-                             table_width=width, decode=True, greedy=greedy, decode_steps=k,
-                             imports=imports and imports[1])
-            if imports is not None:
-                out, group_oks = out
-                for i, ok in zip(imports[0], group_oks):
-                    oks[i] = ok
-            outputs.append((out, k))
-        return outputs, oks
+            outputs.append((self._call(dataclasses.replace(batch, **self._no_prefill()),
+                                       table_width=width, decode=True, greedy=greedy,
+                                       decode_steps=k), k))
+        return outputs
 
     def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
                   num_prefill: int = 0, greedy: bool = True) -> None:
@@ -186,10 +164,9 @@ class Executor:
                                    greedy=greedy)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
-              decode_steps: int = 1, imports=None):
+              decode_steps: int = 1):
         """One jitted step on a packed batch; a batch equal to the last one is
-        not sent again (steady decoding sends nothing). imports: `_import_args` to run
-        first in the same call; then it returns (packed outputs, oks)."""
+        not sent again (steady decoding sends nothing)."""
         host = pack_batch(batch)
         last_host, last_device = self._sent
         if last_host is not None and np.array_equal(host, last_host):
@@ -197,32 +174,17 @@ class Executor:
         else:
             device = jax.device_put(host, self._batch_sharding)
             self._sent = (host, device)
-        static = dict(num_prefill=batch.prefill_slots.shape[0], table_width=table_width,
-                      decode=decode, speculative=self.speculative, greedy=greedy,
-                      decode_steps=decode_steps)
-        if imports is not None:
-            self.calls["import+decode"] += 1
-            index, payloads, pool_ids = imports
-            self.state, out, oks = self._import_then_step_fn(
-                self.params, self.state, device, index, payloads, pool_ids=pool_ids, **static)
-            return out, oks
         self.calls["decode" if decode else "prefill"] += 1
-        self.state, out = self._step_fn(self.params, self.state, device, **static)
+        self.state, out = self._step_fn(
+            self.params, self.state, device, num_prefill=batch.prefill_slots.shape[0],
+            table_width=table_width, decode=decode, speculative=self.speculative,
+            greedy=greedy, decode_steps=decode_steps)
         return out
 
     def _step_fn(self, params, state, batch, **static):
         """The jitted step (of its variant's copies, the one whose turn it is)."""
         steps = self._steps["decode" if static["decode"] else "prefill"]
         return steps(tuple(sorted(static.items())), params, state, batch, **static)
-
-    def _import_then_step_fn(self, params, state, batch, index, payloads, *, pool_ids,
-                             **static):
-        """The jitted import and decode step (of its variant's copies, the one whose turn
-        it is)."""
-        variant = (tuple(sorted(static.items())), len(payloads),
-                   tuple(b.shape for b in payloads[0][2]))
-        return self._imports_then_steps(variant, params, state, batch, index, payloads,
-                                        pool_ids=pool_ids, mode=self.mode, **static)
 
     def _import(self, state, index, payloads, **static):
         """The jitted import (of its variant's copies, the one whose turn it is)."""
@@ -269,8 +231,7 @@ class Executor:
     def import_payloads(self, arrivals, reset_slots=()) -> list[jax.Array]:
         """Dispatch `import_step` for each arrived payload (the first call empties
         `reset_slots` before it imports), then, in private mode, one `redraft_step` for
-        them all (in shared mode each arrives with its sender's draft block): the
-        imports of a step that `run` does not take into its decode call.
+        them all (in shared mode each arrives with its sender's draft block).
 
         arrivals: (slot, payload, SamplingParams) per request. Returns per request its
         ok (bool[] on the device), in order.
@@ -279,47 +240,25 @@ class Executor:
         resets[:len(reset_slots)] = reset_slots
         for slot in reset_slots:
             self.len_bound[slot] = 0
-        self._book_arrivals(arrivals)
-        return self._dispatch_imports(arrivals, resets)[0]
-
-    def _book_arrivals(self, arrivals) -> None:
         for slot, payload, params in arrivals:
             self.set_sampling(slot, params)
             self.len_bound[slot] = payload.target_len
             self.bytes_imported += payload.nbytes
-
-    def _dispatch_imports(self, arrivals, resets, step_width: int | None = None,
-                          decode_steps: int = 1):
-        """Dispatch the imports of `arrivals` ((slot, payload, params) per request), a call
-        per `call_groups` group (the first empties `resets`), then private mode's
-        redraft. With `step_width`, the width of the step's decode call, one group whose
-        longest arrival alone sets that width is left for that call: each page bucket
-        then meets one width or two (`import_step_shapes`, compiled by `warm_transfers`),
-        never every width a stream's longer rows set.
-
-        Returns (per arrival its ok, bool[] on the device, None in the group left; the
-        group left as (its arrivals' indices, `_import_args`), or None)."""
-        oks = [None] * len(arrivals)
+        out = [None] * len(arrivals)
         keys = [tuple(len(p) for p in payload.logical_pages) for _, payload, _ in arrivals]
-        groups = [idx for _, idx in call_groups(keys, self.transfer_rows)]
-        extra = (decode_steps + 1) * self.cfg.block_size
-        left = None if step_width is None else next(
-            (idx for idx in reversed(groups) if self.table_width(
-                max(arrivals[i][1].target_len for i in idx) + extra) == step_width), None)
-        for idx in groups:
-            if idx is not left:
-                for i, ok in zip(idx, self._import_rows([arrivals[i][:2] for i in idx],
-                                                        resets)):
-                    oks[i] = ok
-                resets = self._no_slots()
+        for key, idx in call_groups(keys, self.transfer_rows):
+            pad = padded_rows(len(idx), self.transfer_rows) - len(idx)
+            rows = [arrivals[i][:2] for i in idx] + [(self.spec.dummy_slot,
+                                                      self._empty_payload(key))] * pad
+            for i, ok in zip(idx, self._import_rows(rows, resets)):
+                out[i] = ok
+            resets = self._no_slots()
         if arrivals and self._redrafts:
             slots = self._no_slots()
             slots[:len(arrivals)] = [slot for slot, _, _ in arrivals]
             longest = max(payload.target_len for _, payload, _ in arrivals)
             self._redraft_rows(slots, self.table_width(longest + self.cfg.block_size))
-        if left is None:
-            return oks, None
-        return oks, (left, self._import_args([arrivals[i][:2] for i in left], resets))
+        return out
 
     def export(self, rows) -> list[KVPayload]:
         """Dispatch `export_step` for slots whose prefill just ended (in a step already
@@ -330,13 +269,11 @@ class Executor:
                                mode=self.mode, export=self._counted_export,
                                rows_per_call=self.transfer_rows)
 
-    def warm_transfers(self, lengths, *, exports: bool, imports: bool,
-                       sampled: bool = False) -> int:
+    def warm_transfers(self, lengths, *, exports: bool, imports: bool) -> int:
         """Compile the export and/or import calls of prompts of `lengths` tokens (per
-        page bucket, of 1 and of `transfer_rows` rows), the decode calls that take
-        imports (`import_step_shapes`; greedy, and with `sampled` also sampling) and, in
-        private mode, the redraft of each table width they use. The calls take the
-        dummy slot, as calls that change nothing. Returns the number of buckets."""
+        page bucket, of 1 and of `transfer_rows` rows) and, in private mode, the redraft
+        of each table width they use. The calls take the dummy slot, as calls that
+        change nothing. Returns the number of buckets."""
         with_draft = self.cfg.draft is not None
         shapes = transfer_shapes(self.spec, self.mode, lengths, with_draft=with_draft)
         dummy = self.spec.dummy_slot
@@ -347,53 +284,20 @@ class Executor:
                 for _ in self._imports.copies if imports else ():
                     self._import_rows([(dummy, self._empty_payload(buckets))] * rows,
                                       self._no_slots())
-        for buckets, width in self.import_step_shapes(lengths) if imports else ():
-            for rows in sorted({1, self.transfer_rows}):
-                for greedy in (True, False) if sampled else (True,):
-                    for _ in self._imports_then_steps.copies:
-                        self._call(self._empty_batch(0), table_width=width, decode=True,
-                                   greedy=greedy, imports=self._import_args(
-                                       [(dummy, self._empty_payload(buckets))] * rows,
-                                       self._no_slots()))
         if imports and self._redrafts:
             block = self.cfg.block_size
             for width in sorted({self.table_width(n + block) for n in lengths}):
                 self._redraft_rows(self._no_slots(), width)
         return len(shapes)
 
-    def import_step_shapes(self, lengths) -> list[tuple[tuple[int, ...], int]]:
-        """(page buckets, table width) of the decode calls that take the imports of
-        prompts of `lengths` tokens (`_dispatch_imports`: the width a one-step decode
-        call of the arrival alone has); none without `imports_in_step`."""
-        if not self.imports_in_step:
-            return []
-        with_draft, block = self.cfg.draft is not None, self.cfg.block_size
-        pool_ids = sent_pool_ids(self.spec, self.mode)
-        return sorted({(tuple(len(p) for p in sent_logical_pages(
-            self.spec, pool_ids, n, n if with_draft else 0)), self.table_width(n + 2 * block))
-            for n in lengths})
-
     def _counted_export(self, *args, **kwargs):
         self.calls["export"] += 1
         return self._export(*args, **kwargs)
 
     def _import_rows(self, rows, resets) -> tuple:
-        """One `import_step` call for (slot, payload) rows of one page bucket."""
-        index, payloads, pool_ids = self._import_args(rows, resets)
-        self.calls["import"] += 1
-        # the index goes as a host array, transferred by the call itself
-        self.state, oks = self._import(self.state, index, payloads, pool_ids=pool_ids,
-                                       mode=self.mode)
-        return oks
-
-    def _import_args(self, rows, resets):
-        """(packed index, payloads, pool ids): an import of (slot, payload) rows of one
-        page bucket, as `import_step` takes them. Scalars are put on this worker's
-        devices first when they came as host values, so every arrival of one page
-        bucket runs one compiled program."""
-        rows = list(rows) + [(self.spec.dummy_slot, self._empty_payload(
-            tuple(len(p) for p in rows[0][1].logical_pages)))] * (
-                padded_rows(len(rows), self.transfer_rows) - len(rows))
+        """One `import_step` call for (slot, payload) rows of one page bucket. Scalars
+        are put on this worker's devices first when they came as host values, so every
+        arrival of one page bucket runs one compiled program."""
         index, payloads = [], []
         for slot, payload in rows:
             first, drafts, sums = payload.first_token, payload.drafts, payload.checksums
@@ -408,8 +312,12 @@ class Executor:
             index.append((slot, payload.target_len, payload.draft_ctx_len,
                           payload.logical_pages))
             payloads.append((first, drafts, payload.buffers, sums))
+        self.calls["import"] += 1
         # the index goes as a host array, transferred by the call itself
-        return pack_import_index(resets, index), tuple(payloads), tuple(rows[0][1].pool_ids)
+        self.state, oks = self._import(self.state, pack_import_index(resets, index),
+                                       tuple(payloads), pool_ids=tuple(rows[0][1].pool_ids),
+                                       mode=self.mode)
+        return oks
 
     def _redraft_rows(self, slots, table_width: int) -> None:
         self.calls["redraft"] += 1

@@ -3,7 +3,6 @@ executor of it, and their copies (`StepConfig.graph_copies`).
 
     packed_step_for(cfg, kind, copy)   prefill chunks, or decode steps   (state donated)
     import_step_for(cfg, copy)         arrived KV into empty slots       (state donated)
-    import_then_step_for(cfg, copy)    both in one call: arrived KV, then decode steps
     export_step_for(cfg, copy)         a slot's live pages into buffers
     redraft_step_for(cfg)              a fresh draft block for imported rows (private mode)
 """
@@ -39,27 +38,6 @@ def import_step_for(cfg: StepConfig, copy: int = 0):
     del copy  # as in packed_step_for
     return jax.jit(functools.partial(import_step, cfg=cfg), static_argnames=("pool_ids", "mode"),
                    donate_argnums=0, compiler_options=cfg.compiler_options_for("import"))
-
-
-def import_then_step(params, state, packed, index, payloads, *, cfg: StepConfig,
-                     pool_ids: tuple[int, ...], mode: str, **step):
-    """`import_step`, then `packed_step` on the state it leaves: a step's imports and its
-    decode rows in one call (one launch fewer between a request's arrival and its first
-    generation step). Returns (state, packed outputs, per import row its ok)."""
-    state, oks = import_step(state, index, payloads, cfg=cfg, pool_ids=pool_ids, mode=mode)
-    state, out = packed_step(params, state, packed, cfg=cfg, **step)
-    return state, out, oks
-
-
-@functools.lru_cache(maxsize=64)
-def import_then_step_for(cfg: StepConfig, copy: int = 0):
-    """The step's decode call with imports before it: of the decode kind (it launches
-    as the decode call it replaces)."""
-    del copy  # as in packed_step_for
-    return jax.jit(functools.partial(import_then_step, cfg=cfg),
-                   static_argnames=("pool_ids", "mode", "num_prefill", "table_width", "decode",
-                                    "speculative", "greedy", "decode_steps"),
-                   donate_argnums=1, compiler_options=cfg.compiler_options_for("decode"))
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,6 +10,8 @@ z-lab's Qwen3-8B-DFlash-b16 (5 layers, block 16, features from target layers
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -39,12 +41,27 @@ def qwen3_8b_pair(num_target_layers: int = 36, num_draft_layers: int = 5,
 
 def random_params(tcfg: Qwen3Config, dcfg: DFlashConfig | None, *, seed: int = 0,
                   dtype=jnp.bfloat16) -> dict:
-    """Random weights made on the default device (an 8B model never visits the host)."""
+    """Random weights made on the default device (an 8B model never visits the host), one
+    layer a call of one compiled program: a program drawing every layer at once spends
+    minutes compiling its random number generators."""
     kt, kd = jax.random.split(jax.random.key(seed))
-    params = {"target": jax.jit(init_target, static_argnums=(0, 2))(tcfg, kt, dtype)}
+    params = {"target": _layer_by_layer(init_target, tcfg, kt, dtype)}
     if dcfg is not None:
-        params["draft"] = jax.jit(init_draft, static_argnums=(0, 2))(dcfg, kd, dtype)
+        params["draft"] = _layer_by_layer(init_draft, dcfg, kd, dtype)
     return params
+
+
+def _layer_by_layer(init, cfg, key, dtype) -> dict:
+    """`init(cfg, key, dtype)`'s tree, its layers drawn by one program called per layer."""
+    k_rest, k_layers = jax.random.split(key)
+    # every layer's weights have one shape (windows change only which keys it reads)
+    types = getattr(cfg, "layer_types", None)
+    one = dataclasses.replace(cfg, num_layers=1, **({"layer_types": types[:1]} if types else {}))
+    one_layer = jax.jit(lambda k: init(one, k, dtype)["layers"][0])
+    rest = jax.jit(lambda k: {name: x for name, x in init(one, k, dtype).items()
+                              if name != "layers"})
+    return {**rest(k_rest),
+            "layers": [one_layer(k) for k in jax.random.split(k_layers, cfg.num_layers)]}
 
 
 def param_bytes(tree) -> int:

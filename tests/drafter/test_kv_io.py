@@ -68,16 +68,14 @@ def _exports(sender, n):
     return out
 
 
-@pytest.mark.parametrize("mode,redrafts,imports_in_step", [
-    ("shared", 0, False), ("private", 1, False), ("shared", 0, True)])
+@pytest.mark.parametrize("mode,redrafts", [("shared", 0), ("private", 1)])
 def test_a_burst_of_one_bucket_moves_in_one_call_each_way_and_a_bad_row_fails_alone(
-        pair, mode, redrafts, imports_in_step):
+        pair, mode, redrafts):
     """Three prompts of one page bucket, prefilled in one step, leave in one export call
-    and arrive in one import call (with `imports_in_step`, the first decode call: nothing
-    longer runs); in shared mode each brings its sender's first draft block (no redraft:
-    acceptance step by step equals aggregated serving), in private mode one redraft call
-    drafts for all. The row whose checksum is wrong fails, the others generate what
-    aggregated serving does, and every page comes back."""
+    and arrive in one import call; in shared mode each brings its sender's first draft
+    block (no redraft: acceptance step by step equals aggregated serving), in private
+    mode one redraft call drafts for all. The row whose checksum is wrong fails, the
+    others generate what aggregated serving does, and every page comes back."""
     params, cfg, _ = pair
     prompts = {f"r{i}": [(7 * i + j) % 60 + 1 for j in range(n)]
                for i, n in enumerate((17, 20, 22))}
@@ -89,14 +87,12 @@ def test_a_burst_of_one_bucket_moves_in_one_call_each_way_and_a_bad_row_fails_al
     payloads = {e.request.request_id: e.payload for e in exports}
     payloads["r1"] = dataclasses.replace(
         payloads["r1"], checksums=np.asarray(payloads["r1"].checksums) + np.uint32(1))
-    receiver = Engine(params, cfg, kv_source=OneShot(payloads), mode=mode,
-                      imports_in_step=imports_in_step)
+    receiver = Engine(params, cfg, kv_source=OneShot(payloads), mode=mode)
     for rid, prompt in prompts.items():
         receiver.add_request(rid, prompt, 6)
     results = {r.request_id: r for r in receiver.run()}
     calls = receiver.executor.calls
-    assert (calls["import"], calls["import+decode"], calls["redraft"], calls["export"]) == (
-        (0, 1) if imports_in_step else (1, 0)) + (redrafts, 0)
+    assert (calls["import"], calls["redraft"], calls["export"]) == (1, redrafts, 0)
     assert not results["r1"].ok and "checksum" in results["r1"].error
     alone = Engine(params, cfg).generate([prompts["r0"], prompts["r2"]], 6)
     assert [results["r0"].tokens, results["r2"].tokens] == [r.tokens for r in alone]
@@ -219,39 +215,6 @@ def test_warmup_compiles_every_transfer_of_its_lengths_and_changes_nothing(caplo
     assert not compiled, compiled   # no export, import or step program of either role
     alone = Engine(params, cfg).generate(list(prompts.values()), 6)
     assert [results[rid].tokens for rid in prompts] == [r.tokens for r in alone]
-    assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
-                                                               for p in cfg.spec.pools]
-
-
-def test_imports_in_the_decode_call_are_warmed_and_equal_aggregated_serving(caplog):
-    """With `imports_in_step`, after `warmup(max_len)`: a lone arrival is imported by its
-    first decode call, and of two arrivals of two page buckets one is (the other in a
-    call of its own, before it); nothing compiles, tokens and acceptance equal
-    aggregated serving, every page comes back."""
-    params, cfg, _ = tiny_pair(num_slots=3, max_seq_len=152, block_size=3)
-    prompts = {f"r{i}": [(3 * i + j) % 60 + 1 for j in range(n)]
-               for i, n in enumerate((5, 6, 12))}   # buckets (1, 1), (1, 1), (2, 2)
-    sender = Engine(params, cfg, export=True, speculative=False)
-    receiver = Engine(params, cfg, kv_source=OneShot({}), imports_in_step=True)
-    for engine in (sender, receiver):
-        engine.warmup(20)
-    receiver.executor.calls.clear()   # the warm-up's calls
-    with compiled_in(caplog, "_step") as compiled:
-        for rid, prompt in prompts.items():
-            sender.add_request(rid, prompt, 4)
-        receiver.kv_source.items = {e.request.request_id: e.payload for e in _exports(sender, 3)}
-        receiver.add_request("r0", prompts["r0"], 6)
-        results = {r.request_id: r for r in receiver.run()}
-        assert (receiver.executor.calls["import+decode"], receiver.executor.calls["import"]) == (
-            1, 0)
-        for rid in ("r1", "r2"):
-            receiver.add_request(rid, prompts[rid], 6)
-        results.update((r.request_id, r) for r in receiver.run())
-    assert not compiled, compiled
-    assert (receiver.executor.calls["import+decode"], receiver.executor.calls["import"]) == (2, 1)
-    alone = Engine(params, cfg).generate(list(prompts.values()), 6)
-    assert [results[rid].tokens for rid in prompts] == [r.tokens for r in alone]
-    assert [results[rid].acceptance for rid in prompts] == [r.acceptance for r in alone]
     assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
                                                                for p in cfg.spec.pools]
 
