@@ -52,10 +52,6 @@ class Executor:
         self._exports = Copies(on_mesh(export_step_for(cfg, c)) for c in copies)
         self._redraft = on_mesh(redraft_step_for(cfg))
         self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
-        self._batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0])
-                                if mesh is None else jax.sharding.NamedSharding(
-                                    mesh, jax.sharding.PartitionSpec()))
-        self._sent = (None, None)  # (host, device) copy of the last packed batch
         slots = cfg.spec.num_slots + 1
         self.temperatures = np.zeros(slots, np.float32)
         self.seeds = np.zeros(slots, np.uint32)
@@ -165,18 +161,14 @@ class Executor:
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
               decode_steps: int = 1):
-        """One jitted step on a packed batch; a batch equal to the last one is
-        not sent again (steady decoding sends nothing)."""
-        host = pack_batch(batch)
-        last_host, last_device = self._sent
-        if last_host is not None and np.array_equal(host, last_host):
-            device = last_device
-        else:
-            device = jax.device_put(host, self._batch_sharding)
-            self._sent = (host, device)
+        """One jitted step on a packed batch. The batch goes as a host array, transferred
+        by the call itself: a `device_put` of its own costs more host time than the
+        call's transfer, and a call must always take it in one form (a host array and a
+        device array of it compile apart)."""
         self.calls["decode" if decode else "prefill"] += 1
         self.state, out = self._step_fn(
-            self.params, self.state, device, num_prefill=batch.prefill_slots.shape[0],
+            self.params, self.state, pack_batch(batch),
+            num_prefill=batch.prefill_slots.shape[0],
             table_width=table_width, decode=decode, speculative=self.speculative,
             greedy=greedy, decode_steps=decode_steps)
         return out
