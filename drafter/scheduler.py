@@ -164,6 +164,14 @@ class Scheduler:
         if seq.phase is Phase.AWAITING_KV:
             seq.kv = payload
 
+    def take_arrived(self, plan: StepPlan) -> None:
+        """Requests whose KV has arrived join `plan`: imported, then decoded, in its step."""
+        for seq in self.active.values():
+            if seq.phase is Phase.AWAITING_KV and seq.kv is not None:
+                seq.phase = Phase.RUNNING
+                plan.imports.append(seq)
+                plan.decode.append(seq)
+
     def defer_resets(self, slots: list[int]) -> None:
         """Slots a plan did not empty: the next step's first call empties them (before
         any import or prefill into them)."""
@@ -191,11 +199,8 @@ class Scheduler:
         plan = StepPlan(reset_slots=self._resets)
         self._resets = []
         self._admit(plan)
-        for seq in self.active.values():
-            if seq.phase is Phase.AWAITING_KV and seq.kv is not None:
-                seq.phase = Phase.RUNNING
-                plan.imports.append(seq)
         plan.decode = [s for s in self.active.values() if s.phase is Phase.RUNNING]
+        self.take_arrived(plan)
         budget = self.budget - self.block_size * len(plan.decode)
         chunk = self.spec.max_step_tokens
         for seq in self.active.values():

@@ -219,6 +219,24 @@ def test_warmup_compiles_every_transfer_of_its_lengths_and_changes_nothing(caplo
                                                                for p in cfg.spec.pools]
 
 
+def test_kv_that_arrives_in_a_steps_poll_is_imported_and_decoded_by_that_step(pair):
+    """The source is polled once a step, after its plan fetched the new requests and
+    before it dispatches: KV ready at that poll is imported by the same step's calls, which
+    also decode it (no step between a request's arrival and its first generation step)."""
+    params, cfg, _ = pair
+    prompt = [(7 * j) % 60 + 1 for j in range(21)]
+    sender = Engine(params, cfg, export=True, speculative=False)
+    sender.add_request("r", prompt, 4)
+    [export] = _exports(sender, 1)
+    receiver = Engine(params, cfg, kv_source=OneShot({"r": export.payload}))
+    receiver.add_request("r", prompt, 6)
+    receiver.step()   # admits, fetches, polls: the payload is there
+    calls = receiver.executor.calls
+    assert (calls["import"], calls["decode"], calls["prefill"]) == (1, 1, 0)
+    [result] = receiver.run()
+    assert result.tokens == Engine(params, cfg).generate([prompt], 6)[0].tokens
+
+
 def test_slots_freed_and_admitted_while_kv_is_awaited_are_emptied_by_the_import(pair):
     """A second round on the same receiver: the slots its first round freed and the
     slots the new requests take are emptied by the import call itself (no call of
