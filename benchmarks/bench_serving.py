@@ -14,7 +14,9 @@ this machine's first device (as the demo does on one GPU). Parts:
             `ttft_disagg_over_aggregated_p50` the ratio of the TTFT p50s;
             `calls_per_run`: the jitted calls a run dispatched, by kind, every worker;
             `disagg_shared_threaded_over_aggregated` the same with the context
-            worker stepping in its own thread. `--profile DIR`: where each mode's
+            worker stepping in its own thread, and (asked for with `--demo-modes
+            ... disagg-shared-process`) `disagg_shared_process_over_aggregated` with
+            it in a child process on the same devices. `--profile DIR`: where each mode's
             time goes (host time by function; kernels and programs of one run).
   handoff   one request at a time (nothing queued) per prompt length, one decode step
             per call: the time to the first generation step's token, disaggregated
@@ -66,6 +68,8 @@ GOAL_KEYS = ("disagg_shared_over_aggregated", "disagg_shared_threaded_over_aggre
 # the demo part also runs the shared mode with its context worker in a thread of its own
 # (as fan-in does): its host launches then overlap the generation engine's
 DEMO_MODES = ("aggregated", "disagg-shared", "disagg-shared-threaded", "disagg-private")
+# also on request (--demo-modes): the context worker in a process of its own
+EXTRA_DEMO_MODES = ("disagg-shared-process",)
 
 
 def executors(engine: Engine) -> list:
@@ -142,8 +146,8 @@ def demo_part(params, cfg, prompts, max_new: int, repeats: int,
               f"run {sum(got['calls'].values())} {got['calls']}", flush=True)
     agg = out["aggregated"]
     out["shared_equals_aggregated"] = all(out[m]["tokens"] == agg["tokens"] for m in
-                                          ("disagg-shared", "disagg-shared-threaded")
-                                          if m in out)
+                                          ("disagg-shared", "disagg-shared-threaded",
+                                           "disagg-shared-process") if m in out)
     for mode in modes:
         out[mode].pop("tokens")
     return out
@@ -251,7 +255,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="demo and load parts: the engines' per-step token budget, the same "
                          "for every mode (default: Engine's)")
-    ap.add_argument("--demo-modes", nargs="+", choices=DEMO_MODES, default=list(DEMO_MODES),
+    ap.add_argument("--demo-modes", nargs="+", choices=DEMO_MODES + EXTRA_DEMO_MODES,
+                    default=list(DEMO_MODES),
                     help="demo part: the modes to run (aggregated always runs: the baseline)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="demo part: profile each mode's timed runs on the host (cProfile) "
@@ -312,7 +317,8 @@ def main(argv=None) -> dict:
                                        args.max_num_batched_tokens, args.profile, modes)
         base = d["aggregated"]
         for mode, key in (("disagg-shared", "disagg_shared_over_aggregated"),
-                          ("disagg-shared-threaded", "disagg_shared_threaded_over_aggregated")):
+                          ("disagg-shared-threaded", "disagg_shared_threaded_over_aggregated"),
+                          ("disagg-shared-process", "disagg_shared_process_over_aggregated")):
             if mode in d:
                 report[key] = d[mode]["paired_ratio_median"]
         if "disagg-shared" in d:

@@ -21,17 +21,50 @@ from drafter.corpus import ByteTokenizer
 from drafter.engine import Engine
 
 
+# context worker processes of "-process" engines, by engine id: `close` stops them
+_CHILDREN: dict = {}
+
+
 def make_engine(mode: str, params, cfg, **engine_kwargs) -> Engine:
+    """aggregated; disagg-{shared,private}[-threaded]: a context engine in this process
+    (`disagg.sources`); disagg-shared-process: a context worker in a child process on
+    this machine's devices (the embedded pair, `serve-remote --role context`), its KV
+    pulled through `jax.experimental.transfer`, so the two host loops run apart."""
     if mode == "aggregated":
         return Engine(params, cfg, **engine_kwargs)
+    if mode == "disagg-shared-process":
+        return _process_pair_engine(params, cfg, **engine_kwargs)
     return disaggregated_engine(params, cfg, mode=mode.split("-")[1],
                                 threaded=mode.endswith("-threaded"), **engine_kwargs)
 
 
+def _process_pair_engine(params, cfg, **engine_kwargs) -> Engine:
+    import tempfile
+    from disagg.handshake import Weights
+    from disagg.kv_format import KVFormat
+    from disagg.processes import ContextProcess, PairSource
+    from disagg.remote import RemoteSource
+    log = tempfile.NamedTemporaryFile(prefix="context_worker_", suffix=".log", delete=False)
+    child = ContextProcess(PairSource(None, num_slots=cfg.spec.num_slots), log.name,
+                           start_timeout=300.0)
+    try:
+        source = RemoteSource(child.address, KVFormat.of(cfg.spec, "shared"),
+                              weights=Weights.of(params))
+        engine = Engine(params, cfg, kv_source=source, mode="shared",
+                        kv_timeout_s=source.engine_timeout_s, **engine_kwargs)
+    except BaseException:
+        child.stop()
+        raise
+    _CHILDREN[id(engine)] = child
+    return engine
+
+
 def close(engine: Engine) -> None:
-    """Stop a threaded source's context threads."""
+    """Stop a threaded source's context threads, and a context worker process."""
     if engine.kv_source is not None:
         engine.kv_source.close()
+    if (child := _CHILDREN.pop(id(engine), None)) is not None:
+        child.stop()
 
 
 def p(values, q) -> float:
