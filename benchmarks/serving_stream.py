@@ -40,18 +40,13 @@ def make_engine(mode: str, params, cfg, **engine_kwargs) -> Engine:
 
 def _process_pair_engine(params, cfg, **engine_kwargs) -> Engine:
     import tempfile
-    from disagg.handshake import Weights
-    from disagg.kv_format import KVFormat
+    from benchmarks.two_gpu.cross_process import remote_engine
     from disagg.processes import ContextProcess, PairSource
-    from disagg.remote import RemoteSource
     log = tempfile.NamedTemporaryFile(prefix="context_worker_", suffix=".log", delete=False)
     child = ContextProcess(PairSource(None, num_slots=cfg.spec.num_slots), log.name,
                            start_timeout=300.0)
     try:
-        source = RemoteSource(child.address, KVFormat.of(cfg.spec, "shared"),
-                              weights=Weights.of(params))
-        engine = Engine(params, cfg, kv_source=source, mode="shared",
-                        kv_timeout_s=source.engine_timeout_s, **engine_kwargs)
+        engine = remote_engine(child.address, params, cfg, None, 30.0, **engine_kwargs)
     except BaseException:
         child.stop()
         raise

@@ -198,8 +198,9 @@ class Engine:
         # The KV source is polled before this step is dispatched, once its requests are
         # fetched: what arrives (an in-process source's senders prefill and export inside
         # the poll) is imported and decoded by this step's calls, not the next step's.
-        results += self._take_arrivals(0.0)
-        self.scheduler.take_arrived(plan)
+        if self.kv_source is not None:
+            results += self._take_arrivals(0.0)
+            self.scheduler.take_arrived(plan)
         if plan.reset_slots and not plan.runs_step and self.arrivals.awaiting:
             # Nothing but resets: the import of the awaited KV carries them (one call fewer
             # between a request's admission and its first generation step).

@@ -43,7 +43,7 @@ def compiles_in_log(log_path: Path, run: dict) -> int:
     return count
 
 
-def remote_engine(address: str, params, cfg, mesh, timeout: float):
+def remote_engine(address: str, params, cfg, mesh, timeout: float, **engine_kwargs):
     from disagg.handshake import Weights
     from disagg.kv_format import KVFormat
     from disagg.remote import RemoteSource
@@ -51,7 +51,7 @@ def remote_engine(address: str, params, cfg, mesh, timeout: float):
     source = RemoteSource(address, KVFormat.of(cfg.spec, "shared"), weights=Weights.of(params),
                           mesh=mesh, timeout=timeout)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode="shared",
-                  kv_timeout_s=source.engine_timeout_s)
+                  kv_timeout_s=source.engine_timeout_s, **engine_kwargs)
 
 
 def handoff_rows(agg, remote, prompts_by_len: dict, repeats: int, sink) -> list:

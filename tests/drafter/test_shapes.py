@@ -1,5 +1,7 @@
 """Random weights at real shapes: the tree `init_params` makes, each layer drawn apart."""
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -11,7 +13,7 @@ from models.qwen3 import init_params as init_target
 def test_random_params_have_the_init_trees_shapes_and_distinct_layers():
     tcfg, dcfg = qwen3_8b_pair(num_target_layers=3, num_draft_layers=2, vocab_size=256)
     small = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16}
-    tcfg, dcfg = (type(c)(**{**c.__dict__, **small}) for c in (tcfg, dcfg))
+    tcfg, dcfg = (dataclasses.replace(c, **small) for c in (tcfg, dcfg))
     got = random_params(tcfg, dcfg)
     for name, init, cfg in (("target", init_target, tcfg), ("draft", init_draft, dcfg)):
         want = jax.eval_shape(lambda k: init(cfg, k, jax.numpy.bfloat16), jax.random.key(0))
