@@ -9,10 +9,9 @@
 Roles are configurations of this one loop:
   * aggregated: prompts prefill locally, in chunks batched with decode rows;
   * generation: admitted requests get their KV from a `KVSource` (another
-    mesh, several context workers, another process), polled once a step, after
-    its plan's requests are fetched and before it is dispatched; what arrived is
-    imported by that step's import calls (and, in private mode, drafted for by
-    one redraft call), then decoded in it;
+    mesh, several context workers, another process), polled once each step is
+    dispatched; what arrived is imported by the next step's import calls (and,
+    in private mode, drafted for by one redraft call);
   * context (`export=True`): prompts prefill, then leave as `Export`s (KV
     gathered into buffers on the device) instead of decoding.
 
@@ -195,12 +194,6 @@ class Engine:
         plan = self.scheduler.schedule()
         for seq in plan.fetch:
             self.arrivals.fetch(self.kv_source, seq, start)
-        # The KV source is polled before this step is dispatched, once its requests are
-        # fetched: what arrives (an in-process source's senders prefill and export inside
-        # the poll) is imported and decoded by this step's calls, not the next step's.
-        if self.kv_source is not None:
-            results += self._take_arrivals(0.0)
-            self.scheduler.take_arrived(plan)
         if plan.reset_slots and not plan.runs_step and self.arrivals.awaiting:
             # Nothing but resets: the import of the awaited KV carries them (one call fewer
             # between a request's admission and its first generation step).
@@ -215,6 +208,12 @@ class Engine:
             _, outputs, imported = dispatched
             for out in [out for out, _ in outputs] + [got[0] for got in imported if got]:
                 out.copy_to_host_async()
+        # The KV source is polled once this step is dispatched: an in-process source's
+        # senders launch their prefills and exports while it runs on the device, instead
+        # of while the device waits (docs/decisions.md, Serving), and what arrives is
+        # imported by the next step.
+        if self.kv_source is not None:
+            results += self._take_arrivals(0.0)
         if not (self.export and dispatched is not None):
             results += self._read_outputs(idle=dispatched is None)
         if dispatched is not None:

@@ -164,7 +164,7 @@ class Scheduler:
         if seq.phase is Phase.AWAITING_KV:
             seq.kv = payload
 
-    def take_arrived(self, plan: StepPlan) -> None:
+    def _take_arrived(self, plan: StepPlan) -> None:
         """Requests whose KV has arrived join `plan`: imported, then decoded, in its step."""
         for seq in self.active.values():
             if seq.phase is Phase.AWAITING_KV and seq.kv is not None:
@@ -200,7 +200,7 @@ class Scheduler:
         self._resets = []
         self._admit(plan)
         plan.decode = [s for s in self.active.values() if s.phase is Phase.RUNNING]
-        self.take_arrived(plan)
+        self._take_arrived(plan)
         budget = self.budget - self.block_size * len(plan.decode)
         chunk = self.spec.max_step_tokens
         for seq in self.active.values():

@@ -219,10 +219,10 @@ def test_warmup_compiles_every_transfer_of_its_lengths_and_changes_nothing(caplo
                                                                for p in cfg.spec.pools]
 
 
-def test_kv_that_arrives_in_a_steps_poll_is_imported_and_decoded_by_that_step(pair):
-    """The source is polled once a step, after its plan fetched the new requests and
-    before it dispatches: KV ready at that poll is imported by the same step's calls, which
-    also decode it (no step between a request's arrival and its first generation step)."""
+def test_kv_that_arrives_in_a_steps_poll_is_imported_and_decoded_by_the_next_step(pair):
+    """The source is polled once a step has been dispatched (the senders' work then runs
+    while the device does): KV ready at that poll is imported by the next step's calls,
+    which also decode it."""
     params, cfg, _ = pair
     prompt = [(7 * j) % 60 + 1 for j in range(21)]
     sender = Engine(params, cfg, export=True, speculative=False)
@@ -230,8 +230,10 @@ def test_kv_that_arrives_in_a_steps_poll_is_imported_and_decoded_by_that_step(pa
     [export] = _exports(sender, 1)
     receiver = Engine(params, cfg, kv_source=OneShot({"r": export.payload}))
     receiver.add_request("r", prompt, 6)
-    receiver.step()   # admits, fetches, polls: the payload is there
+    receiver.step()   # admits, fetches, dispatches nothing, polls: the payload is there
     calls = receiver.executor.calls
+    assert (calls["import"], calls["decode"]) == (0, 0)
+    receiver.step()
     assert (calls["import"], calls["decode"], calls["prefill"]) == (1, 1, 0)
     [result] = receiver.run()
     assert result.tokens == Engine(params, cfg).generate([prompt], 6)[0].tokens
