@@ -25,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import attention as kernels
 from pallas_kernels.attention import IMPLS, resolve_impl  # noqa: F401  (re-exported)
 from pallas_kernels.kv_store import write_kv
-from pallas_kernels.pool_layout import BAD_PAGE_INDEX
 from pallas_kernels.rope_store import (rope_store, rope_store_reference, split_projections,
                                       unaddressable)
 from models.layers import LayerRow
@@ -37,20 +36,6 @@ log = logging.getLogger(__name__)
 def _layer_args(layer: LayerSpec, offset: int) -> dict:
     return dict(layer_offset=offset, sliding_window=layer.sliding_window,
                 k_scale=layer.k_scale, v_scale=layer.v_scale)
-
-
-def _kernel_offset(table, offset, impl: str):
-    """(table, layer_offset) for the kernel call of the layer at pool `offset`.
-
-    `offset` is a Python int, or a traced i32 when layers run as a scan. The
-    kernels take a static offset, and read kernel page `entry + 2 * layer_offset`;
-    for a traced one they get the table with 2 * offset added to its live entries
-    and layer_offset 0, which reads the same pages. The jnp reference indexes the
-    pool's layer axis and takes either form as is.
-    """
-    if isinstance(offset, int) or impl == "reference":
-        return table, offset
-    return jnp.where(table == BAD_PAGE_INDEX, table, table + 2 * offset), 0
 
 
 def write_layer_kv(pool, table, starts, num_tokens, k, v, layer: LayerSpec, offset):
@@ -126,27 +111,28 @@ def _per_kv_head_shard(kernel, num_heads_args: int, num_other_args: int):
 
 def attend(q, pool, table, kv_lens, q_lens, layer: LayerSpec, offset, *, impl: str):
     """Decode / verify / prefill attention of one layer (queries' K/V already stored),
-    at pool `offset` (int or traced i32)."""
+    at pool `offset` (int or traced i32: the kernels take it as an input)."""
     impl = resolve_impl(impl)
-    table, offset = _kernel_offset(table, offset, impl)
-    kernel = functools.partial(kernels.attend, impl=impl, **_layer_args(layer, offset))
+
+    def kernel(q, pool, table, kv_lens, q_lens, offset):
+        return kernels.attend(q, pool, table, kv_lens, q_lens, impl=impl,
+                              **_layer_args(layer, offset))
     if impl == "reference":  # plain jnp: XLA partitions it itself
-        return kernel(q, pool, table, kv_lens, q_lens)
-    return _per_kv_head_shard(kernel, 2, 3)(q, pool, table, kv_lens, q_lens)
+        return kernel(q, pool, table, kv_lens, q_lens, offset)
+    return _per_kv_head_shard(kernel, 2, 4)(q, pool, table, kv_lens, q_lens,
+                                            jnp.asarray(offset, jnp.int32))
 
 
 def attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k, block_v, layer: LayerSpec,
                        offset, *, causal_in_block: bool, impl: str):
     """DFlash draft-block attention of one draft layer, at pool `offset` (int or traced)."""
     impl = resolve_impl(impl)
-    table, offset = _kernel_offset(table, offset, impl)
-    args = dict(_layer_args(layer, offset), causal_in_block=causal_in_block, impl=impl)
-    if impl == "reference":
-        return kernels.attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k,
-                                          block_v, **args)
 
-    def kernel(q, block_k, block_v, pool, table, ctx_lens, block_lens):
+    def kernel(q, block_k, block_v, pool, table, ctx_lens, block_lens, offset):
         return kernels.attend_draft_block(q, pool, table, ctx_lens, block_lens, block_k,
-                                          block_v, **args)
-    return _per_kv_head_shard(kernel, 4, 3)(q, block_k, block_v, pool, table, ctx_lens,
-                                            block_lens)
+                                          block_v, causal_in_block=causal_in_block, impl=impl,
+                                          **_layer_args(layer, offset))
+    args = (q, block_k, block_v, pool, table, ctx_lens, block_lens)
+    if impl == "reference":
+        return kernel(*args, offset)
+    return _per_kv_head_shard(kernel, 4, 4)(*args, jnp.asarray(offset, jnp.int32))

@@ -121,7 +121,7 @@ def select_backend(q, pool, *, impl: str, draft_block: bool = False,
     return "pallas"
 
 
-def attend(q, pool, batch_table, kv_lens, q_lens, *, impl: str, layer_offset: int,
+def attend(q, pool, batch_table, kv_lens, q_lens, *, impl: str, layer_offset,
            sliding_window: int | None = None, soft_cap: float | None = None,
            k_scale: float = 1.0, v_scale: float = 1.0):
     """Decode / verify / chunked prefill attention (`paged_attention.paged_attention`'s
@@ -139,7 +139,7 @@ def attend(q, pool, batch_table, kv_lens, q_lens, *, impl: str, layer_offset: in
 
 
 def attend_draft_block(q, pool, batch_table, ctx_lens, block_lens, block_k, block_v, *,
-                       impl: str, layer_offset: int, causal_in_block: bool,
+                       impl: str, layer_offset, causal_in_block: bool,
                        sliding_window: int | None = None, soft_cap: float | None = None,
                        k_scale: float = 1.0, v_scale: float = 1.0):
     """DFlash draft-block attention (`paged_attention.draft_block_attention`'s contract),

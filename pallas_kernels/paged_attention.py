@@ -13,7 +13,6 @@ The kernel and its launch: `paged_attention_kernel.py`; the launch choices:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -25,11 +24,13 @@ from pallas_kernels.paged_attention_kernel import attention_call
 from pallas_kernels.pool_layout import BAD_PAGE_INDEX, static_validate_inputs
 
 
-_STATIC = ("layer_offset", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
-           "options", "interpret")
+# layer_offset is traced: one compiled kernel serves every layer of a pool, and a layer
+# scan passes its offset as is.
+_attention_call = jax.jit(attention_call, static_argnames=(
+    "queries_cached", "sliding_window", "sm_scale", "soft_cap", "k_scale", "v_scale",
+    "block_causal", "options", "interpret"))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention(
     q: jax.Array,            # [batch, max_q, num_q_heads, head_dim]
     pool: jax.Array,         # [num_kv_heads, num_pages, num_layers, 2, page_size, head_dim]
@@ -37,7 +38,7 @@ def paged_attention(
     kv_lens: jax.Array,      # i32[batch]: cached positions, the queries' own included
     q_lens: jax.Array,       # i32[batch]: query tokens per row, 0..max_q (0 = padding)
     *,
-    layer_offset: int,
+    layer_offset: int | jax.Array,  # the layer in the pool: an int, or a traced i32[]
     sliding_window: int | None = None,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
@@ -68,14 +69,13 @@ def paged_attention(
     """
     static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
                            sliding_window, options.pages_per_block, options.compute_dtype)
-    return attention_call(
+    return _attention_call(
         q, pool, batch_table, kv_lens, q_lens, None, queries_cached=True,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=False,
         options=options, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("causal_in_block",))
 def draft_block_attention(
     q: jax.Array,            # [batch, block_size, num_q_heads, head_dim]
     pool: jax.Array,         # [num_kv_heads, num_pages, num_layers, 2, page_size, head_dim]
@@ -85,7 +85,7 @@ def draft_block_attention(
     block_k: jax.Array,      # [batch, block_size, num_kv_heads, head_dim]: block's own K
     block_v: jax.Array,      # [batch, block_size, num_kv_heads, head_dim]: block's own V
     *,
-    layer_offset: int,
+    layer_offset: int | jax.Array,
     causal_in_block: bool = False,
     sliding_window: int | None = None,
     sm_scale: float | None = None,
@@ -103,7 +103,7 @@ def draft_block_attention(
     static_validate_inputs(q, pool, batch_table, ctx_lens, block_lens, layer_offset,
                            sliding_window, options.pages_per_block, options.compute_dtype,
                            block_kv=(block_k, block_v))
-    return attention_call(
+    return _attention_call(
         q, pool, batch_table, ctx_lens, block_lens, (block_k, block_v), queries_cached=False,
         layer_offset=layer_offset, sliding_window=sliding_window, sm_scale=sm_scale,
         soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, block_causal=causal_in_block,

@@ -69,7 +69,7 @@ DRAFT_BF16_WARPS = 4
 @gluon.jit
 def paged_attention_kernel(
         q_ptr, pool_ptr, table_ptr, kv_lens_ptr, q_lens_ptr, block_k_ptr, block_v_ptr,
-        table_width, head_pages, layer_pages, window, logit_scale, cap_log2e, v_scale,
+        layer_ptr, table_width, head_pages, window, logit_scale, cap_log2e, v_scale,
         block_k_scale, block_v_scale, q_rows, num_splits, o_ptr, stats_ptr,
         MAX_Q: gl.constexpr, HQ: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
         PAGE: gl.constexpr, PPB: gl.constexpr, ROWS: gl.constexpr, TOKENS: gl.constexpr,
@@ -81,7 +81,7 @@ def paged_attention_kernel(
     """Program (query block x num_splits + split, row b, kv head h). q and o [batch,
     MAX_Q, HQ, D] in q's layout; the pool [kv heads, head_pages, PAGE * D] (head_pages =
     pages x layers x 2, K then V^T per page and layer); table i32[batch, table_width] of
-    page * 2L (BAD = -1); layer_pages = 2 x layer offset; window 0 unless HAS_WINDOW; q x
+    page * 2L (BAD = -1); layer_ptr i32[1] the layer's offset in the pool; window 0 unless HAS_WINDOW; q x
     logit_scale gives base-2 logits (divided by the soft cap when HAS_CAP: then tanh(s) x
     cap_log2e).
     QUERIES_CACHED: query i sits at kv_len - q_len + i (decode, verify, prefill), else at
@@ -131,6 +131,7 @@ def paged_attention_kernel(
     q_block, split = program // num_splits, program % num_splits
     kv_len = gl.load(kv_lens_ptr + b)
     q_len = gl.load(q_lens_ptr + b)
+    layer_pages = 2 * gl.load(layer_ptr)   # kernel page = table entry + 2 x layer offset
     q_start = kv_len - q_len if QUERIES_CACHED else kv_len
     table_row = table_ptr + b * table_width
     head_pool = pool_ptr + h.to(gl.int64) * head_pages * (PAGE * D)  # 64-bit base
@@ -278,10 +279,10 @@ def supports(q, pool, *, draft_block: bool = False) -> str | None:
     return None
 
 
-def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=None,
+def launch(q, pool, batch_table, *, sliding_window=None, sm_scale=None,
            soft_cap=None, k_scale=1.0, v_scale=1.0, draft_block=None, split_keys=None):
-    """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens and the block
-    K / V pointers), constexprs and grid for a call; `supports` must hold. draft_block:
+    """The kernel's scalar arguments (after q, pool, table, kv_lens, q_lens, the block
+    K / V and the layer offset pointers), constexprs and grid for a call; `supports` must hold. draft_block:
     None, or (padded block keys, causal within the block). Decode, verify and the draft
     block (up to FEW_Q_MAX queries) take 2 warps (the bf16 draft block
     DRAFT_BF16_WARPS; more rows than 2 warps hold: FEW_Q_WIDE_ROWS rows a program, a
@@ -324,8 +325,7 @@ def launch(q, pool, batch_table, *, layer_offset, sliding_window=None, sm_scale=
     num_splits = pl.cdiv(blocks, split_blocks) if split_blocks else 1
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     logit_scale = sm_scale * k_scale * (LOG2E if soft_cap is None else 1.0 / soft_cap)
-    scalars = (batch_table.shape[1], num_pages * num_layers * 2, 2 * layer_offset,
-               sliding_window or 0, float(logit_scale),
+    scalars = (batch_table.shape[1], num_pages * num_layers * 2, sliding_window or 0, float(logit_scale),
                float(0.0 if soft_cap is None else soft_cap * LOG2E), float(v_scale),
                float(1.0 / k_scale), float(1.0 / v_scale), plan.tokens_per_block * q_per_kv,
                num_splits)
@@ -353,13 +353,14 @@ def output_shapes(q, num_splits: int, constexprs: dict) -> tuple:
     return jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1,), jnp.float32)
 
 
-def _call(q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t, **kw):
+def _call(q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t, *, layer_offset, **kw):
     scalars, constexprs, grid = launch(q, pool, batch_table, **kw)
     kind = ("draft" if kw.get("draft_block") else "q") + str(q.shape[1])
     split = constexprs["SPLIT_BLOCKS"] > 0
+    layer = jnp.asarray(layer_offset, jnp.int32).reshape(1)   # traced under a layer scan
     o, stats = gluon_call(
         paged_attention_kernel, q, pool, batch_table, kv_lens, q_lens, block_k_t, block_v_t,
-        *scalars, out_shape=output_shapes(q, scalars[-1], constexprs), grid=grid,
+        layer, *scalars, out_shape=output_shapes(q, scalars[-1], constexprs), grid=grid,
         num_warps=constexprs["NUM_WARPS"], constexprs=constexprs,
         name=(f"paged_attention_gluon_{kind}_g{constexprs['GQA']}_r{constexprs['ROWS']}"
               f"{'_split' if split else ''}"))

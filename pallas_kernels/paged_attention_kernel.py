@@ -56,10 +56,10 @@ def paged_attention_kernel(
     table_ref,      # i32[table_width]: this batch row's entries (page * 2L), BAD = -1
     kv_lens_ref,    # i32[batch]: cached positions
     q_lens_ref,     # i32[batch]: query tokens of the row
+    layer_ref,      # i32[1]: the layer's offset in the pool (traced under a layer scan)
     *refs,          # [block_k_ref, block_v_ref: [block_pad, head_dim]] if has_block;
                     # then outputs: unsplit, o_ref in q's dtype and q_ref's layout;
                     # split, o_ref f32[rows, head_dim] and m_ref, l_ref f32[rows]
-    k_offset: int,
     rows: int,
     max_q: int,
     num_q_heads: int,
@@ -91,6 +91,7 @@ def paged_attention_kernel(
     table_width = table_ref.shape[0]
     block_k = pages_per_block * page_size
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
+    k_offset = 2 * layer_ref[0]  # kernel page = table entry + 2 x layer offset
     q_start = kv_len - q_len if queries_cached else kv_len  # draft block: after its context
 
     row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -274,7 +275,7 @@ def attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_c
     q_in_rows = rows > FEW_Q_ROWS or has_block
     q_in, q_spec = _q_input(q, num_kv_heads, plan, logit_scale, compute_dtype, q_in_rows)
     kernel = functools.partial(
-        paged_attention_kernel, k_offset=2 * layer_offset, rows=rows,
+        paged_attention_kernel, rows=rows,
         num_q_heads=num_q_heads, q_per_kv=q_per_kv, queries_cached=queries_cached,
         max_q=max_q, logit_scale=logit_scale, compute_dtype=compute_dtype, q_in_rows=q_in_rows,
         tokens_per_block=tokens_per_block, pages_per_block=plan.pages_per_block,
@@ -288,9 +289,10 @@ def attention_call(q, pool, batch_table, kv_lens, q_lens, block_kv, *, queries_c
         pl.BlockSpec((None,) + k_view.shape[1:], lambda p, b, h: (h, 0, 0)),  # pool as K rows
         pl.BlockSpec((None,) + v_view.shape[1:], lambda p, b, h: (h, 0, 0)),  # pool as V^T rows
         pl.BlockSpec((None, table_width), lambda p, b, h: (b, 0)),           # batch table
-        whole, whole,                                                        # kv_lens, q_lens
+        whole, whole, whole,                                   # kv_lens, q_lens, layer offset
     ]
-    inputs = [q_in, k_view, v_view, batch_table, kv_lens, q_lens]
+    layer = jnp.asarray(layer_offset, jnp.int32).reshape(1)
+    inputs = [q_in, k_view, v_view, batch_table, kv_lens, q_lens, layer]
     if has_block:
         block_inputs, block_specs = _block_inputs(block_kv, v_scale, compute_dtype)
         inputs += block_inputs

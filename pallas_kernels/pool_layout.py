@@ -87,7 +87,7 @@ def static_validate_inputs(q, pool, batch_table, kv_lens, q_lens, layer_offset,
     for name, lens in (("kv_lens", kv_lens), ("q_lens", q_lens)):
         if lens.shape != (batch,) or lens.dtype != jnp.int32:
             raise ValueError(f"{name} must be i32[batch={batch}], got {lens.shape=} {lens.dtype=}")
-    if not 0 <= layer_offset < num_layers:
+    if isinstance(layer_offset, int) and not 0 <= layer_offset < num_layers:
         raise ValueError(f"layer_offset={layer_offset} outside the pool's {num_layers} layers")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window=}")

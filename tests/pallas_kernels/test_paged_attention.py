@@ -75,6 +75,23 @@ def test_kernel_matches_reference(interpret, name, kwargs, soft_cap):
         assert_zero_past_q_len(out, q_lens)
 
 
+def test_a_traced_layer_offset_reads_its_own_layer(interpret):
+    """A layer scan passes the offset traced: each trip of the scan reads its own
+    layer's pages (the kernel takes the offset as an input, not as a constant)."""
+    q, pool, table, kv_lens, q_lens = make_case(
+        np.random.default_rng(5), batch=3, max_q=2, num_q_heads=4, num_kv_heads=2,
+        num_layers=3)
+
+    def per_layer(_, offset):
+        return None, paged_attention(q, pool, table, kv_lens, q_lens, layer_offset=offset,
+                                     interpret=interpret)
+    _, outs = jax.jit(lambda: jax.lax.scan(per_layer, None, jnp.arange(3)))()
+    for layer in range(3):
+        ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, layer_offset=layer)
+        assert rel_err(outs[layer], ref) < 2e-2, f"layer {layer}"
+    assert rel_err(outs[0], outs[2]) > 0.1   # the layers differ: the test can tell them apart
+
+
 def test_verify_rows_are_causal_among_themselves(interpret):
     """Query i of a verify row must not see keys of queries after it."""
     rng = np.random.default_rng(7)
@@ -172,6 +189,7 @@ def test_fp8_launch_options_keep_verify_equal_to_decode(interpret):
 def test_fp8_launch_options_are_the_default_over_fp8_kv_only(monkeypatch, kv_dtype, want):
     """The kernel tells plan_launch the pool is fp8 only over fp8 pools; the plan then
     picks the fp8 options."""
+    import pallas_kernels.paged_attention as entry
     import pallas_kernels.paged_attention_kernel as module
     plans, plan_launch = [], module.plan_launch
 
@@ -182,8 +200,8 @@ def test_fp8_launch_options_are_the_default_over_fp8_kv_only(monkeypatch, kv_dty
     q, pool, table, kv_lens, q_lens = make_case(
         np.random.default_rng(2), batch=2, max_q=1, num_q_heads=4, num_kv_heads=2,
         kv_dtype=kv_dtype)
-    paged_attention.__wrapped__(q, pool, table, kv_lens, q_lens, layer_offset=1,
-                                interpret=True)
+    entry._attention_call.clear_cache()   # the plan is made when the call traces
+    paged_attention(q, pool, table, kv_lens, q_lens, layer_offset=1, interpret=True)
     (plan,) = plans
     assert (plan.prefetch_page_ids, plan.rescale_threshold) == ((True, 8.0) if want
                                                                 else (False, 0.0))

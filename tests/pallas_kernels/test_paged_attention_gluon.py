@@ -32,8 +32,9 @@ def compile_for_hopper(q, pool, *, block=None, **kw):
     draft block's K and V); returns (Triton's compiled kernel, the grid)."""
     table = jax.ShapeDtypeStruct((q.shape[0], 9), jnp.int32)
     lens = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
-    scalars, constexprs, grid = pg.launch(q, pool, table, layer_offset=1, **kw)
-    arrays = [q, pool, table, lens, lens, *(block or (q, q))]
+    scalars, constexprs, grid = pg.launch(q, pool, table, **kw)
+    layer = jax.ShapeDtypeStruct((1,), jnp.int32)
+    arrays = [q, pool, table, lens, lens, *(block or (q, q)), layer]
     sig = gc.signature(pg.paged_attention_kernel, arrays, (None,) * len(arrays) + scalars,
                        pg.output_shapes(q, scalars[-1], constexprs),
                        tuple(sorted(constexprs.items())))
@@ -96,8 +97,8 @@ def test_launch_configs():
     table = jax.ShapeDtypeStruct((64, 16), jnp.int32)
     for kv, draft_warps in ((FP8, pg.NUM_WARPS), (jnp.bfloat16, pg.DRAFT_BF16_WARPS)):
         pool = jax.ShapeDtypeStruct((8, 1024, 1, 2, 16, 128), kv)
-        verify = pg.launch(q8, pool, table, layer_offset=0)[1]
-        decode = pg.launch(q1, pool, table, layer_offset=0)[1]
+        verify = pg.launch(q8, pool, table)[1]
+        decode = pg.launch(q1, pool, table)[1]
         assert verify["NUM_WARPS"] == decode["NUM_WARPS"] == pg.NUM_WARPS
         # 16 rows per warp along the rows: decode's 16 rows take the 2 warps along the
         # columns; the row sums by dot keep their arithmetic the same
@@ -107,12 +108,12 @@ def test_launch_configs():
         # block 16: 64 rows, still 16 a warp along the rows, in one program (each key
         # block read once, not once per 32-row query block)
         for draft_block in (None, (16, False)):
-            _, wide, grid = pg.launch(q16, pool, table, layer_offset=0, draft_block=draft_block)
+            _, wide, grid = pg.launch(q16, pool, table, draft_block=draft_block)
             assert (wide["ROWS"], wide["WARPS_M"], wide["NUM_WARPS"], grid[0]) == (64, 4, 4, 1)
             assert wide["SUM_BY_MMA"] and wide["EDGE_MASKS"]
-        draft = pg.launch(q8, pool, table, layer_offset=0, draft_block=(16, False))[1]
+        draft = pg.launch(q8, pool, table, draft_block=(16, False))[1]
         assert draft["NUM_WARPS"] == draft_warps and not draft["QUERIES_CACHED"]
-        prefill = pg.launch(q64, pool, table, layer_offset=0)[1]
+        prefill = pg.launch(q64, pool, table)[1]
         assert (prefill["ROWS"], prefill["NUM_WARPS"], prefill["WARPS_M"], prefill["STAGES"]) \
             == (pg.PREFILL_ROWS, pg.PREFILL_WARPS, pg.PREFILL_WARPS, pg.PREFILL_STAGES)
         assert not (prefill["SUM_BY_MMA"] or prefill["EDGE_MASKS"])
@@ -132,19 +133,18 @@ def test_small_batches_split_keys_by_the_batch_alone(batch, table_width, split_k
     assert small_batch_split_keys(batch, 8, num_sms=132) == split_keys
     for max_q, draft_block in ((1, None), (8, None), (16, None), (8, (16, False))):
         q = jax.ShapeDtypeStruct((batch, max_q, 32, 128), jnp.bfloat16)
-        scalars, constexprs, grid = pg.launch(q, pool, table, layer_offset=0,
-                                              draft_block=draft_block)
+        scalars, constexprs, grid = pg.launch(q, pool, table, draft_block=draft_block)
         assert constexprs["SPLIT_BLOCKS"] * pg.BLOCK_KEYS == split_keys
         assert grid == (num_splits, batch, 8) and scalars[-1] == num_splits
     prefill = pg.launch(jax.ShapeDtypeStruct((batch, 64, 32, 128), jnp.bfloat16), pool,
-                        table, layer_offset=0)
+                        table)
     assert prefill[1]["SPLIT_BLOCKS"] == 0 and prefill[0][-1] == 1
     unsplit = pg.launch(jax.ShapeDtypeStruct((batch, 1, 32, 128), jnp.bfloat16), pool, table,
-                        layer_offset=0, split_keys=0)
+                        split_keys=0)
     assert unsplit[1]["SPLIT_BLOCKS"] == 0 and unsplit[2] == (1, batch, 8)
     with pytest.raises(ValueError, match="multiple of 64"):
         pg.launch(jax.ShapeDtypeStruct((batch, 1, 32, 128), jnp.bfloat16), pool, table,
-                  layer_offset=0, split_keys=100)
+                  split_keys=100)
 
 
 @pytest.mark.parametrize("max_q,split_keys", [(1, 256), (8, 128), (16, 256)])
@@ -182,6 +182,27 @@ def test_matches_reference(kv_dtype, max_q, window, soft_cap, gqa, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch", [12, 4], ids=["one_program", "key_splits"])
+def test_a_traced_layer_offset_reads_its_own_layer(batch):
+    """Under a layer scan the offset is traced: each trip reads its own layer's pages."""
+    q, pool, table, kv_lens, q_lens = make_case(
+        np.random.default_rng(9), batch=batch, max_q=1, num_q_heads=32, num_kv_heads=8,
+        head_dim=128, page_size=16, kv_dtype=FP8, num_layers=3,
+        kv_lens=np.random.default_rng(9).integers(1, 3000, batch))
+    kw = kv_scales(pool)
+
+    def per_layer(_, offset):
+        return None, pg.paged_attention_gluon(q, pool, table, kv_lens, q_lens,
+                                              layer_offset=offset, **kw)
+    _, outs = jax.jit(lambda: jax.lax.scan(per_layer, None, jnp.arange(3)))()
+    for layer in range(3):
+        ref = paged_attention_reference(q, pool, table, kv_lens, q_lens, layer_offset=layer,
+                                        **kw)
+        assert rel_err(outs[layer], ref) < 1e-2, f"layer {layer}"
+    assert rel_err(outs[0], outs[2]) > 0.1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [FP8, jnp.bfloat16])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("max_q", [8, 16])  # 16: one 64-row program over 4 warps
@@ -205,7 +226,7 @@ def test_split_verify_equals_decode_over_any_table_width(kv_dtype, window, max_q
         rng, batch=4, max_q=max_q, num_q_heads=32, num_kv_heads=8, head_dim=128,
         page_size=16, kv_dtype=kv_dtype, window=window, q_lens=np.full(4, max_q),
         kv_lens=[max_q, 16 * 16 + 3, 700, 1100], table_width=160)
-    assert pg.launch(q, pool, table, layer_offset=1)[2][0] == 5
+    assert pg.launch(q, pool, table)[2][0] == 5
     kw = dict(layer_offset=1, sliding_window=window, k_scale=0.5, v_scale=0.25)
     verify = np.asarray(gluon_attention(q, pool, table, kv_lens, q_lens, **kw))
     narrow = table[:, :80]   # every row's pages
