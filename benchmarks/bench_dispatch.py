@@ -1,0 +1,94 @@
+"""Host cost of launching one jitted call, by how many arrays it takes.
+
+    python benchmarks/bench_dispatch.py [--out DIR]
+
+A step call of the embedded pair takes about 110 arrays (93 weights, 15 of state, the
+packed batch). This times a call doing almost nothing on the device (each input's first
+element summed) that takes 1 to 256 small arrays, each passed as is or donated and
+returned, and reports host microseconds per call (dispatch alone, and dispatch to a
+finished call) beside the 1-array call of the same run. Writes dispatch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+COUNTS = (1, 16, 64, 128, 256)
+
+
+def _timed(fn, args, calls: int) -> tuple[float, float]:
+    """(host us per call to return, us per call to a finished result), medians of 5."""
+    dispatch, finished = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        issued = time.perf_counter()
+        jax.block_until_ready(out)
+        dispatch.append((issued - start) / calls * 1e6)
+        start = time.perf_counter()
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+        finished.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(dispatch), statistics.median(finished)
+
+
+def _donated_loop(n: int, calls: int) -> tuple[float, float]:
+    """The same timings for a call that donates its n arrays and returns them (the
+    engine's state threading)."""
+    def step(*xs):
+        return (xs[0] + 1,) + xs[1:]
+    step = jax.jit(step, donate_argnums=tuple(range(n)))
+    xs = tuple(jnp.zeros((256,), jnp.float32) + i for i in range(n))
+    xs = step(*xs)
+    dispatch, finished = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            xs = step(*xs)
+        issued = time.perf_counter()
+        jax.block_until_ready(xs)
+        dispatch.append((issued - start) / calls * 1e6)
+        start = time.perf_counter()
+        for _ in range(calls):
+            xs = jax.block_until_ready(step(*xs))
+        finished.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(dispatch), statistics.median(finished)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args()
+    rows = []
+    for n in COUNTS:
+        xs = [jnp.zeros((256,), jnp.float32) + i for i in range(n)]
+        fn = jax.jit(lambda *a: sum(x[0] for x in a))
+        fn(*xs).block_until_ready()
+        read = _timed(fn, xs, args.calls)
+        donated = _donated_loop(n, args.calls)
+        rows.append(dict(arrays=n, read_dispatch_us=read[0], read_finished_us=read[1],
+                         donated_dispatch_us=donated[0], donated_finished_us=donated[1]))
+        print(f"{n:4d} arrays: read {read[0]:7.1f} us to return, {read[1]:7.1f} us to done; "
+              f"donated {donated[0]:7.1f} / {donated[1]:7.1f} us", flush=True)
+    base = rows[0]
+    for row in rows:
+        for key in ("read_dispatch_us", "donated_dispatch_us"):
+            row[key.replace("_us", "_over_one_array")] = row[key] / base[key]
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, calls=args.calls,
+                  rows=rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "dispatch.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out / 'dispatch.json'}")
+
+
+if __name__ == "__main__":
+    main()
