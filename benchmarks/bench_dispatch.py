@@ -63,13 +63,15 @@ def _donated_loop(n: int, calls: int) -> tuple[float, float]:
     return statistics.median(dispatch), statistics.median(finished)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--calls", type=int, default=200)
-    args = ap.parse_args()
+    ap.add_argument("--counts", type=int, nargs="+", default=list(COUNTS),
+                    help="array counts to time; the first is the baseline")
+    args = ap.parse_args(argv)
     rows = []
-    for n in COUNTS:
+    for n in args.counts:
         xs = [jnp.zeros((256,), jnp.float32) + i for i in range(n)]
         fn = jax.jit(lambda *a: sum(x[0] for x in a))
         fn(*xs).block_until_ready()

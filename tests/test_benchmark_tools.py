@@ -1,5 +1,5 @@
-"""The profiling tools' readers: a Perfetto trace into a handoff's timeline, XLA's log
-into graph records."""
+"""The profiling tools: a Perfetto trace into a handoff's timeline, XLA's log into graph
+records, the dispatch cost by array count."""
 
 import gzip
 import json
@@ -76,3 +76,13 @@ def test_a_programs_top_level_thunks_are_counted_by_kind_after_the_thunk_passes(
     assert got["module_0001.jit_packed_step"] == {"kCommandBuffer": 2, "kCustomCall": 1,
                                                   "kWhile": 1}
     assert got["module_0002.jit_export_step"] == {"kKernel": 2, "kCustomCall": 1}
+
+
+def test_dispatch_costs_are_reported_per_array_count_beside_one_array(tmp_path):
+    from benchmarks import bench_dispatch
+    bench_dispatch.main(["--out", str(tmp_path), "--calls", "20", "--counts", "1", "256"])
+    rows = json.loads((tmp_path / "dispatch.json").read_text())["rows"]
+    assert [r["arrays"] for r in rows] == [1, 256]
+    assert rows[0]["read_dispatch_over_one_array"] == 1.0
+    # 256 arrays cost more host time to pass than one, on any backend
+    assert rows[1]["donated_dispatch_us"] > rows[0]["donated_dispatch_us"]
