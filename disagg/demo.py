@@ -65,7 +65,7 @@ def explanation(block_size: int, on_cpu: bool, limit_note: str | None) -> list[s
         "and tokens equal aggregated.",
         "disagg-private: only the target's KV moves; the generation worker drafts without "
         "the prompt's context KV. Tokens stay the same (verification is lossless); AL drops: "
-        "the loss per prompt length below (shared - private AL).",
+        "the table above gives the loss per prompt length (shared - private AL).",
         "tok/s: generated tokens per wall-clock second, all requests together (median and "
         "min..max over repeats); TTFT: submit to first token, ms; moved: KV bytes imported "
         "by the generation worker, MiB (2^20 bytes).",
