@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import secrets
 import select
 import threading
@@ -41,14 +42,14 @@ from disagg.handshake import check_pair, hello, read_hello
 from disagg.kv_format import PairMismatch
 from disagg.sources import ContextWorker
 from disagg.transfer import TransferError
-from disagg.wire import kv_format_to_wire, request_from_wire, split_shards, start_transfer_server
+from disagg.wire import handoff_to_wire, request_from_wire, start_transfer_server
 from drafter.request import RequestError
 from unified_kv import AdmissionError
 
 log = logging.getLogger("disagg.remote")
 
 # A peer's failures that drop that peer alone (the server keeps serving the others).
-PEER_FAULTS = (TransferError, PairMismatch, KeyError, TypeError, ValueError)
+PEER_FAULTS = (TransferError, PairMismatch, KeyError, TypeError, ValueError, AttributeError)
 
 
 class _Peer:
@@ -195,9 +196,9 @@ class ContextServer:
         mine = (self.worker.kv_format, self.weights)
         peer.send(hello("context", *mine, self.transfer.address()), self.timeout)
         check_pair(mine, theirs)
-        peer.keepalive_s = min(max(float(message.get("keepalive_s", self.timeout / 4)), 0.05),
+        peer.keepalive_s = min(max(_seconds(message, "keepalive_s", self.timeout / 4), 0.05),
                                self.timeout)
-        peer.offer_s = min(max(float(message.get("transfer_timeout_s", self.timeout)), 0.0),
+        peer.offer_s = min(max(_seconds(message, "transfer_timeout_s", self.timeout), 0.0),
                            3600.0) + self.timeout
         peer.greeted = True
         log.info("generation peer %s connected (%s)", peer.channel.peer, peer.key)
@@ -246,7 +247,7 @@ class ContextServer:
     def _safely(self, peer: _Peer, send, *args) -> None:
         try:
             send(peer, *args)
-        except TransferError as e:
+        except PEER_FAULTS as e:
             self._drop_peer(peer, f"{type(e).__name__}: {e}")
 
     def _refuse(self, peer: _Peer, request_id: str, error: BaseException) -> None:
@@ -257,25 +258,13 @@ class ContextServer:
 
     def _offer(self, peer: _Peer, request_id: str, handoff) -> None:
         payload = handoff.payload
-        sums, first, drafts = jax.device_get((payload.checksums, payload.first_token,
-                                              payload.drafts))
+        host = jax.device_get((payload.checksums, payload.first_token, payload.drafts))
         uuid = secrets.randbits(62)   # single use: a fresh one per handoff
-        pieces, pools = [], []
-        for k, pool_id in enumerate(payload.pool_ids):
-            shards, boxes = split_shards(payload.buffers[k])
-            pieces += shards
-            pools.append({"pool_id": pool_id,
-                          "logical_pages": payload.logical_pages[k].tolist(),
-                          "checksum": int(sums[k]), "shape": list(payload.buffers[k].shape),
-                          "dtype": str(payload.buffers[k].dtype), "shards": boxes})
+        pieces, message = handoff_to_wire(request_id, payload, host, uuid, handoff.kv_format)
         # The offer expires, so a vanished peer leaves nothing behind.
         expiry = datetime.datetime.now() + datetime.timedelta(seconds=peer.offer_s)
         self.transfer.await_pull(uuid, pieces, timeout=expiry)
-        peer.send({"op": "handoff", "request_id": request_id,
-                   "target_len": payload.target_len, "draft_ctx_len": payload.draft_ctx_len,
-                   "first_token": int(first), "drafts": np.asarray(drafts).tolist(),
-                   "mode": payload.mode, "uuid": uuid,
-                   "pools": pools, "kv_format": kv_format_to_wire(handoff.kv_format)}, self.timeout)
+        peer.send(message, self.timeout)
         self.num_completed += 1
 
     # ------------------------------------------------------------ peers
@@ -335,3 +324,12 @@ class ContextServer:
     def _note(self, error: str) -> None:
         self.errors.append(error)
         log.warning(error)
+
+
+def _seconds(message: dict, field: str, default: float) -> float:
+    """A duration from a peer's hello: a finite number (ValueError naming it, else)."""
+    value = message.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"the generation worker's hello has {field}={value!r}; it must be a "
+                         f"finite number of seconds")
+    return float(value)

@@ -88,7 +88,18 @@ class ControlChannel:
             self._drop()
             raise TransferError(f"{self.peer} sent a {size}-byte control message "
                                 f"(limit {MAX_MESSAGE_BYTES}): not a worker of this project?")
-        return json.loads(self._read(size, deadline, timeout))
+        data = self._read(size, deadline, timeout)
+        try:
+            message = json.loads(data)
+        except ValueError as e:   # bad UTF-8 or JSON
+            message, problem = None, f"is not JSON ({e})"
+        else:
+            problem = f"is a JSON {type(message).__name__}, not an object"
+        if not isinstance(message, dict):
+            self._drop()   # the stream can't be trusted past a frame we can't read
+            raise TransferError(f"{self.peer} sent a control message that {problem}: "
+                                f"not a worker of this project?")
+        return message
 
     def _read(self, size: int, deadline: float, timeout: float) -> bytes:
         data = bytearray()

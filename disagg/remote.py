@@ -38,8 +38,11 @@ Deadlines (every wait has one):
     server. The context keeps each offer that long plus `timeout` (the hello
     tells it), so pulls queued behind others still find their offers.
   - a dropped channel (the peer died or closed) fails the requests on it whose
-    KV is not all here, by name; the next request reconnects, and one that
-    cannot within `timeout` fails naming the address to restart.
+    KV is not all here, by name; the next request reconnects (off the engine's
+    thread: requests fetched meanwhile wait for it), and one that cannot within
+    `timeout` fails naming the address to restart.
+  - a message that is not the protocol's (not a JSON object, a field of the wrong
+    type) drops the channel like a lost peer, naming what could not be read.
 The engine's own deadline (`engine_timeout_s`, given to `Engine.kv_timeout_s`)
 lies past these, a backstop: the source names every fault first.
 """
@@ -53,15 +56,14 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from disagg.control import ControlChannel, PeerClosed
 from disagg.handshake import Weights, check_pair, hello, read_hello
 from disagg.kv_format import KVFormat, PairMismatch, check_kv_formats
 from disagg.sources import received
 from disagg.transfer import TransferError, TransferTimeout, move_payload
-from disagg.wire import (assemble, kv_format_from_wire, request_to_wire, start_transfer_server)
+from disagg.wire import (Pulls, kv_format_from_wire, payload_from_wire, request_to_wire,
+                         start_transfer_server)
 from drafter.kv_io import KVPayload
 from drafter.request import Request, RequestError
 from unified_kv import AdmissionError
@@ -101,6 +103,10 @@ class RemoteSource:
     def __init__(self, address: str, kv_format: KVFormat, *, weights: Weights, mesh=None,
                  transfer_host: str = "127.0.0.1", timeout: float = 30.0,
                  transfer_timeout: float | None = None):
+        for name, value in (("timeout", timeout), ("transfer_timeout", transfer_timeout)):
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"RemoteSource {name}={value!r}: give a finite number of "
+                                 f"seconds above 0")
         self.address, self.kv_format, self.mesh, self.timeout = address, kv_format, mesh, timeout
         self.transfer_timeout = transfer_timeout or 4 * timeout
         self.weights = weights
@@ -111,6 +117,8 @@ class RemoteSource:
         self._replies: queue.Queue = queue.Queue()
         self._handoffs: queue.Queue = queue.Queue()   # (channel, message, deadline)
         self._outstanding: dict[str, _Wait] = {}
+        self._unsent: list[tuple[str, dict]] = []   # (request id, prefill) awaiting a channel
+        self._reconnecting = False
         self._heard = time.monotonic()   # when the channel last carried a message
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -122,8 +130,8 @@ class RemoteSource:
             thread.start()
 
     def _connect(self) -> None:
-        # A first connection waits for a peer still starting; a reconnection runs on
-        # the engine's thread, so a refusal there (the peer is gone) fails at once.
+        # A first connection waits for a peer still starting; a reconnection fails at
+        # once on a refusal (the peer is gone).
         channel = ControlChannel.connect(self.address, self.timeout,
                                          retry_refused=self.channel is None)
         try:
@@ -137,7 +145,8 @@ class RemoteSource:
             channel.close()
             raise
         self.peer_transfer_address = reply["transfer_address"]
-        self._pulls = self.transfer.connect(self.peer_transfer_address)
+        self._pulls = Pulls(self.transfer, self.peer_transfer_address,
+                            f"the context worker at {self.address}")
         self._heard = time.monotonic()
         self.channel = channel
 
@@ -150,18 +159,58 @@ class RemoteSource:
     # ------------------------------------------------------------ KVSource
 
     def fetch(self, request: Request) -> None:
+        rid, prefill = request.request_id, {"op": "prefill", **request_to_wire(request)}
         with self._lock:   # waiting from here on: `_fail` ends only waiting requests
-            self._outstanding[request.request_id] = _Wait(time.monotonic())
+            self._outstanding[rid] = _Wait(time.monotonic())
+            channel = self.channel
+            if channel is None or channel.broken:
+                # The peer may have restarted. Reconnecting waits up to `timeout` on a
+                # hung peer, so it runs off the engine's thread (whose batch keeps
+                # decoding); requests fetched meanwhile go once it is done.
+                self._unsent.append((rid, prefill))
+                if self._reconnecting:
+                    return
+                self._reconnecting, channel = True, None
+        if channel is None:
+            threading.Thread(target=self._reconnect, name="remote-reconnect",
+                             daemon=True).start()
+        else:
+            self._send_prefill(channel, rid, prefill)
+
+    def _send_prefill(self, channel, request_id: str, prefill: dict) -> None:
         try:
-            if self.channel is None or self.channel.broken:
-                self._connect()  # the peer may have restarted
-            self.channel.send({"op": "prefill", **request_to_wire(request)}, self.timeout)
-        except PairMismatch as e:
-            self._fail(request.request_id, e)
+            channel.send(prefill, self.timeout)
         except TransferError as e:
-            self._fail(request.request_id, type(e)(
-                f"the context worker at {self.address} cannot be reached ({e}); start it "
-                f"there again: each later request reconnects"))
+            self._fail(request_id, self._unreachable(e))
+
+    def _reconnect(self) -> None:
+        error = None
+        try:
+            self._connect()
+        except PairMismatch as e:
+            error = e
+        except TransferError as e:
+            error = self._unreachable(e)
+        except Exception as e:  # noqa: BLE001 - a malformed reply: fail what waits, by name
+            error = TransferError(f"the context worker at {self.address} answered the "
+                                  f"reconnection with something unreadable ({e!r}): not a "
+                                  f"worker of this project?")
+        with self._lock:
+            unsent, self._unsent, self._reconnecting = self._unsent, [], False
+        for request_id, prefill in unsent:
+            if error is not None:
+                self._fail(request_id, error)
+            else:
+                self._send_prefill(self.channel, request_id, prefill)
+
+    def _unreachable(self, e: TransferError) -> TransferError:
+        if isinstance(e, TransferTimeout):
+            return TransferTimeout(
+                f"the context worker at {self.address} did not answer ({e}): it is stopped "
+                f"or hung, or the address is unreachable; check or restart that process: "
+                f"each later request reconnects")
+        return type(e)(f"the context worker at {self.address} cannot be reached ({e}); "
+                       f"start it there again: each later request reconnects")
 
     def poll(self, timeout: float) -> list:
         out = []
@@ -267,31 +316,40 @@ class RemoteSource:
                     f"start it again: the next request reconnects"))
                 continue
             now = self._heard = time.monotonic()
-            op, request_id = message.get("op"), message.get("request_id")
-            if op == "progress":   # a heartbeat: every request it does not end waits on
-                ids = set(message.get("request_ids", ()))
-                with self._lock:
-                    alive = [r for r, w in self._outstanding.items()
-                             if r in ids or w.pulling or w.listed is None]  # None: unread
-                    for request_id in ids.intersection(alive):
-                        self._outstanding[request_id].listed = now
-                for request_id in alive:
-                    self._arrivals.put((request_id, None))
-            elif op == "handoff":
-                with self._lock:
-                    if request_id not in self._outstanding:
-                        continue   # failed meanwhile: its offer expires over there
-                    self._outstanding[request_id].pulling = True
+            try:
+                self._on_message(channel, message, now)
+            except Exception as e:  # noqa: BLE001 - a malformed message: not this protocol
+                self._lose_channel(channel, TransferError(
+                    f"the context worker at {self.address} sent a message this worker "
+                    f"cannot read ({e!r}): not a worker of this project, or another "
+                    f"version? The connection is dropped; the next request reconnects"))
+
+    def _on_message(self, channel, message: dict, now: float) -> None:
+        op, request_id = message.get("op"), message.get("request_id")
+        if op == "progress":   # a heartbeat: every request it does not end waits on
+            ids = set(message.get("request_ids", ()))
+            with self._lock:
+                alive = [r for r, w in self._outstanding.items()
+                         if r in ids or w.pulling or w.listed is None]  # None: unread
+                for request_id in ids.intersection(alive):
+                    self._outstanding[request_id].listed = now
+            for request_id in alive:
                 self._arrivals.put((request_id, None))
-                self._handoffs.put((channel, message, now + self.transfer_timeout))
-            elif op == "refused":
-                error = {"AdmissionError": AdmissionError,
-                         "RequestError": RequestError}.get(message.get("error_type"),
-                                                           TransferError)
-                self._fail(request_id, error(f"the context worker refused request "
-                                             f"{request_id!r}: {message.get('error')}"))
-            elif op == "stats":
-                self._replies.put(message)
+        elif op == "handoff":
+            with self._lock:
+                if request_id not in self._outstanding:
+                    return   # failed meanwhile: its offer expires over there
+                self._outstanding[request_id].pulling = True
+            self._arrivals.put((request_id, None))
+            self._handoffs.put((channel, message, now + self.transfer_timeout))
+        elif op == "refused":
+            error = {"AdmissionError": AdmissionError,
+                     "RequestError": RequestError}.get(message.get("error_type"),
+                                                       TransferError)
+            self._fail(request_id, error(f"the context worker refused request "
+                                         f"{request_id!r}: {message.get('error')}"))
+        elif op == "stats":
+            self._replies.put(message)
 
     def _pull_loop(self) -> None:
         while not self._stop.is_set():
@@ -305,8 +363,13 @@ class RemoteSource:
                     continue   # its peer was lost meanwhile
             try:
                 payload = self._pull(message, channel, deadline)
-            except Exception as e:  # noqa: BLE001 - any failure is this request's alone
+            except TransferError as e:
                 self._fail(request_id, e)
+                continue
+            except Exception as e:  # noqa: BLE001 - any failure is this request's alone
+                self._fail(request_id, TransferError(
+                    f"request {request_id!r}: its handoff from the context worker at "
+                    f"{self.address} could not be received: {e!r}"))
                 continue
             if payload is not None:
                 self._arrivals.put((request_id, payload))
@@ -316,64 +379,17 @@ class RemoteSource:
         the request ended meanwhile)."""
         request_id = message["request_id"]
         check_kv_formats(kv_format_from_wire(message["kv_format"]), self.kv_format)
-        local = jax.sharding.SingleDeviceSharding(self.pull_device)
-        avals = [jax.ShapeDtypeStruct([b - a for a, b in box], jnp.dtype(pool["dtype"]),
-                                      sharding=local)
-                 for pool in message["pools"] for box in pool["shards"]]
         start = time.perf_counter()
-        pieces = self._pulls.pull(message["uuid"], avals)
-        self._await(pieces, request_id, channel, deadline)
+        pieces = self._pulls.pull(message, self.pull_device)
+        self._pulls.wait(pieces, abandoned=lambda: channel.broken, deadline=deadline,
+                         timeout_s=self.transfer_timeout)
+        seconds, nbytes = time.perf_counter() - start, sum(p.nbytes for p in pieces)
+        payload = payload_from_wire(message, pieces, f"the context worker at {self.address}")
+        payload = move_payload(received(payload, self.kv_format.mode), self.mesh)
+        # Claimed only once built: a handoff that cannot be read fails its request (`_fail`
+        # ends only requests still waiting), by name, instead of vanishing.
         if not self._claim(request_id):
             return None
-        self.pull_seconds += time.perf_counter() - start
-        self.bytes_pulled += sum(p.nbytes for p in pieces)
-        buffers = []
-        for pool in message["pools"]:
-            mine, pieces = pieces[:len(pool["shards"])], pieces[len(pool["shards"]):]
-            buffers.append(assemble(pool["shape"], pool["dtype"], pool["shards"], mine))
-        payload = KVPayload(
-            target_len=message["target_len"], draft_ctx_len=message["draft_ctx_len"],
-            first_token=np.int32(message["first_token"]),
-            drafts=np.asarray(message["drafts"], np.int32),
-            pool_ids=tuple(p["pool_id"] for p in message["pools"]),
-            logical_pages=tuple(np.asarray(p["logical_pages"], np.int32)
-                                for p in message["pools"]),
-            buffers=tuple(buffers),
-            checksums=np.asarray([p["checksum"] for p in message["pools"]], np.uint32),
-            mode=message["mode"], origin=f"the context worker at {self.address}")
-        return move_payload(received(payload, self.kv_format.mode), self.mesh)
-
-    def _await(self, pieces, request_id: str, channel, deadline: float) -> None:
-        # The pull's own `timeout` argument is not honoured on CPU in jax 0.11.2 (a pull of
-        # an unoffered uuid waits until the peer dies), so poll readiness against a deadline.
-        delay = 1e-4
-        where = (f"the KV pull from the context worker at {self.address} (transfer server "
-                 f"{self.peer_transfer_address})")
-        while not all(p.is_ready() for p in pieces):
-            if channel.broken:   # the reader lost the peer and failed the request
-                self._reset_pulls()
-                raise PeerClosed(f"{where} was abandoned: the context worker was lost")
-            if time.monotonic() > deadline:
-                self._reset_pulls()
-                raise TransferTimeout(f"{where} did not finish within "
-                                      f"{self.transfer_timeout:.1f}s of its handoff while "
-                                      f"the context sent heartbeats: the transfer is stuck; "
-                                      f"check that its transfer server is reachable from "
-                                      f"here (later requests pull afresh)")
-            time.sleep(delay)
-            delay = min(2 * delay, 0.01)
-        try:
-            jax.block_until_ready(pieces)
-        except jax.errors.JaxRuntimeError as e:
-            self._reset_pulls()
-            raise TransferError(f"{where} failed: the context died or dropped the offer; "
-                                f"if it died, start it again (the next request "
-                                f"reconnects): {e}") from None
-
-    def _reset_pulls(self) -> None:
-        # Poisoning fails the connection's pending pulls (else they wait on a dead
-        # uuid forever); later requests use a fresh connection.
-        poison = getattr(self._pulls, "_poison_connection", None)
-        if poison is not None:
-            poison()
-        self._pulls = self.transfer.connect(self.peer_transfer_address)
+        self.pull_seconds += seconds
+        self.bytes_pulled += nbytes
+        return payload

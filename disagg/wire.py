@@ -2,19 +2,24 @@
 
 Only JSON-able metadata goes over the control channel; the KV buffers travel
 as shards through `jax.experimental.transfer` and are put back together on
-the receiver (`split_shards` / `assemble`).
+the receiver (`split_shards` / `assemble`), pulled by `Pulls`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import transfer as jax_transfer
 
+from disagg.control import PeerClosed
 from disagg.kv_format import KVFormat
+from disagg.transfer import TransferError, TransferTimeout
+from drafter.kv_io import KVPayload
 from drafter.request import Request, RequestError, SamplingParams
 
 
@@ -76,3 +81,94 @@ def request_from_wire(message: dict, *, vocab_size: int, reserved_ids=()) -> Req
     return Request.make(message.get("request_id"), message.get("prompt"),
                         SamplingParams(**fields), vocab_size=vocab_size,
                         reserved_ids=reserved_ids)
+
+
+def handoff_to_wire(request_id: str, payload: KVPayload, host: tuple, uuid: int,
+                    kv_format: KVFormat) -> tuple[list[jax.Array], dict]:
+    """(the shards to offer under `uuid`, the handoff message) of a payload whose
+    checksums, first token and drafts were read to the host (`host`, in that order)."""
+    sums, first, drafts = host
+    pieces, pools = [], []
+    for k, pool_id in enumerate(payload.pool_ids):
+        shards, boxes = split_shards(payload.buffers[k])
+        pieces += shards
+        pools.append({"pool_id": pool_id, "logical_pages": payload.logical_pages[k].tolist(),
+                      "checksum": int(sums[k]), "shape": list(payload.buffers[k].shape),
+                      "dtype": str(payload.buffers[k].dtype), "shards": boxes})
+    return pieces, {"op": "handoff", "request_id": request_id,
+                    "target_len": payload.target_len, "draft_ctx_len": payload.draft_ctx_len,
+                    "first_token": int(first), "drafts": np.asarray(drafts).tolist(),
+                    "mode": payload.mode, "uuid": uuid, "pools": pools,
+                    "kv_format": kv_format_to_wire(kv_format)}
+
+
+def handoff_avals(message: dict, device) -> list[jax.ShapeDtypeStruct]:
+    """The shards a handoff message offers, as they are pulled onto `device`."""
+    local = jax.sharding.SingleDeviceSharding(device)
+    return [jax.ShapeDtypeStruct([b - a for a, b in box], jnp.dtype(pool["dtype"]),
+                                 sharding=local)
+            for pool in message["pools"] for box in pool["shards"]]
+
+
+def payload_from_wire(message: dict, pieces: list[jax.Array], origin: str) -> KVPayload:
+    """The KVPayload of a handoff message and its pulled shards (in `handoff_avals` order)."""
+    buffers = []
+    for pool in message["pools"]:
+        mine, pieces = pieces[:len(pool["shards"])], pieces[len(pool["shards"]):]
+        buffers.append(assemble(pool["shape"], pool["dtype"], pool["shards"], mine))
+    return KVPayload(
+        target_len=message["target_len"], draft_ctx_len=message["draft_ctx_len"],
+        first_token=np.int32(message["first_token"]),
+        drafts=np.asarray(message["drafts"], np.int32),
+        pool_ids=tuple(p["pool_id"] for p in message["pools"]),
+        logical_pages=tuple(np.asarray(p["logical_pages"], np.int32) for p in message["pools"]),
+        buffers=tuple(buffers),
+        checksums=np.asarray([p["checksum"] for p in message["pools"]], np.uint32),
+        mode=message["mode"], origin=origin)
+
+
+class Pulls:
+    """Pulls of offered shards from one peer's transfer server. A pull that fails, is
+    abandoned or is stuck poisons the connection (else its other pending pulls wait on a
+    dead uuid forever) and opens a fresh one: later pulls start afresh."""
+
+    def __init__(self, transfer, peer_address: str, peer: str):
+        self.transfer, self.peer_address, self.peer = transfer, peer_address, peer
+        self._connection = transfer.connect(peer_address)
+
+    def pull(self, message: dict, device) -> list[jax.Array]:
+        """Start pulling a handoff message's shards onto `device` (asynchronous)."""
+        return self._connection.pull(message["uuid"], handoff_avals(message, device))
+
+    def wait(self, pieces, *, abandoned, deadline: float, timeout_s: float) -> None:
+        """Until `pieces` are here; PeerClosed once `abandoned()` (the peer was lost),
+        TransferTimeout past `deadline` (monotonic), TransferError if the pull failed."""
+        # The pull's own `timeout` argument is not honoured on CPU in jax 0.11.2 (a pull of
+        # an unoffered uuid waits until the peer dies), so poll readiness against a deadline.
+        delay = 1e-4
+        where = f"the KV pull from {self.peer} (transfer server {self.peer_address})"
+        while not all(p.is_ready() for p in pieces):
+            if abandoned():
+                self._reset()
+                raise PeerClosed(f"{where} was abandoned: the context worker was lost")
+            if time.monotonic() > deadline:
+                self._reset()
+                raise TransferTimeout(f"{where} did not finish within {timeout_s:.1f}s of its "
+                                      f"handoff while the context sent heartbeats: the "
+                                      f"transfer is stuck; check that its transfer server is "
+                                      f"reachable from here (later requests pull afresh)")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+        try:
+            jax.block_until_ready(pieces)
+        except jax.errors.JaxRuntimeError as e:
+            self._reset()
+            raise TransferError(f"{where} failed: the context died or dropped the offer; "
+                                f"if it died, start it again (the next request "
+                                f"reconnects): {e}") from None
+
+    def _reset(self) -> None:
+        poison = getattr(self._connection, "_poison_connection", None)
+        if poison is not None:
+            poison()
+        self._connection = self.transfer.connect(self.peer_address)
