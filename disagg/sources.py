@@ -222,16 +222,24 @@ class InProcessSource:
             out.append((handoff.request_id, payload))
         return out
 
+    def _submit(self, ctx: ContextWorker, request: Request) -> None:
+        """Hand `request` to `ctx`; a refusal fails that request alone."""
+        try:
+            ctx.submit(request)
+        except Exception as e:  # noqa: BLE001 - the refusal is this request's
+            self._arrivals.put((request.request_id, TransferError(
+                f"{ctx.name} refused it: {type(e).__name__}: {e}")))
+
     def _context_loop(self, ctx: ContextWorker) -> None:
         while not self._stop.is_set():
             while ctx.has_room:
                 try:
-                    ctx.submit(self._work.get_nowait())
+                    self._submit(ctx, self._work.get_nowait())
                 except queue.Empty:
                     break
             if not ctx.busy:
                 try:
-                    ctx.submit(self._work.get(timeout=0.02))
+                    self._submit(ctx, self._work.get(timeout=0.02))
                 except queue.Empty:
                     continue
             try:

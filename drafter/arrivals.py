@@ -26,14 +26,29 @@ class Arrivals:
         self.scheduler = scheduler
         self._since: dict[str, float] = {}          # awaiting KV: last progress time
         self._first: dict[str, tuple[Sequence, object]] = {}  # arrived, first token unbooked
+        # Fetched, and the source has not answered (KV or failure) yet, even if the request
+        # ended here meanwhile: the id stays in use at the source until it answers.
+        self._at_source: set[str] = set()
 
     @property
     def awaiting(self) -> bool:
         return bool(self._since)
 
-    def fetch(self, source: KVSource, seq: Sequence, now: float) -> None:
+    def at_source(self, request_id: str) -> bool:
+        """The source still works on a request of this id (no KV or failure came back)."""
+        return request_id in self._at_source
+
+    def fetch(self, source: KVSource, seq: Sequence, now: float) -> Result | None:
+        """Ask `source` for the request's KV; a source that refuses it ends that request
+        alone (its Result)."""
+        try:
+            source.fetch(seq.request)
+        except Exception as e:  # noqa: BLE001 - the source's refusal is this request's
+            return self.scheduler.finish(seq, now, "error", f"request {seq.request_id!r}: "
+                                         f"its KV source refused it: {type(e).__name__}: {e}")
         self._since[seq.request_id] = now
-        source.fetch(seq.request)
+        self._at_source.add(seq.request_id)
+        return None
 
     def take(self, source: KVSource, wait_s: float, timeout_s: float) -> list[Result]:
         """Poll `source` (waiting up to `wait_s` for a first arrival), end requests
@@ -45,6 +60,8 @@ class Arrivals:
         now = time.perf_counter()
         results = []
         for request_id, item in polled:
+            if item is not None:   # the source's answer: done with this id
+                self._at_source.discard(request_id)
             seq = self.scheduler.active.get(request_id)
             if seq is None or seq.phase is not Phase.AWAITING_KV:
                 continue  # cancelled or failed meanwhile

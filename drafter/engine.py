@@ -152,6 +152,10 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request. AdmissionError if it can never fit this cache or its
         id is in flight; nothing changes then."""
+        if self.arrivals.at_source(request.request_id):
+            raise AdmissionError(f"request id {request.request_id!r} is still in flight at the "
+                                 f"KV source (it ended here while its KV was being made); use "
+                                 f"a new id, or this one once the source has answered")
         self.scheduler.add(Sequence(request, time.perf_counter()))
 
     def add_request(self, request_id: str, prompt, max_new_tokens: int, **fields) -> None:
@@ -193,7 +197,8 @@ class Engine:
             results += self._read_outputs(idle=False)
         plan = self.scheduler.schedule()
         for seq in plan.fetch:
-            self.arrivals.fetch(self.kv_source, seq, start)
+            if (refused := self.arrivals.fetch(self.kv_source, seq, start)) is not None:
+                results.append(refused)
         if plan.reset_slots and not plan.runs_step and self.arrivals.awaiting:
             # Nothing but resets: the import of the awaited KV carries them (one call fewer
             # between a request's admission and its first generation step).

@@ -14,6 +14,7 @@ from disagg.transfer import MOVE_PATHS
 from drafter.engine import Engine
 from tests.drafter.test_context import PAIR, periodic_prompts
 from tests.drafter.tiny import tiny_pair
+from unified_kv import AdmissionError
 
 
 # One tiny pair for the module (4 kv heads, so the TP tests can split them 4 ways): every
@@ -329,4 +330,61 @@ def test_a_batch_invariant_pair_pads_every_prefill_and_equals_aggregated(pair):
                                           for c in engine.kv_source.contexts)
     dis = engine.generate(PROMPTS, MAX_NEW, arrival_steps=[0, 0, 1, 4, 6])
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
+    assert_pair_free(engine)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_an_id_ended_while_its_kv_is_made_is_refused_until_the_source_answers(threaded, pair,
+                                                                            aggregated):
+    """The source still works on a cancelled request: its id is refused by name (its late
+    KV must never land in a new request of that id), the refusal changes nothing, and
+    once the source has answered the id serves a new prompt exactly as aggregated."""
+    params, cfg = pair
+    engine = disaggregated_engine(params, cfg, threaded=threaded)
+    engine.add_request("a", PROMPTS[2], MAX_NEW)
+    engine.step()   # admitted: its KV is being made
+    assert "cancelled" in engine.cancel("a").error
+    with pytest.raises(AdmissionError, match="'a' is still in flight at the KV source"):
+        engine.add_request("a", PROMPTS[3], MAX_NEW)
+    engine.add_request("b", PROMPTS[1], MAX_NEW)
+    results = {r.request_id: r for r in engine.run()}
+    assert list(results) == ["b"] and results["b"].tokens == aggregated[1].tokens
+    deadline = time.monotonic() + 10.0
+    while engine.arrivals.at_source("a") and time.monotonic() < deadline:
+        engine.step()   # polls the source
+    assert not engine.arrivals.at_source("a")
+    engine.add_request("a", PROMPTS[3], MAX_NEW)
+    (result,) = engine.run()
+    assert result.request_id == "a" and result.tokens == aggregated[3].tokens
+    if threaded:
+        engine.kv_source.close()
+    assert_pair_free(engine)
+
+
+class RefusingSource:
+    """A KV source whose `fetch` raises for one request id (a sender that refuses it)."""
+
+    def __init__(self, inner, refused: str):
+        self.inner, self.refused = inner, refused
+
+    def fetch(self, request):
+        if request.request_id == self.refused:
+            raise RuntimeError("no room for it over there")
+        self.inner.fetch(request)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_source_that_refuses_a_fetch_fails_that_request_alone(pair, aggregated):
+    params, cfg = pair
+    engine = disaggregated_engine(params, cfg)
+    engine.kv_source = RefusingSource(engine.kv_source, "refused")
+    engine.add_request("refused", PROMPTS[0], MAX_NEW)
+    engine.add_request("kept", PROMPTS[1], MAX_NEW)
+    results = {r.request_id: r for r in engine.run()}
+    assert "its KV source refused it: RuntimeError: no room for it over there" in (
+        results["refused"].error)
+    assert results["kept"].tokens == aggregated[1].tokens
+    assert not engine.arrivals.at_source("refused")
     assert_pair_free(engine)
