@@ -48,7 +48,7 @@ def build_parser():
                      help="disaggregated with the draft KV shared or private, or aggregated")
     srv.add_argument("--http", type=processes.host_port, default=None, metavar="HOST:PORT",
                      help="serve OpenAI-compatible HTTP here instead of JSON lines")
-    srv.add_argument("--request-timeout", type=float, default=600.0,
+    srv.add_argument("--request-timeout", type=processes.positive_seconds, default=600.0,
                      help="HTTP: seconds a request may wait for its next tokens")
     srv.add_argument("--warmup", default="first", choices=("first", "all"),
                      help="compile before the ready line: what a first request needs "
@@ -86,9 +86,6 @@ def serve(args) -> None:
     except ValueError as e:
         raise SystemExit(f"serve: {e}")
     if args.http is not None:
-        if args.request_timeout <= 0:
-            raise SystemExit(f"--request-timeout must be > 0 seconds, got "
-                             f"{args.request_timeout}")
         serve_http(engine, pair, *args.http, mode=args.draft_kv,
                    request_timeout_s=args.request_timeout,
                    default_max_tokens=args.default_max_tokens, counter=args.counter,

@@ -18,7 +18,10 @@ Rules:
     fix, and touches nothing else; so does a max_tokens that does not fit;
   * a request without max_tokens gets `default_max_tokens`, at most the room its
     prompt leaves (disagg/schema.py);
-  * a client that goes away mid-request cancels it (its pages are freed);
+  * a client that goes away mid-request, streamed or not, cancels it (its pages
+    are freed);
+  * a body larger than any prompt within max_seq_len needs gets HTTP 413, and
+    prompts are parsed off the event loop, so one large request stalls no stream;
   * every wait for a request's next Event is bounded by `request_timeout_s`
     (then the request is cancelled: 504, or an error event when streaming);
   * the response's `usage` counts prompt and completion tokens; extensions:
@@ -58,6 +61,16 @@ def require_http():
     if missing:
         raise ImportError(f"serve --http needs {', '.join(missing)}: pip install "
                           f"{' '.join(missing)} (or pip install -e . in the checkout)")
+
+
+class _ClientGone(Exception):
+    """The client of a whole (non-streamed) answer disconnected."""
+
+
+async def _disconnect(request) -> None:
+    """Returns once the client has disconnected (its body was read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -130,6 +143,9 @@ class CompletionsApp:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         self.loop, self.metrics, self.model_name = loop, metrics, model_name
         self.request_timeout_s, self.default_max_tokens = request_timeout_s, default_max_tokens
+        # Room for any prompt that fits max_seq_len, as text (a token takes a few bytes) or
+        # as ids, and no more: parsing is the server's work, whoever sends the bytes.
+        self.max_body_bytes = max(1 << 20, 32 * loop.engine.spec.max_seq_len)
         self.ready = threading.Event()
         self.created = int(time.time())
         self.app = Starlette(routes=[
@@ -175,30 +191,37 @@ class CompletionsApp:
 
     async def _serve(self, request, fmt: _Format, parse):
         """Parse, check, submit; answer whole or as server-sent events in `fmt`."""
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import Response, StreamingResponse
 
         def refuse(status, message, param=None, kind="invalid_request_error"):
-            return JSONResponse(error_body(message, param, kind), status_code=status)
+            # ASCII JSON: a field name may hold a lone surrogate, which UTF-8 cannot carry
+            return Response(json.dumps(error_body(message, param, kind)), status_code=status,
+                            media_type="application/json")
 
         rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            return refuse(413, f"the request body is {len(raw):,} bytes; this server takes at "
+                               f"most {self.max_body_bytes:,} (prompts of up to max_seq_len="
+                               f"{self.loop.engine.spec.max_seq_len} tokens)")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             return refuse(400, f"the request body is not JSON ({e}); send a JSON object")
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model != self.model_name:
             return refuse(404, f"model {model!r} is not served here; use {self.model_name!r} "
                                f"(GET /v1/models)", "model", "not_found_error")
-        try:
-            req, stops = parse(body, rid)
-            self.loop.engine.scheduler.check_fits(req)
+        aio = asyncio.get_running_loop()
+        try:   # tokenizing a long prompt takes a while: off the loop, so streams flow on
+            req, stops = await aio.run_in_executor(None, self._parse_and_check, parse, body,
+                                                   rid)
         except RequestError as e:
             return refuse(400, str(e), e.field)
         except AdmissionError as e:  # named in the request's own spelling
             field = "max_completion_tokens" if "max_completion_tokens" in body else \
                 "max_tokens"
             return refuse(400, str(e).replace("max_new_tokens", field), field)
-        aio = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def sink(event: Event) -> None:  # on the engine's thread
@@ -213,14 +236,27 @@ class CompletionsApp:
             return StreamingResponse(self._stream(rid, fmt, events, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(rid, fmt, events, refuse)
+        return await self._whole(rid, fmt, events, refuse, request)
 
-    async def _next(self, rid: str, events: asyncio.Queue) -> Event:
-        try:
-            return await asyncio.wait_for(events.get(), self.request_timeout_s)
-        except asyncio.TimeoutError:
-            self.loop.cancel(rid)
-            raise
+    def _parse_and_check(self, parse, body, rid):
+        req, stops = parse(body, rid)
+        self.loop.engine.scheduler.check_fits(req)
+        return req, stops
+
+    async def _next(self, rid: str, events: asyncio.Queue, gone=None) -> Event:
+        """The request's next Event; asyncio.TimeoutError (the request cancelled) after
+        `request_timeout_s` without one, _ClientGone once `gone` (a task) is done."""
+        get = asyncio.ensure_future(events.get())
+        done, _ = await asyncio.wait({get} | ({gone} if gone is not None else set()),
+                                     timeout=self.request_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()   # the request ends here: an Event it would have taken is not needed
+        if gone is not None and gone in done:
+            raise _ClientGone
+        self.loop.cancel(rid)
+        raise asyncio.TimeoutError
 
     def _envelope(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": int(time.time()),
@@ -232,13 +268,17 @@ class CompletionsApp:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    async def _whole(self, rid: str, fmt: _Format, events: asyncio.Queue, refuse):
+    async def _whole(self, rid: str, fmt: _Format, events: asyncio.Queue, refuse, request):
         from starlette.responses import JSONResponse
         pieces, finished = [], False
+        gone = asyncio.ensure_future(_disconnect(request))   # nothing else would notice
         try:
             while True:
                 try:
-                    event = await self._next(rid, events)
+                    event = await self._next(rid, events, gone)
+                except _ClientGone:
+                    return refuse(499, f"request {rid!r}: the client went away; it was "
+                                       f"cancelled")
                 except asyncio.TimeoutError:
                     return refuse(504, f"request {rid!r}: no progress within "
                                        f"{self.request_timeout_s:g}s; it was cancelled", None,
@@ -248,6 +288,7 @@ class CompletionsApp:
                     finished = True
                     break
         finally:
+            gone.cancel()
             if not finished:
                 self.loop.cancel(rid)
         if event.result is None or event.finish_reason == "error":

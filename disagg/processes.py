@@ -135,6 +135,16 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds > 0")
+    return value
+
+
 def add_batch_invariant_arg(p) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="every prefill call runs full rows (a lone prompt's padded), so a "

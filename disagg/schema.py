@@ -63,6 +63,8 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
 CHAT_ROLES = ("system", "user", "assistant")
 MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 MAX_STOP_STRINGS = 16
+# A stop string's length bound: the text stream checks every tail up to it each step.
+MAX_STOP_CHARS = 256
 # max_tokens of an HTTP request that gives none. Every request reserves pages for its
 # whole max_tokens at admission, so "the room the prompt leaves" (up to max_seq_len,
 # 9216 by default) would let one such request hold about a quarter of the embedded
@@ -84,6 +86,9 @@ def _stop_strings(rid: str, stop) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise RequestError(f"request {rid!r}: {len(stops)} stop strings; give at most "
                            f"{MAX_STOP_STRINGS}", "stop")
+    if (longest := max(len(s) for s in stops)) > MAX_STOP_CHARS:
+        raise RequestError(f"request {rid!r}: a stop string of {longest} characters; give "
+                           f"at most {MAX_STOP_CHARS} each", "stop")
     return tuple(stops)
 
 
@@ -187,6 +192,8 @@ def parse_completion(obj, rid: str, engine, tokenizer, *,
             raise RequestError(f"request {rid!r}: \"prompt\" is missing; give text or a list "
                                f"of token ids", "prompt")
         prompt = obj["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]   # OpenAI's batch form holding one prompt
         if isinstance(prompt, str):
             prompt = _text_prompt(rid, prompt, tokenizer)
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list))
@@ -257,20 +264,25 @@ def _messages(rid: str, obj: dict) -> list[dict]:
     return out
 
 
-def _room(rid: str, prompt, engine) -> int:
+def _room(rid: str, prompt, engine, prompt_field: str) -> int:
     """The most tokens `prompt` leaves room for within the engine's max_seq_len."""
     probe = engine.make_request(rid, prompt, SamplingParams(max_new_tokens=1))
-    return max(1, engine.spec.max_seq_len - engine.scheduler.reserved_len(probe) + 1)
+    room = engine.spec.max_seq_len - engine.scheduler.reserved_len(probe) + 1
+    if room < 1:
+        raise RequestError(f"request {rid!r}: the prompt is {len(probe.prompt)} tokens, which "
+                           f"leaves no room for a completion within max_seq_len="
+                           f"{engine.spec.max_seq_len}; shorten the prompt", prompt_field)
+    return room
 
 
 def _default_max(rid: str, prompt, obj: dict, field: str, engine,
-                 default_max_tokens: int) -> int | None:
+                 default_max_tokens: int, prompt_field: str = "prompt") -> int | None:
     """max_tokens for a request without `field`: the server's default, cut to the room
     its prompt leaves (a default never makes a request that fits fail). None when the
     request gives `field` (its own value is checked, never cut)."""
     if field in obj:
         return None
-    return min(default_max_tokens, _room(rid, prompt, engine))
+    return min(default_max_tokens, _room(rid, prompt, engine, prompt_field))
 
 
 def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
@@ -297,7 +309,8 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
         except ChatTemplateError as e:
             raise RequestError(f"request {rid!r}: {e}", "messages") from None
         stop = _stop_strings(rid, obj.get("stop"))
-        default_max = _default_max(rid, prompt, obj, field, engine, default_max_tokens)
+        default_max = _default_max(rid, prompt, obj, field, engine, default_max_tokens,
+                                   "messages")
         return _make(rid, prompt, obj, engine, field, default_max, 1.0), stop
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", field),

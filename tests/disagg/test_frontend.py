@@ -185,13 +185,17 @@ def test_serve_http_by_path_ready_line_ctrl_c_and_compile_cache(tmp_path):
     assert re.search(r"stopped; 0 programs compiled, [1-9]\d* read from", err2), err2[-2000:]
 
 
-def test_serve_takes_default_max_tokens_whole_and_positive():
+def test_serve_flags_take_only_sensible_numbers():
     parse = build_parser().parse_args
     assert parse(["serve", "--http", "127.0.0.1:0"]).default_max_tokens == DEFAULT_MAX_TOKENS
     assert parse(["serve", "--default-max-tokens", "512"]).default_max_tokens == 512
     for bad in ("0", "-3", "2.5", "many"):
         with pytest.raises(SystemExit):
             parse(["serve", "--default-max-tokens", bad])
+    assert parse(["serve", "--request-timeout", "2.5"]).request_timeout == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--request-timeout", bad])
 
 
 def test_a_missing_http_package_is_named_with_its_install_command(monkeypatch):

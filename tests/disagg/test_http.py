@@ -102,7 +102,8 @@ def server(tmp_path_factory):
                            max_retries=0)
     yield {"url": http.url, "client": client, "name": pair.name, "tok": tok,
            "greedy": {p: r.tokens for p, r in zip([*PROMPTS, *CHATS], greedy)},
-           "chat_ids": chat_ids, "engine": engine, "block": pair.step_config.block_size}
+           "chat_ids": chat_ids, "engine": engine, "block": pair.step_config.block_size,
+           "app": app}
     loop.close()
     thread.join(60)
     http.stop()
@@ -421,3 +422,43 @@ def test_the_default_max_tokens_is_cut_to_the_room_a_long_prompt_leaves(server):
     scheduler.check_fits(req)
     with pytest.raises(AdmissionError, match="exceeds max_seq_len"):
         scheduler.check_fits(engine.make_request("long", prompt, max_new_tokens=room + 1))
+
+
+def test_a_whole_answers_client_that_goes_away_frees_its_request(server):
+    """Not streamed: the server notices the disconnect while the request runs (no token
+    would tell it) and cancels it."""
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(server["url"])
+    body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 4000, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        engine, deadline = server["engine"], time.monotonic() + 60
+        while not engine.num_active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.num_active == 1   # running: then the client goes
+    deadline = time.monotonic() + 30
+    while engine.num_active and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.num_active == 0, "the abandoned request still runs"
+    assert engine.admission.reserved_pages == (0,) * len(engine.spec.pools)
+
+
+def test_hostile_shapes_get_named_refusals_not_500s(server):
+    url, engine = f"{server['url']}/v1/completions", server["engine"]
+    status, text = post(url, b'{"prompt": "x", "max_tokens": 2, "\\ud800": 1}')
+    assert status == 400 and json.loads(text)["error"]["param"] == "\ud800"
+    status, text = post(url, b"x" * (server["app"].max_body_bytes + 1))
+    assert status == 413 and "this server takes at most" in json.loads(text)["error"]["message"]
+    status, text = post(url, {"prompt": "x", "max_tokens": 2, "stop": ["y" * 257]})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "stop" and "at most 256" in err["message"]
+    status, text = post(url, {"prompt": "a" * engine.spec.max_seq_len})  # no max_tokens
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "prompt" and "shorten the prompt" in err["message"]
+    status, text = post(url, {"prompt": [PROMPTS[2]], "max_tokens": MAX_TOKENS,
+                              "temperature": 0})   # OpenAI's list form, one prompt
+    assert status == 200
+    assert json.loads(text)["choices"][0]["token_ids"] == server["greedy"][PROMPTS[2]]
