@@ -182,7 +182,7 @@ HTTP_BAD = [
     ({"prompt": "a", "stream": "yes"}, "stream"), ({"prompt": "a", "colour": 1}, "colour"),
     ({"prompt": 7}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": "\ud800"}, "prompt"),
     ({"prompt": [-1]}, "prompt"), ({"prompt": [[1], [2]]}, "prompt"), ({}, "prompt"),
-    ({"prompt": [1] * 100}, "max_tokens"),
+    ({"prompt": [1] * 100}, "prompt"),   # no max_tokens: the prompt alone leaves no room
 ]
 
 
