@@ -87,8 +87,19 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
             if not Path(path, "config.json").is_file():
                 raise SystemExit(f"{flag} {path}: no config.json there; give a checkpoint "
                                  f"directory")
-        tcfg, target_params = load_qwen3(target)
-        dcfg, draft_params = load_dflash(drafter)
+        from drafter.inspect import pair_checks
+        from models.config import CheckpointError
+        try:
+            tcfg, target_params = load_qwen3(target)
+        except CheckpointError as e:
+            raise SystemExit(f"--target: {e}") from None
+        try:
+            dcfg, draft_params = load_dflash(drafter)
+        except CheckpointError as e:
+            raise SystemExit(f"--drafter: {e}") from None
+        if problems := pair_checks(tcfg, dcfg):
+            raise SystemExit(f"--drafter {drafter} does not fit --target {target}: "
+                             f"{'; '.join(problems)}; give the drafter trained for this target")
         params = {"target": target_params, "draft": draft_params}
         name = Path(target).resolve().name
     tokenizer = checkpoint_tokenizer(target, tcfg.vocab_size)

@@ -55,6 +55,9 @@ def pair_checks(tcfg, dcfg) -> list[str]:
                         f"{tcfg.num_layers} layers")
     if dcfg.hidden_size != tcfg.hidden_size:
         problems.append(f"drafter hidden_size={dcfg.hidden_size}, target {tcfg.hidden_size}")
+    if any(not 0 <= i < tcfg.num_layers for i in dcfg.target_layer_ids):
+        problems.append(f"drafter target_layer_ids={list(dcfg.target_layer_ids)} reach past "
+                        f"the target's {tcfg.num_layers} layers")
     if not 0 <= dcfg.mask_token_id < tcfg.vocab_size:
         problems.append(f"mask_token_id={dcfg.mask_token_id} outside the target's vocabulary "
                         f"({tcfg.vocab_size})")

@@ -195,6 +195,12 @@ def read_manifest(path) -> dict | None:
     if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("arrays"), dict):
         raise CheckpointError(f"{file}: not a manifest this project writes "
                               f"(format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r})")
+    for name, entry in manifest["arrays"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and isinstance(entry.get("shape"), list) and isinstance(entry.get("dtype"), str)):
+            raise CheckpointError(f"{file}: the entry of array {name!r} is malformed (it needs "
+                                  f"sha256, shape and dtype); the manifest is damaged: "
+                                  f"regenerate it, or delete it if you trust the weights")
     return manifest
 
 
@@ -308,6 +314,10 @@ def params_from_tensors(tensors, key_map, template, dtype=jnp.float32, *, where=
         if value.shape != want:
             raise CheckpointError(f"{file}: {key!r} has shape {tensors[key].shape}, expected "
                                   f"{want[::-1] if transposed else want} from the config")
+        if tensors[key].dtype.kind != "f" and str(tensors[key].dtype) != "bfloat16":
+            raise CheckpointError(f"{file}: {key!r} is {tensors[key].dtype}; weights must be "
+                                  f"floating point (bf16, f16 or f32): quantized checkpoints "
+                                  f"are not supported")
         check_finite(key, tensors[key], file)
         _set(params, path, jnp.asarray(value, dtype))
     used = {key for key, _, _ in key_map}

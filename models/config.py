@@ -147,8 +147,10 @@ def parse_rope(hf: dict, source) -> tuple[float, RopeScaling | None]:
     optional = {k: (None if d.get(k) is None else get_float(d, k, source))
                 for k in ("attention_factor", "mscale", "mscale_all_dim")}
     return theta, RopeScaling(
-        "yarn", factor, original, beta_fast=float(d.get("beta_fast") or 32),
-        beta_slow=float(d.get("beta_slow") or 1), truncate=get_bool(d, "truncate", source, True),
+        "yarn", factor, original,
+        beta_fast=get_float({"beta_fast": d.get("beta_fast") or 32}, "beta_fast", source),
+        beta_slow=get_float({"beta_slow": d.get("beta_slow") or 1}, "beta_slow", source),
+        truncate=get_bool(d, "truncate", source, True),
         **optional)
 
 
@@ -214,6 +216,8 @@ def qwen3_layer_fields(hf: dict, source) -> dict:
     theta, scaling = parse_rope(hf, source)
     types, window = parse_layer_types(hf, num_layers, source)
     eps = get_float(hf, "rms_norm_eps", source, d["rms_norm_eps"])
+    if not eps > 0:
+        raise ConfigError(f"{source}: rms_norm_eps={eps} must be > 0")
     return dict(hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
                 num_kv_heads=num_kv_heads, head_dim=head_dim,
                 intermediate_size=get_int(hf, "intermediate_size", source,

@@ -272,3 +272,56 @@ def test_max_num_batched_tokens_reaches_every_engine_and_batches_more_prefill():
                                             vocab_size=pair.step_config.target.vocab_size), 0.0))
         return len(sched.schedule().prefill)
     assert chunks_in_first_step(2 * chunk) == 2 and chunks_in_first_step(4 * chunk) == 4
+
+
+def _rewrite_json(path: Path, change) -> None:
+    obj = json.loads(path.read_text())
+    change(obj)
+    path.write_text(json.dumps(obj))
+
+
+def _int_weights(d: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(d / "target" / "model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    tensors[key] = (tensors[key] * 100).astype("int8")
+    save_file(tensors, d / "target" / "model.safetensors")
+    (d / "target" / "manifest.json").unlink()
+
+
+def _set_dflash(key, value):
+    return lambda c: c.setdefault("dflash_config", {}).__setitem__(key, value)
+
+
+# (damage to a copy of the fixture pair, words the refusal must carry): each loaded silently
+# and served wrong tokens, or died with a raw traceback
+DAMAGED_PAIRS = [
+    (lambda d: _rewrite_json(d / "draft" / "config.json", _set_dflash("mask_token_id", 100)),
+     "does not fit --target"),
+    (lambda d: _rewrite_json(d / "draft" / "config.json", lambda c: (
+        c.__setitem__("num_target_layers", 6), _set_dflash("target_layer_ids", [0, 5])(c))),
+     "reach past the target's 2 layers"),
+    (lambda d: _rewrite_json(d / "target" / "config.json",
+                             lambda c: c.__setitem__("rms_norm_eps", -1.0)),
+     "rms_norm_eps=-1.0 must be > 0"),
+    (lambda d: _rewrite_json(d / "target" / "config.json", lambda c: c.__setitem__(
+        "rope_scaling", {"rope_type": "yarn", "factor": 2.0, "beta_fast": "abc"})),
+     "beta_fast='abc' must be a finite number"),
+    (lambda d: _rewrite_json(d / "target" / "manifest.json", lambda m: m["arrays"].__setitem__(
+        "model.norm.weight", "x")), "'model.norm.weight' is malformed"),
+    (_int_weights, "is int8; weights must be floating point"),
+    (lambda d: _rewrite_json(d / "target" / "config.json",
+                             lambda c: c.__setitem__("hidden_size", 0)),
+     "hidden_size=0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("damage, words", DAMAGED_PAIRS)
+def test_a_damaged_or_mismatched_pair_is_refused_in_one_line(tmp_path, damage, words):
+    from disagg.frontend import load_pair
+    pair = tmp_path / "pair"
+    shutil.copytree(Path(__file__).parent.parent / "fixtures" / "copy_pair", pair)
+    damage(pair)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        load_pair(str(pair / "target"), str(pair / "draft"), num_slots=2, max_seq_len=64,
+                  kv_memory_mib=16)
