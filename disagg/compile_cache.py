@@ -13,6 +13,7 @@ Must be turned on before anything is compiled.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -35,10 +36,11 @@ def enable_compile_cache(enabled: bool = True) -> Path | None:
                                                                            "off"):
         return None
     path = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_cache_dir())
-    try:
+    try:   # a directory that exists but takes no files would fail every entry, quietly
         path.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=path).close()
     except OSError as e:
-        raise SystemExit(f"compilation cache: cannot create {path} ({e.strerror}); set "
+        raise SystemExit(f"compilation cache: cannot write to {path} ({e.strerror}); set "
                          f"JAX_COMPILATION_CACHE_DIR to a writable directory, or turn the "
                          f"cache off (--no-compile-cache or {ENV_SWITCH}=0)") from None
     jax.config.update("jax_compilation_cache_dir", str(path))

@@ -146,7 +146,12 @@ class ServingLoop:
         while not (self._close_seen and not self._open and not engine.has_work):
             self._take_commands(block_s=0.0 if engine.has_work else poll_s)
             if engine.has_work:
-                self._deliver(engine.step())
+                try:
+                    finished = engine.step()
+                except Exception as e:
+                    self._fail_everything(e)
+                    raise
+                self._deliver(finished)
             if self.observer is not None:
                 self.observer.after_step(engine, self.queued + len(engine.scheduler.waiting))
 
@@ -165,6 +170,22 @@ class ServingLoop:
             elif (o := self._open.get(item[1])) is not None:
                 result = self.engine.cancel(item[1])
                 self._end(o, "error", result, f"request {item[1]!r} was cancelled")
+
+    def _fail_everything(self, e: BaseException) -> None:
+        """The engine failed: every request open or queued gets its last Event (an error
+        naming the failure), and the loop takes no more."""
+        log.exception("the engine failed; every request in flight ends with its error")
+        self.close()
+        for rid, o in list(self._open.items()):
+            self._end(o, "error", None, internal_error(rid, e))
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _CLOSE and item[0] == "submit":
+                rid = item[1].request.request_id
+                self._send(item[1], Event(rid, [], "", "error", error=internal_error(rid, e)))
 
     def _start(self, sub: Submission, submitted: float) -> None:
         rid = sub.request.request_id

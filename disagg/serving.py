@@ -68,7 +68,7 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
     lock = threading.Lock()
     errors = 0
     stop = threading.Event()
-    texts: dict[str, list[str]] = {}
+    busy = threading.Lock()   # held while the reader turns a line into a submission
 
     def write(obj) -> None:
         nonlocal errors
@@ -76,10 +76,14 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
             errors += "error" in obj
             print(json.dumps(obj), file=out, flush=True)
 
-    def sink(event: Event) -> None:  # on the loop's thread
-        texts.setdefault(event.request_id, []).append(event.text)
-        if event.finish_reason is not None:
-            write(answer_of(event, "".join(texts.pop(event.request_id))))
+    def sink_of_a_line():
+        parts: list[str] = []   # this submission's text (ids may repeat across lines)
+
+        def sink(event: Event) -> None:  # on the loop's thread
+            parts.append(event.text)
+            if event.finish_reason is not None:
+                write(answer_of(event, "".join(parts)))
+        return sink
 
     def read() -> None:
         try:
@@ -88,29 +92,37 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
                     return
                 if not raw.strip():
                     continue
-                rid = f"line-{line_no}"
-                try:
-                    try:
-                        obj = json.loads(raw.decode("utf-8"))
-                    except UnicodeDecodeError as e:
-                        raise RequestError(f"request {rid!r}: the line is not UTF-8 ({e})")
-                    except (json.JSONDecodeError, RecursionError) as e:
-                        raise RequestError(f"request {rid!r}: not JSON ({e})")
-                    rid = request_id_of(obj, line_no)
-                    request, stops = parse_line(obj, line_no, engine, tokenizer)
-                    loop.submit(Submission(request, sink, stops))
-                except (RequestError, AdmissionError) as e:
-                    write({"id": rid, "error": f"{type(e).__name__}: {e}"})
-                except ServingClosed:
-                    return
-                except Exception as e:  # a bug: this line fails alone, the next is served
-                    log.exception("request %r: unexpected failure reading its line", rid)
-                    write({"id": rid, "error": internal_error(rid, e)})
+                with busy:
+                    if not serve_line(raw, line_no):
+                        return
         except (OSError, ValueError):
             if not stop.is_set():  # the source closed under a stopping server: done
                 raise
         finally:
             loop.close()
+
+    def serve_line(raw: bytes, line_no: int) -> bool:
+        """Submit one line, or answer it with its error; False once the server stops."""
+        rid = f"line-{line_no}"
+        try:
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise RequestError(f"request {rid!r}: the line is not UTF-8 ({e})")
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise RequestError(f"request {rid!r}: not JSON ({e})")
+            rid = request_id_of(obj, line_no)
+            request, stops = parse_line(obj, line_no, engine, tokenizer)
+            loop.submit(Submission(request, sink_of_a_line(), stops))
+        except (RequestError, AdmissionError) as e:
+            write({"id": rid, "error": f"{type(e).__name__}: {e}"})
+        except ServingClosed as e:   # read as the server stopped: still answered
+            write({"id": rid, "error": f"ServingClosed: {e}"})
+            return False
+        except Exception as e:  # a bug: this line fails alone, the next is served
+            log.exception("request %r: unexpected failure reading its line", rid)
+            write({"id": rid, "error": internal_error(rid, e)})
+        return True
 
     def on_stop() -> None:
         stop.set()
@@ -121,6 +133,9 @@ def serve_json_lines(engine: Engine, path: str, tokenizer, *, out=None) -> int:
     try:
         reader.start()
         loop.run()
+        # A line read as the server stopped is answered before the process exits.
+        if busy.acquire(timeout=60):
+            busy.release()
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

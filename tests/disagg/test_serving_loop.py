@@ -1,0 +1,107 @@
+"""`serve`'s JSON-lines loop and the ServingLoop under it, in-process on the tiny copy pair:
+one answer per line, whatever goes wrong (a repeated id, a stop while a line is being
+read, an engine failure), and a compilation cache that cannot be written is named."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from disagg.compile_cache import enable_compile_cache
+from disagg.frontend import load_pair, make_engine
+from disagg.serving import serve_json_lines
+from tests.disagg.test_frontend import copy_pair_with_text
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = copy_pair_with_text(tmp_path_factory.mktemp("pair") / "pair")
+    pair = load_pair(str(root / "target"), str(root / "draft"), num_slots=2,
+                     max_seq_len=512, kv_memory_mib=16)
+    return make_engine("aggregated", pair), pair.tokenizer
+
+
+@pytest.fixture
+def engine(served):
+    return served[0]
+
+
+@pytest.fixture
+def tokenizer(served):
+    return served[1]
+
+
+def line(rid, n, prompt=(1, 2, 3, 4)):
+    return json.dumps({"id": rid, "tokens": list(prompt), "max_new_tokens": n,
+                       "ignore_eos": True}) + "\n"
+
+
+def answers(out: io.StringIO) -> list[dict]:
+    return [json.loads(x) for x in out.getvalue().splitlines()]
+
+
+def test_a_repeated_id_is_refused_and_the_first_answer_keeps_all_its_text(tmp_path, engine,
+                                                                         tokenizer):
+    fifo = tmp_path / "in"
+    os.mkfifo(fifo)
+
+    def feed():
+        with open(fifo, "w") as f:
+            f.write(line("a", 400))
+            f.flush()
+            deadline = time.monotonic() + 60   # "a" has streamed some text: then the repeat
+            while time.monotonic() < deadline:
+                seq = engine.scheduler.active.get("a")
+                if seq is not None and len(seq.tokens) >= 8:
+                    break
+                time.sleep(0.005)
+            time.sleep(0.1)
+            f.write(line("a", 4))
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    out = io.StringIO()
+    assert serve_json_lines(engine, str(fifo), tokenizer, out=out) == 1
+    writer.join(10)
+    first, = [a for a in answers(out) if "tokens" in a]
+    refused, = [a for a in answers(out) if "tokens" not in a]
+    assert "already in flight" in refused["error"]
+    assert len(first["tokens"]) == 400
+    assert first["text"] == tokenizer.decode(first["tokens"])
+
+
+def test_an_engine_failure_answers_every_request_in_flight_and_queued(tmp_path, engine,
+                                                                      tokenizer, monkeypatch):
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device lost")
+        return real_step()
+    monkeypatch.setattr(engine, "step", failing_step)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(line(f"r{i}", 200) for i in range(4)))
+    out = io.StringIO()
+    with pytest.raises(RuntimeError, match="device lost"):
+        serve_json_lines(engine, str(requests), tokenizer, out=out)
+    got = answers(out)
+    assert sorted(a["id"] for a in got) == ["r0", "r1", "r2", "r3"]
+    assert all("device lost" in a["error"] for a in got)
+    monkeypatch.undo()
+    engine.run()   # what the failed step left: the engine is reusable, its pages free
+    for rid in list(engine.scheduler.active):
+        engine.cancel(rid)
+    engine.run()
+    assert engine.admission.reserved_pages == (0,) * len(engine.spec.pools)
+
+
+def test_an_unwritable_cache_directory_is_named(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(blocker / "jax"))
+    with pytest.raises(SystemExit, match="cannot write to .*JAX_COMPILATION_CACHE_DIR"):
+        enable_compile_cache()
