@@ -292,9 +292,9 @@ class CompletionsApp:
             if not finished:
                 self.loop.cancel(rid)
         if event.result is None or event.finish_reason == "error":
-            return refuse(500 if event.result is not None else 400, event.error, None,
-                          "server_error" if event.result is not None else
-                          "invalid_request_error")
+            server = event.result is not None or event.server_fault
+            return refuse(500 if server else 400, event.error, None,
+                          "server_error" if server else "invalid_request_error")
         choice = fmt.choice("".join(pieces), event.finish_reason, event.result.tokens,
                             whole=True)
         return JSONResponse(self._envelope(rid, fmt.whole_object, [choice],

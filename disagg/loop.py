@@ -62,6 +62,7 @@ class Event:
     finish_reason: str | None = None
     result: Result | None = None
     error: str | None = None
+    server_fault: bool = False   # the error is the server's, not the request's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +177,17 @@ class ServingLoop:
         naming the failure), and the loop takes no more."""
         log.exception("the engine failed; every request in flight ends with its error")
         self.close()
+
+        def error(rid: str) -> str:
+            return (f"internal error: the engine failed ({type(e).__name__}: {e}); request "
+                    f"{rid!r} ended with every request in flight and the server stops; the "
+                    f"server log has the traceback")
         for rid, o in list(self._open.items()):
-            self._end(o, "error", None, internal_error(rid, e))
+            self._open.pop(rid)
+            event = Event(rid, [], "", "error", error=error(rid), server_fault=True)
+            if self.observer is not None:
+                self.observer.finished(event, len(o.sub.request.prompt))
+            self._send(o.sub, event)
         while True:
             try:
                 item = self._commands.get_nowait()
@@ -185,7 +195,8 @@ class ServingLoop:
                 return
             if item is not _CLOSE and item[0] == "submit":
                 rid = item[1].request.request_id
-                self._send(item[1], Event(rid, [], "", "error", error=internal_error(rid, e)))
+                self._send(item[1], Event(rid, [], "", "error", error=error(rid),
+                                          server_fault=True))
 
     def _start(self, sub: Submission, submitted: float) -> None:
         rid = sub.request.request_id
