@@ -177,7 +177,9 @@ def local_mesh(tp: int):
 def run(args) -> None:
     from disagg.context_server import ContextServer
     from disagg.handshake import Weights
+    from disagg.kv_format import PairMismatch
     from disagg.remote import RemoteSource
+    from disagg.transfer import TransferError
     from disagg.serving import serve_json_lines
     from disagg.sources import ContextWorker
     from drafter.engine import Engine
@@ -197,10 +199,14 @@ def run(args) -> None:
     logging.getLogger("disagg").info("%s: %s", args.role, capacity(cfg.spec).describe())
     mesh = local_mesh(args.tp)
     if args.role == "context":
-        server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=mode,
-                                             batch_invariant=args.batch_invariant),
-                               address=args.address, transfer_host=args.transfer_host,
-                               timeout=args.timeout, idle_timeout=args.idle_timeout)
+        try:
+            server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=mode,
+                                                 batch_invariant=args.batch_invariant),
+                                   address=args.address, transfer_host=args.transfer_host,
+                                   timeout=args.timeout, idle_timeout=args.idle_timeout)
+        except OSError as e:   # in use, or not an address of this host
+            raise SystemExit(f"serve-remote --role context: cannot listen on {args.address} "
+                             f"({e.strerror or e}); give a free port of this host") from None
         print(f"context worker listening on {server.address} "
               f"(transfer server {server.transfer.address()})", flush=True)
         if args.warmup:
@@ -208,9 +214,12 @@ def run(args) -> None:
         return server.serve(args.max_connections)
     from disagg.kv_format import KVFormat
     tokenizer = source.tokenizer(cfg.target.vocab_size)
-    remote = RemoteSource(args.address, KVFormat.of(cfg.spec, mode), mesh=mesh,
-                          weights=Weights.of(params), transfer_host=args.transfer_host,
-                          timeout=args.timeout)
+    try:
+        remote = RemoteSource(args.address, KVFormat.of(cfg.spec, mode), mesh=mesh,
+                              weights=Weights.of(params), transfer_host=args.transfer_host,
+                              timeout=args.timeout)
+    except (TransferError, PairMismatch) as e:   # each names the peer and the fix
+        raise SystemExit(f"serve-remote --role generation: {e}") from None
     engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=mode,
                     speculative=cfg.draft is not None, kv_timeout_s=remote.engine_timeout_s,
                     eos_token_ids=tuple(tokenizer.eos_token_ids),

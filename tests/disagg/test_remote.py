@@ -210,6 +210,17 @@ def test_no_drafter_flag_is_refused_where_it_cannot_work():
             main(["serve-remote", *argv])
 
 
+def test_serve_remote_names_a_port_in_use_and_a_context_that_is_not_there():
+    import socket
+    busy = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{busy.getsockname()[1]}"
+    with pytest.raises(SystemExit, match=f"cannot listen on {address}"):
+        main(["serve-remote", "--role", "context", "--address", address])
+    busy.close()   # nobody listens there now
+    with pytest.raises(SystemExit, match=f"--role generation: could not connect to {address}"):
+        main(["serve-remote", "--role", "generation", "--address", address, "--timeout", "0.5"])
+
+
 def test_control_channel_every_wait_times_out():
     listener = Listener("127.0.0.1:0")
     with pytest.raises(TransferTimeout, match="no peer connected"):
