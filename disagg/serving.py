@@ -47,14 +47,22 @@ def answer_of(event: Event, text: str) -> dict:
 
 
 def install_drain_handlers(name: str, on_stop) -> dict:
-    """SIGINT / SIGTERM call `on_stop` once (on the main thread only; elsewhere nothing
-    is installed). Returns the previous handlers, for `signal.signal` to restore."""
+    """The first SIGINT / SIGTERM calls `on_stop` (the accepted requests finish); a second
+    stops now (SystemExit 130, what is in flight is lost). On the main thread only
+    (elsewhere nothing is installed). Returns the previous handlers, for `signal.signal`
+    to restore."""
     if threading.current_thread() is not threading.main_thread():
         return {}
+    signals_seen = []
 
     def on_signal(signum, frame) -> None:
+        signals_seen.append(signum)
+        if len(signals_seen) > 1:
+            print(f"{name}: {signal.Signals(signum).name} again: stopping now; requests in "
+                  f"flight are lost", file=sys.stderr, flush=True)
+            raise SystemExit(130)
         print(f"{name}: {signal.Signals(signum).name}: finishing the requests already "
-              f"accepted, then stopping", file=sys.stderr, flush=True)
+              f"accepted, then stopping (again to stop now)", file=sys.stderr, flush=True)
         on_stop()
 
     return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -105,3 +105,20 @@ def test_an_unwritable_cache_directory_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(blocker / "jax"))
     with pytest.raises(SystemExit, match="cannot write to .*JAX_COMPILATION_CACHE_DIR"):
         enable_compile_cache()
+
+
+def test_a_second_signal_stops_at_once():
+    import signal
+    from disagg.serving import install_drain_handlers
+    stops = []
+    handlers = install_drain_handlers("test", lambda: stops.append(1))
+    try:
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)
+        assert stops == [1]   # the first drains
+        with pytest.raises(SystemExit) as e:
+            handler(signal.SIGTERM, None)
+        assert e.value.code == 130 and stops == [1]
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
