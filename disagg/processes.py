@@ -106,9 +106,9 @@ def add_parser(sub) -> None:
                    help="context: serve the target alone (no drafter loaded); only "
                         "generation workers with --draft-kv private can pair with it")
     p.add_argument("--tp", type=int, default=1, help="devices in this worker's mesh")
-    p.add_argument("--timeout", type=float, default=30.0,
+    p.add_argument("--timeout", type=positive_seconds, default=30.0,
                    help="seconds any wait for the peer may take")
-    p.add_argument("--idle-timeout", type=float, default=3600.0,
+    p.add_argument("--idle-timeout", type=positive_seconds, default=3600.0,
                    help="context: seconds to wait for a peer's next request")
     p.add_argument("--transfer-host", default="127.0.0.1",
                    help="host the KV transfer server binds and advertises")
@@ -186,10 +186,6 @@ def run(args) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("disagg").setLevel(logging.INFO)
-    for flag in ("timeout", "idle_timeout"):
-        if getattr(args, flag) <= 0:
-            raise SystemExit(f"--{flag.replace('_', '-')} must be > 0 seconds, "
-                             f"got {getattr(args, flag)}")
     mode = draft_kv_mode(args)
     source = PairSource(args.pair, args.num_slots, args.max_seq_len, args.kv_memory_mib,
                         drafter=not args.no_drafter,

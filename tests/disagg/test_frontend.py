@@ -196,6 +196,10 @@ def test_serve_flags_take_only_sensible_numbers():
     for bad in ("0", "-1", "nan", "inf", "soon"):
         with pytest.raises(SystemExit):
             parse(["serve", "--request-timeout", bad])
+        for flag in ("--timeout", "--idle-timeout"):   # serve-remote's, the same rule
+            with pytest.raises(SystemExit):
+                parse(["serve-remote", "--role", "context", flag, bad])
+    assert parse(["serve-remote", "--role", "context", "--timeout", "2"]).timeout == 2.0
 
 
 def test_a_missing_http_package_is_named_with_its_install_command(monkeypatch):
