@@ -63,10 +63,6 @@ def require_http():
                           f"{' '.join(missing)} (or pip install -e . in the checkout)")
 
 
-class _ClientGone(Exception):
-    """The client of a whole (non-streamed) answer disconnected."""
-
-
 async def _disconnect(request) -> None:
     """Returns once the client has disconnected (its body was read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -243,20 +239,12 @@ class CompletionsApp:
         self.loop.engine.scheduler.check_fits(req)
         return req, stops
 
-    async def _next(self, rid: str, events: asyncio.Queue, gone=None) -> Event:
-        """The request's next Event; asyncio.TimeoutError (the request cancelled) after
-        `request_timeout_s` without one, _ClientGone once `gone` (a task) is done."""
-        get = asyncio.ensure_future(events.get())
-        done, _ = await asyncio.wait({get} | ({gone} if gone is not None else set()),
-                                     timeout=self.request_timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            return get.result()
-        get.cancel()   # the request ends here: an Event it would have taken is not needed
-        if gone is not None and gone in done:
-            raise _ClientGone
-        self.loop.cancel(rid)
-        raise asyncio.TimeoutError
+    async def _next(self, rid: str, events: asyncio.Queue) -> Event:
+        try:
+            return await asyncio.wait_for(events.get(), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            self.loop.cancel(rid)
+            raise
 
     def _envelope(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": int(time.time()),
@@ -270,26 +258,24 @@ class CompletionsApp:
 
     async def _whole(self, rid: str, fmt: _Format, events: asyncio.Queue, refuse, request):
         from starlette.responses import JSONResponse
-        pieces, finished = [], False
-        gone = asyncio.ensure_future(_disconnect(request))   # nothing else would notice
+        # The events are collected in one task raced against the client's disconnect, which
+        # no event would tell (a stream notices it at its next write).
+        collect = asyncio.ensure_future(self._collect(rid, events))
+        gone = asyncio.ensure_future(_disconnect(request))
         try:
-            while True:
-                try:
-                    event = await self._next(rid, events, gone)
-                except _ClientGone:
-                    return refuse(499, f"request {rid!r}: the client went away; it was "
-                                       f"cancelled")
-                except asyncio.TimeoutError:
-                    return refuse(504, f"request {rid!r}: no progress within "
-                                       f"{self.request_timeout_s:g}s; it was cancelled", None,
-                                  "timeout_error")
-                pieces.append(event.text)
-                if event.finish_reason is not None:
-                    finished = True
-                    break
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                return refuse(499, f"request {rid!r}: the client went away; it was cancelled")
+            try:
+                pieces, event = collect.result()
+            except asyncio.TimeoutError:
+                return refuse(504, f"request {rid!r}: no progress within "
+                                   f"{self.request_timeout_s:g}s; it was cancelled", None,
+                              "timeout_error")
         finally:
             gone.cancel()
-            if not finished:
+            if not collect.done():
+                collect.cancel()
                 self.loop.cancel(rid)
         if event.result is None or event.finish_reason == "error":
             server = event.result is not None or event.server_fault
@@ -300,6 +286,15 @@ class CompletionsApp:
         return JSONResponse(self._envelope(rid, fmt.whole_object, [choice],
                                            usage=self._usage(event),
                                            acceptance_length=event.result.acceptance_length))
+
+    async def _collect(self, rid: str, events: asyncio.Queue) -> tuple[list[str], Event]:
+        """(every Event's text, the last Event) of a request answered whole."""
+        pieces = []
+        while True:
+            event = await self._next(rid, events)
+            pieces.append(event.text)
+            if event.finish_reason is not None:
+                return pieces, event
 
     async def _stream(self, rid: str, fmt: _Format, events: asyncio.Queue,
                       include_usage: bool):
