@@ -23,44 +23,42 @@ import jax.numpy as jnp
 COUNTS = (1, 16, 64, 128, 256)
 
 
-def _timed(fn, args, calls: int) -> tuple[float, float]:
-    """(host us per call to return, us per call to a finished result), medians of 5."""
+def _timed(call, calls: int) -> tuple[float, float]:
+    """(host us per `call()` to return, us per call to a finished result), medians of 5."""
     dispatch, finished = [], []
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(calls):
-            out = fn(*args)
+            out = call()
         issued = time.perf_counter()
         jax.block_until_ready(out)
         dispatch.append((issued - start) / calls * 1e6)
         start = time.perf_counter()
         for _ in range(calls):
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(call())
         finished.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(dispatch), statistics.median(finished)
 
 
-def _donated_loop(n: int, calls: int) -> tuple[float, float]:
-    """The same timings for a call that donates its n arrays and returns them (the
-    engine's state threading)."""
+def _read(n: int, calls: int) -> tuple[float, float]:
+    """A call that reads its n arrays (weights)."""
+    xs = [jnp.zeros((256,), jnp.float32) + i for i in range(n)]
+    fn = jax.jit(lambda *a: sum(x[0] for x in a))
+    fn(*xs).block_until_ready()
+    return _timed(lambda: fn(*xs), calls)
+
+
+def _donated(n: int, calls: int) -> tuple[float, float]:
+    """A call that donates its n arrays and returns them (the engine's state threading)."""
     def step(*xs):
         return (xs[0] + 1,) + xs[1:]
     step = jax.jit(step, donate_argnums=tuple(range(n)))
-    xs = tuple(jnp.zeros((256,), jnp.float32) + i for i in range(n))
-    xs = step(*xs)
-    dispatch, finished = [], []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            xs = step(*xs)
-        issued = time.perf_counter()
-        jax.block_until_ready(xs)
-        dispatch.append((issued - start) / calls * 1e6)
-        start = time.perf_counter()
-        for _ in range(calls):
-            xs = jax.block_until_ready(step(*xs))
-        finished.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(dispatch), statistics.median(finished)
+    state = [step(*(jnp.zeros((256,), jnp.float32) + i for i in range(n)))]
+
+    def call():
+        state[0] = step(*state[0])
+        return state[0]
+    return _timed(call, calls)
 
 
 def main(argv=None) -> None:
@@ -72,11 +70,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = []
     for n in args.counts:
-        xs = [jnp.zeros((256,), jnp.float32) + i for i in range(n)]
-        fn = jax.jit(lambda *a: sum(x[0] for x in a))
-        fn(*xs).block_until_ready()
-        read = _timed(fn, xs, args.calls)
-        donated = _donated_loop(n, args.calls)
+        read, donated = _read(n, args.calls), _donated(n, args.calls)
         rows.append(dict(arrays=n, read_dispatch_us=read[0], read_finished_us=read[1],
                          donated_dispatch_us=donated[0], donated_finished_us=donated[1]))
         print(f"{n:4d} arrays: read {read[0]:7.1f} us to return, {read[1]:7.1f} us to done; "
