@@ -88,9 +88,13 @@ for stage in "${stages[@]}"; do
         tests/pallas_kernels/test_rope_store.py \
         tests/drafter/test_tensor_parallel.py ;;
     lossless)
-      # speculative == plain greedy token for token with the GPU's kernels and lookahead
+      # speculative == plain greedy token for token with the GPU's kernels and lookahead;
+      # sampling: truncation and rejection sampling's distribution, and a sampled request
+      # truncated to one token == greedy, speculative and plain
       run 400 pytest_lossless python3 -m pytest -q -p no:cacheprovider \
-        tests/drafter/test_lossless.py tests/drafter/test_precision.py ;;
+        tests/drafter/test_lossless.py tests/drafter/test_precision.py \
+        tests/drafter/test_sampling.py \
+        "tests/drafter/test_engine.py::test_sampling_truncated_to_the_most_likely_token_is_greedy" ;;
     attention)
       run 330 paged_attention python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         "${bench_args[@]}"

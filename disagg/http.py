@@ -5,6 +5,9 @@
     POST /v1/chat/completions   OpenAI chat completions, the messages rendered by the
                                 checkpoint's chat template (none: 400, never an invented one);
                                 streamed likewise
+    POST /tokenize              {"prompt": text} or {"messages": [...]} -> {"tokens", "count",
+                                "max_model_len"} (as vLLM answers)
+    POST /detokenize            {"tokens": [ids]} -> {"prompt": text}
     GET  /v1/models             the one model served
     GET  /health                200 {"status": "ready"} once compiled; 503 {"status": "starting"}
     GET  /metrics               Prometheus text format (disagg/metrics.py)
@@ -45,7 +48,9 @@ import uuid
 
 from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
-from disagg.schema import DEFAULT_MAX_TOKENS, parse_chat, parse_completion
+from disagg.responses import ChatFormat, CompletionFormat, error_body
+from disagg.schema import (DEFAULT_MAX_TOKENS, parse_chat, parse_completion, parse_detokenize,
+                           parse_tokenize)
 from drafter.request import RequestError
 from unified_kv import AdmissionError
 
@@ -69,61 +74,11 @@ async def _disconnect(request) -> None:
         pass
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
-class _Format:
-    """The response objects of /v1/completions (`object` "text_completion"); a choice
-    carries `text`, its finish_reason and its `token_ids`; the last streamed chunk
-    carries the finish_reason and acceptance_length."""
-
-    id_prefix, whole_object, chunk_object = "cmpl", "text_completion", "text_completion"
-
-    def choice(self, text: str, finish_reason, token_ids, *, whole: bool) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                "token_ids": token_ids}
-
-    def head(self) -> list[dict]:
-        """Streamed choices sent before the first token."""
-        return []
-
-    def pieces(self, event: Event) -> list[tuple[dict, dict]]:
-        """Streamed (choice, extra fields) for one Event."""
-        finished = event.finish_reason is not None
-        if not (event.text or event.tokens or finished):
-            return []
-        extra = {"acceptance_length": event.result.acceptance_length} if finished else {}
-        return [(self.choice(event.text, event.finish_reason, event.tokens, whole=False),
-                 extra)]
-
-
-class _ChatFormat(_Format):
-    """The response objects of /v1/chat/completions: "chat.completion" with a `message`
-    {role, content}; streamed as "chat.completion.chunk": the role first (empty
-    content), then content deltas, then an empty delta with the finish_reason and
-    acceptance_length."""
-
-    id_prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    def choice(self, text, finish_reason, token_ids, *, whole, delta=None) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if whole else \
-            {"delta": {"content": text} if delta is None else delta}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason,
-                "token_ids": token_ids}
-
-    def head(self) -> list[dict]:
-        return [self.choice("", None, [], whole=False,
-                            delta={"role": "assistant", "content": ""})]
-
-    def pieces(self, event: Event) -> list[tuple[dict, dict]]:
-        out = []
-        if event.text or event.tokens:
-            out.append((self.choice(event.text, None, event.tokens, whole=False), {}))
-        if event.finish_reason is not None:
-            out.append((self.choice("", event.finish_reason, [], whole=False, delta={}),
-                        {"acceptance_length": event.result.acceptance_length}))
-        return out
+def _refuse(status, message, param=None, kind="invalid_request_error"):
+    from starlette.responses import Response
+    # ASCII JSON: a field name may hold a lone surrogate, which UTF-8 cannot carry
+    return Response(json.dumps(error_body(message, param, kind)), status_code=status,
+                    media_type="application/json")
 
 
 class CompletionsApp:
@@ -147,6 +102,8 @@ class CompletionsApp:
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_page, methods=["GET"]),
@@ -174,50 +131,80 @@ class CompletionsApp:
         return Response(body, media_type=content_type)
 
     async def completions(self, request):
-        return await self._serve(request, _Format(), lambda body, rid: parse_completion(
+        return await self._serve(request, CompletionFormat(), lambda body, rid: parse_completion(
             body, rid, self.loop.engine, self.loop.tokenizer,
             default_max_tokens=self.default_max_tokens))
 
     async def chat_completions(self, request):
-        return await self._serve(request, _ChatFormat(), lambda body, rid: parse_chat(
+        return await self._serve(request, ChatFormat(), lambda body, rid: parse_chat(
             body, rid, self.loop.engine, self.loop.tokenizer, self.model_name,
             default_max_tokens=self.default_max_tokens))
 
+    async def tokenize(self, request):
+        def answer(body, rid):
+            ids = parse_tokenize(body, rid, self.loop.tokenizer, self.model_name)
+            return {"tokens": ids, "count": len(ids),
+                    "max_model_len": self.loop.engine.spec.max_seq_len}
+        return await self._answer(request, "tok", answer)
+
+    async def detokenize(self, request):
+        def answer(body, rid):
+            ids = parse_detokenize(body, rid, self.loop.engine.cfg.target.vocab_size)
+            return {"prompt": self.loop.tokenizer.decode(ids)}
+        return await self._answer(request, "detok", answer)
+
     # --------------------------------------------------------- internals
 
-    async def _serve(self, request, fmt: _Format, parse):
-        """Parse, check, submit; answer whole or as server-sent events in `fmt`."""
-        from starlette.responses import Response, StreamingResponse
-
-        def refuse(status, message, param=None, kind="invalid_request_error"):
-            # ASCII JSON: a field name may hold a lone surrogate, which UTF-8 cannot carry
-            return Response(json.dumps(error_body(message, param, kind)), status_code=status,
-                            media_type="application/json")
-
-        rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    async def _body(self, request):
+        """(the request's JSON body, None) or (None, the refusal to answer with)."""
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
-            return refuse(413, f"the request body is {len(raw):,} bytes; this server takes at "
-                               f"most {self.max_body_bytes:,} (prompts of up to max_seq_len="
-                               f"{self.loop.engine.spec.max_seq_len} tokens)")
+            return None, _refuse(413, f"the request body is {len(raw):,} bytes; this server "
+                                      f"takes at most {self.max_body_bytes:,} (prompts of up "
+                                      f"to max_seq_len={self.loop.engine.spec.max_seq_len} "
+                                      f"tokens)")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            return refuse(400, f"the request body is not JSON ({e}); send a JSON object")
+            return None, _refuse(400, f"the request body is not JSON ({e}); send a JSON object")
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model != self.model_name:
-            return refuse(404, f"model {model!r} is not served here; use {self.model_name!r} "
-                               f"(GET /v1/models)", "model", "not_found_error")
+            return None, _refuse(404, f"model {model!r} is not served here; use "
+                                      f"{self.model_name!r} (GET /v1/models)", "model",
+                                 "not_found_error")
+        return body, None
+
+    async def _answer(self, request, prefix: str, answer):
+        """A JSON answer made off the event loop by answer(body, rid) (tokenizing takes a
+        while); RequestError -> 400 naming the field."""
+        from starlette.responses import JSONResponse
+        body, refusal = await self._body(request)
+        if refusal is not None:
+            return refusal
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(None, answer, body, rid)
+        except RequestError as e:
+            return _refuse(400, str(e), e.field)
+        return JSONResponse(out)
+
+    async def _serve(self, request, fmt: CompletionFormat, parse):
+        """Parse, check, submit; answer whole or as server-sent events in `fmt`."""
+        from starlette.responses import StreamingResponse
+        rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+        body, refusal = await self._body(request)
+        if refusal is not None:
+            return refusal
         aio = asyncio.get_running_loop()
         try:   # tokenizing a long prompt takes a while: off the loop, so streams flow on
             req, stops = await aio.run_in_executor(None, self._parse_and_check, parse, body,
                                                    rid)
         except RequestError as e:
-            return refuse(400, str(e), e.field)
+            return _refuse(400, str(e), e.field)
         except AdmissionError as e:  # named in the request's own spelling
             field = "max_completion_tokens" if "max_completion_tokens" in body else \
                 "max_tokens"
-            return refuse(400, str(e).replace("max_new_tokens", field), field)
+            return _refuse(400, str(e).replace("max_new_tokens", field), field)
         events: asyncio.Queue = asyncio.Queue()
 
         def sink(event: Event) -> None:  # on the engine's thread
@@ -226,13 +213,13 @@ class CompletionsApp:
         try:
             self.loop.submit(Submission(req, sink, stops))
         except ServingClosed as e:
-            return refuse(503, str(e), None, "server_error")
+            return _refuse(503, str(e), None, "server_error")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if body.get("stream", False):
             return StreamingResponse(self._stream(rid, fmt, events, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(rid, fmt, events, refuse, request)
+        return await self._whole(rid, fmt, events, request)
 
     def _parse_and_check(self, parse, body, rid):
         req, stops = parse(body, rid)
@@ -256,7 +243,7 @@ class CompletionsApp:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    async def _whole(self, rid: str, fmt: _Format, events: asyncio.Queue, refuse, request):
+    async def _whole(self, rid: str, fmt: CompletionFormat, events: asyncio.Queue, request):
         from starlette.responses import JSONResponse
         # The events are collected in one task raced against the client's disconnect, which
         # no event would tell (a stream notices it at its next write).
@@ -265,11 +252,11 @@ class CompletionsApp:
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
-                return refuse(499, f"request {rid!r}: the client went away; it was cancelled")
+                return _refuse(499, f"request {rid!r}: the client went away; it was cancelled")
             try:
                 pieces, event = collect.result()
             except asyncio.TimeoutError:
-                return refuse(504, f"request {rid!r}: no progress within "
+                return _refuse(504, f"request {rid!r}: no progress within "
                                    f"{self.request_timeout_s:g}s; it was cancelled", None,
                               "timeout_error")
         finally:
@@ -279,7 +266,7 @@ class CompletionsApp:
                 self.loop.cancel(rid)
         if event.result is None or event.finish_reason == "error":
             server = event.result is not None or event.server_fault
-            return refuse(500 if server else 400, event.error, None,
+            return _refuse(500 if server else 400, event.error, None,
                           "server_error" if server else "invalid_request_error")
         choice = fmt.choice("".join(pieces), event.finish_reason, event.result.tokens,
                             whole=True)
@@ -296,7 +283,7 @@ class CompletionsApp:
             if event.finish_reason is not None:
                 return pieces, event
 
-    async def _stream(self, rid: str, fmt: _Format, events: asyncio.Queue,
+    async def _stream(self, rid: str, fmt: CompletionFormat, events: asyncio.Queue,
                       include_usage: bool):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"

@@ -6,22 +6,23 @@ A problem raises RequestError naming the field (`.field`, in the front end's
 own spelling) and the fix.
 
 JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
-             "max_new_tokens": int >= 1, "temperature": number >= 0, "seed": int,
-             "stop": str | [str, ...], "stop_token_ids": [int, ...], "ignore_eos": bool}
+             "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
+             "top_k": int >= -1, "min_p": [0, 1], "seed": int, "stop": str | [str, ...],
+             "stop_token_ids": [int, ...], "ignore_eos": bool}
 completion: {"model": str, "prompt": str | [int, ...], "max_tokens": int >= 1,
-             "temperature": number >= 0, "seed": int, "stop": str | [str, ...],
+             "temperature": number >= 0, "top_p", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool},
-             extensions "stop_token_ids", "ignore_eos"}; OpenAI fields this server
-             does not implement are accepted only at their neutral value (n = 1,
-             echo = false, logprobs = null, top_p = 1, penalties = 0, ...).
+             extensions "top_k", "min_p", "stop_token_ids", "ignore_eos"}; OpenAI fields
+             this server does not implement are accepted only at their neutral value
+             (n = 1, echo = false, logprobs = null, penalties = 0, ...).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
 chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
              "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
              int >= 1 (one of them; default as for a completion), "temperature",
-             "seed", "stop", "stream", "stream_options", "stop_token_ids",
-             "ignore_eos" as for a completion};
+             "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
+             "stop_token_ids", "ignore_eos" as for a completion};
              neutral-only OpenAI fields as for a completion, plus tools = null,
              tool_choice = "none", response_format = {"type": "text"}. The prompt is
              the messages rendered by the checkpoint's chat template with the
@@ -34,21 +35,24 @@ from __future__ import annotations
 from drafter.request import Request, RequestError, SamplingParams
 from drafter.tokenizer import ChatTemplateError
 
+# Sampling fields every form takes as they are (SamplingParams checks them); null means
+# the default, as in OpenAI's API.
+TRUNCATION_FIELDS = ("top_p", "top_k", "min_p")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
-                "stop_token_ids", "ignore_eos"}
+                "stop_token_ids", "ignore_eos", *TRUNCATION_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
 NEUTRAL = {"n": ((1, None), "send one request per completion"),
            "best_of": ((1, None), "send one request per completion"),
            "echo": ((False, None), "the prompt is not echoed; prepend it yourself"),
            "logprobs": ((None,), "log probabilities are not returned"),
-           "top_p": ((1, 1.0, None), "use temperature"),
            "frequency_penalty": ((0, 0.0, None), "penalties are not implemented"),
            "presence_penalty": ((0, 0.0, None), "penalties are not implemented"),
            "logit_bias": ((None,), "logit bias is not implemented"),
            "suffix": ((None, ""), "suffixes are not implemented"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "seed", "stop", "stream",
-                     "stream_options", "stop_token_ids", "ignore_eos", *NEUTRAL}
+                     "stream_options", "stop_token_ids", "ignore_eos", *TRUNCATION_FIELDS,
+                     *NEUTRAL}
 CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "echo", "suffix",
                                                                   "logprobs")},
                 "logprobs": ((None, False), "log probabilities are not returned"),
@@ -59,7 +63,7 @@ CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "ech
                                     "structured output is not implemented")}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature",
                "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
-               *CHAT_NEUTRAL}
+               *TRUNCATION_FIELDS, *CHAT_NEUTRAL}
 CHAT_ROLES = ("system", "user", "assistant")
 MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 MAX_STOP_STRINGS = 16
@@ -139,7 +143,9 @@ def _make(rid: str, prompt, obj: dict, engine, max_tokens_field: str, default_ma
     params = SamplingParams(max_new_tokens=obj.get(max_tokens_field, default_max),
                             temperature=obj.get("temperature", default_temperature),
                             seed=obj.get("seed", 0), stop_token_ids=tuple(stops),
-                            ignore_eos=obj.get("ignore_eos", False))
+                            ignore_eos=obj.get("ignore_eos", False),
+                            **{name: obj[name] for name in TRUNCATION_FIELDS
+                               if obj.get(name) is not None})
     for name in ("max_new_tokens", "temperature", "seed", "ignore_eos"):
         value = getattr(params, name)
         if value is None:
@@ -315,3 +321,39 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", field),
                            field if e.field == "max_new_tokens" else e.field) from None
+
+
+def parse_tokenize(obj, rid: str, tokenizer, model_name: str) -> list[int]:
+    """POST /tokenize's token ids: {"model"?, "prompt": text} or {"model"?, "messages":
+    [...]} (rendered as a chat request's prompt is)."""
+    _check_fields(rid, obj, {"model", "prompt", "messages"})
+    if ("prompt" in obj) == ("messages" in obj):
+        raise RequestError(f"request {rid!r}: give exactly one of \"prompt\" (text) and "
+                           f"\"messages\" (a chat)", "prompt")
+    if "messages" in obj:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise RequestError(no_chat_template(model_name), "messages")
+        try:
+            return tokenizer.encode_chat(_messages(rid, obj))
+        except ChatTemplateError as e:
+            raise RequestError(f"request {rid!r}: {e}", "messages") from None
+    if not isinstance(obj["prompt"], str):
+        raise RequestError(f"request {rid!r}: \"prompt\" must be text, got "
+                           f"{type(obj['prompt']).__name__}", "prompt")
+    return _text_prompt(rid, obj["prompt"], tokenizer) if obj["prompt"] else []
+
+
+def parse_detokenize(obj, rid: str, vocab_size: int) -> list[int]:
+    """POST /detokenize's token ids: {"model"?, "tokens": [int, ...]}, each in the
+    vocabulary."""
+    _check_fields(rid, obj, {"model", "tokens"})
+    tokens = obj.get("tokens")
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise RequestError(f"request {rid!r}: \"tokens\" must be a list of token ids, got "
+                           f"{tokens!r:.80}", "tokens")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"request {rid!r}: token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {vocab_size})", "tokens")
+    return tokens

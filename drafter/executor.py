@@ -3,7 +3,7 @@
 The engine decides (scheduler) and books results; the executor turns a
 `StepPlan` into device calls and owns what they touch: the `StepState`
 pytree (donated through every call), the parameters, and the per-slot host
-arrays the calls read (temperatures, seeds, an upper bound of each slot's
+arrays the calls read (sampling parameters, an upper bound of each slot's
 length for table widths). It never reads device outputs itself.
 """
 
@@ -55,6 +55,9 @@ class Executor:
         slots = cfg.spec.num_slots + 1
         self.temperatures = np.zeros(slots, np.float32)
         self.seeds = np.zeros(slots, np.uint32)
+        self.top_ks = np.zeros(slots, np.int32)
+        self.top_ps = np.ones(slots, np.float32)
+        self.min_ps = np.zeros(slots, np.float32)
         self.len_bound = np.zeros(slots, np.int64)  # upper bound of each slot's length
         self.bytes_imported = 0
         # Jitted calls dispatched, by kind (prefill, decode, export, import, redraft): on
@@ -91,6 +94,9 @@ class Executor:
     def set_sampling(self, slot: int, params) -> None:
         self.temperatures[slot] = params.temperature
         self.seeds[slot] = params.seed
+        self.top_ks[slot] = params.top_k
+        self.top_ps[slot] = params.top_p
+        self.min_ps[slot] = params.min_p
 
     # ------------------------------------------------------------ steps
 
@@ -123,44 +129,58 @@ class Executor:
                       default=block)
         for seq in plan.decode:
             self.len_bound[seq.slot] += k * block
-        greedy = not np.any(self.temperatures[sampled]) if sampled else True
+        greedy, truncated = self._sampling(sampled)
         width = self.table_width(max_len)
         # Prefill chunks and decode rows of one plan go out as two calls: one
         # program holding both compiles ~2x longer per variant and multiplies
         # the variants (prefill row buckets x decode or not).
         outputs = []
         if plan.prefill or not plan.decode:
-            outputs.append((self._call(batch, table_width=width, decode=False, greedy=greedy),
-                            1))
+            outputs.append((self._call(batch, table_width=width, decode=False, greedy=greedy,
+                                       truncated=truncated), 1))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
             outputs.append((self._call(dataclasses.replace(batch, **self._no_prefill()),
                                        table_width=width, decode=True, greedy=greedy,
-                                       decode_steps=k), k))
+                                       truncated=truncated, decode_steps=k), k))
         return outputs
 
+    def _sampling(self, slots) -> tuple[bool, bool]:
+        """(greedy, truncated) for a call over `slots`: greedy unless one of them samples;
+        truncated if one that samples truncates (drafter/sampling.py: each is a program
+        of its own)."""
+        hot = [s for s in slots if self.temperatures[s] > 0]
+        if not hot:
+            return True, False
+        return False, bool(np.any((self.top_ks[hot] > 0) | (self.top_ps[hot] < 1)
+                                  | (self.min_ps[hot] > 0)))
+
     def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
-                  num_prefill: int = 0, greedy: bool = True) -> None:
+                  num_prefill: int = 0, greedy: bool = True, truncated: bool = False) -> None:
         """Calls whose rows all pad (compile that variant, every copy of it; change
         nothing): a decode call of `decode_steps` steps, or a prefill call of
         `num_prefill` rows (0: a call that only empties slots)."""
         for _ in range(self.cfg.graph_copies):
             self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
-                       decode=decode, greedy=greedy, decode_steps=decode_steps if decode else 1)
+                       decode=decode, greedy=greedy, truncated=truncated,
+                       decode_steps=decode_steps if decode else 1)
 
     def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool) -> None:
         """`run_empty` for every variant: each width, decode of each of `decode_steps`,
-        prefill of each of `prefill_rows`; greedy, and with `sampled` also sampling."""
+        prefill of each of `prefill_rows`; greedy, and with `sampled` also sampling, with
+        and without truncation."""
+        variants = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
         for width in widths:
-            for greedy in (True, False) if sampled else (True,):
+            for greedy, truncated in variants:
                 for k in decode_steps:
-                    self.run_empty(table_width=width, decode_steps=k, greedy=greedy)
+                    self.run_empty(table_width=width, decode_steps=k, greedy=greedy,
+                                   truncated=truncated)
                 for rows in prefill_rows:
                     self.run_empty(table_width=width, decode=False, num_prefill=rows,
-                                   greedy=greedy)
+                                   greedy=greedy, truncated=truncated)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
-              decode_steps: int = 1):
+              truncated: bool = False, decode_steps: int = 1):
         """One jitted step on a packed batch. The batch goes as a host array, transferred
         by the call itself: a `device_put` of its own costs more host time than the
         call's transfer, and a call must always take it in one form (a host array and a
@@ -170,7 +190,7 @@ class Executor:
             self.params, self.state, pack_batch(batch),
             num_prefill=batch.prefill_slots.shape[0],
             table_width=table_width, decode=decode, speculative=self.speculative,
-            greedy=greedy, decode_steps=decode_steps)
+            greedy=greedy, truncated=truncated, decode_steps=decode_steps)
         return out
 
     def _step_fn(self, params, state, batch, **static):
@@ -198,7 +218,8 @@ class Executor:
             prefill_lens=np.zeros(num_prefill, np.int32),
             prefill_last=np.zeros(num_prefill, bool),
             decode_slots=np.full(spec.num_slots, dummy, np.int32),
-            temperatures=self.temperatures, seeds=self.seeds)
+            temperatures=self.temperatures, seeds=self.seeds, top_ks=self.top_ks,
+            top_ps=self.top_ps, min_ps=self.min_ps)
 
     def _no_slots(self):
         return np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)

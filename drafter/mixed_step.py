@@ -15,6 +15,8 @@ whatever else shares its step.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -35,7 +37,8 @@ class StepBatch:
       prefill_slots: i32[P]; prefill_tokens: i32[P, T]; prefill_lens: i32[P]
         (0 = padding); prefill_last: bool[P], the chunk ends its prompt. P may be 0.
       decode_slots: i32[num_slots]; rows to decode (dummy slot pads).
-      temperatures: f32[num_slots + 1]; seeds: u32[num_slots + 1], per slot.
+      temperatures: f32[num_slots + 1]; seeds: u32[num_slots + 1]; top_ks:
+        i32[num_slots + 1]; top_ps, min_ps: f32[num_slots + 1]; per slot (Sampler).
     """
 
     reset_slots: jax.Array
@@ -46,6 +49,13 @@ class StepBatch:
     decode_slots: jax.Array
     temperatures: jax.Array
     seeds: jax.Array
+    top_ks: jax.Array
+    top_ps: jax.Array
+    min_ps: jax.Array
+
+    def truncation(self, ids):
+        """(top_ks, top_ps, min_ps) of slots `ids` (Sampler.per_row)."""
+        return self.top_ks[ids], self.top_ps[ids], self.min_ps[ids]
 
 
 @flax.struct.dataclass
@@ -67,12 +77,14 @@ class StepOutputs:
 @_at_precision
 def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                table_width: int, decode: bool, speculative: bool, greedy: bool,
-               decode_steps: int = 1) -> tuple[StepState, StepOutputs]:
+               truncated: bool = False, decode_steps: int = 1
+               ) -> tuple[StepState, StepOutputs]:
     """Run one `StepBatch`. `decode` False skips decoding (no running rows);
     P = 0 prefill rows skips prefill; `decode_steps` decode steps run back to
     back on the device (one host round trip for several steps). Static:
     `table_width` (pages every row's table holds, prefill and decode alike: one
-    width keeps compiles few), `decode`, `speculative`, `greedy`, `decode_steps`."""
+    width keeps compiles few), `decode`, `speculative`, `greedy`, `truncated` (sampled
+    rows are truncated by their top_ks / top_ps / min_ps: `Sampler`), `decode_steps`."""
     state = empty_slots(cfg, state, batch.reset_slots)
     kv = state.kv
     num_slots, block = batch.decode_slots.shape[0], cfg.block_size
@@ -82,7 +94,8 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
         ids = batch.prefill_slots
         sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
                                   kv.target_lens[ids] + batch.prefill_lens, greedy=greedy,
-                                  stream=_PREFILL_STREAM)
+                                  stream=_PREFILL_STREAM,
+                                  truncation=batch.truncation(ids) if truncated else None)
         state, first, prefill_ok = prefill_rows(
             params, state, ids, batch.prefill_tokens, batch.prefill_lens, batch.prefill_last,
             sampler, cfg=cfg, table_width=table_width)
@@ -92,7 +105,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
     if decode:
         def one_step(state, _):
             return _decode_once(params, state, batch, cfg=cfg, table_width=table_width,
-                                speculative=speculative, greedy=greedy)
+                                speculative=speculative, greedy=greedy, truncated=truncated)
 
         if decode_steps == 1:  # no loop around the common case
             state, outs = one_step(state, None)
@@ -103,11 +116,13 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
     return state, StepOutputs(first, prefill_ok, out_tokens, num_out, decode_ok)
 
 
-def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculative, greedy):
+def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculative, greedy,
+                 truncated):
     """One decode step of the batch's rows: (state, (tokens [S, block], num_out [S], ok [S]))."""
     ids = batch.decode_slots
     sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
-                              state.kv.target_lens[ids], greedy=greedy, stream=_DECODE_STREAM)
+                              state.kv.target_lens[ids], greedy=greedy, stream=_DECODE_STREAM,
+                              truncation=batch.truncation(ids) if truncated else None)
     if speculative:
         state, out_tokens, num_out, ok = decode_rows(params, state, ids, sampler, cfg=cfg,
                                                      table_width=table_width)
@@ -125,7 +140,8 @@ def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculati
 # those copies, not the device, bound the step rate.
 #
 #   batch   [reset S | decode S | prefill slots P | lens P | last P | tokens P*T |
-#            temperature bits S+1 | seeds S+1]
+#            temperature bits S+1 | seeds S+1 | top_k S+1 | top_p bits S+1 |
+#            min_p bits S+1]
 #   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
 #            prefill P x 2: first, ok]
 
@@ -134,21 +150,26 @@ def pack_batch(batch: StepBatch) -> np.ndarray:
     parts = [batch.reset_slots, batch.decode_slots, batch.prefill_slots, batch.prefill_lens,
              np.asarray(batch.prefill_last, np.int32), np.asarray(batch.prefill_tokens).ravel(),
              np.asarray(batch.temperatures, np.float32).view(np.int32),
-             np.asarray(batch.seeds, np.uint32).view(np.int32)]
+             np.asarray(batch.seeds, np.uint32).view(np.int32), batch.top_ks,
+             np.asarray(batch.top_ps, np.float32).view(np.int32),
+             np.asarray(batch.min_ps, np.float32).view(np.int32)]
     return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
 
 
 def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int) -> StepBatch:
     """Inverse of `pack_batch`, inside jit."""
     sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill * chunk,
-             num_slots + 1, num_slots + 1]
+             *[num_slots + 1] * 5]
     cuts = np.cumsum(sizes)[:-1].tolist()
-    reset, decode, slots, lens, last, tokens, temps, seeds = jnp.split(packed, cuts)
+    reset, decode, slots, lens, last, tokens, temps, seeds, top_ks, top_ps, min_ps = \
+        jnp.split(packed, cuts)
+    as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     return StepBatch(reset_slots=reset, prefill_slots=slots,
                      prefill_tokens=tokens.reshape(num_prefill, chunk), prefill_lens=lens,
                      prefill_last=last.astype(bool), decode_slots=decode,
-                     temperatures=jax.lax.bitcast_convert_type(temps, jnp.float32),
-                     seeds=jax.lax.bitcast_convert_type(seeds, jnp.uint32))
+                     temperatures=as_f32(temps),
+                     seeds=jax.lax.bitcast_convert_type(seeds, jnp.uint32),
+                     top_ks=top_ks, top_ps=as_f32(top_ps), min_ps=as_f32(min_ps))
 
 
 def pack_outputs(out: StepOutputs):
@@ -171,11 +192,11 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
 
 def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
                 table_width: int, decode: bool, speculative: bool, greedy: bool,
-                decode_steps: int = 1):
+                truncated: bool = False, decode_steps: int = 1):
     """`mixed_step` on a packed batch, returning packed outputs."""
     batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_prefill=num_prefill,
                          chunk=cfg.spec.max_step_tokens)
     state, out = mixed_step(params, state, batch, cfg=cfg, table_width=table_width,
                             decode=decode, speculative=speculative, greedy=greedy,
-                            decode_steps=decode_steps)
+                            truncated=truncated, decode_steps=decode_steps)
     return state, pack_outputs(out)

@@ -33,11 +33,24 @@ def _is_int(x) -> bool:
     return _is_int_type(type(x))
 
 
+def _is_number(x) -> bool:
+    """A finite int or float (not a bool)."""
+    return (isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+            and math.isfinite(x))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Attributes:
       max_new_tokens: tokens to generate at most (the first token included).
       temperature: 0 = greedy; > 0 samples (losslessly, under speculation).
+      top_p: sample from the most likely tokens whose probabilities reach top_p
+        (0 < top_p <= 1; 1 = every token).
+      top_k: sample from the top_k most likely tokens (0 or -1 = every token).
+      min_p: sample from the tokens at least min_p x the most likely one's
+        probability (0 <= min_p <= 1; 0 = every token). The three truncate the
+        distribution a sampled request draws from (drafter/sampling.py, `truncate_row`);
+        a greedy request (temperature 0) takes the most likely token whatever they are.
       seed: the request's PRNG seed (its draws do not depend on its batch).
       stop_token_ids: generation ends after any of these (kept in the output).
       ignore_eos: keep going past the model's end-of-sequence token.
@@ -45,6 +58,9 @@ class SamplingParams:
 
     max_new_tokens: int = 64
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -58,6 +74,15 @@ class SamplingParams:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise RequestError(f"{where}: temperature must be a finite number >= 0 "
                                f"(0 = greedy), got {t!r}", "temperature")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"{where}: top_p must be a number in (0, 1] (1 = every token), "
+                               f"got {self.top_p!r}", "top_p")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+            raise RequestError(f"{where}: top_k must be an integer >= 1, or 0 or -1 for every "
+                               f"token, got {self.top_k!r}", "top_k")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise RequestError(f"{where}: min_p must be a number in [0, 1] (0 = every token), "
+                               f"got {self.min_p!r}", "min_p")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise RequestError(f"{where}: seed must be an integer in [0, 2**32), got "
                                f"{self.seed!r}", "seed")

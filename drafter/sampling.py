@@ -1,6 +1,14 @@
 """How a step's rows draw their tokens: greedy or sampled, and lossless acceptance of a
 draft block (greedy: the longest prefix the target agrees with; sampled: rejection
-sampling against the one-hot draft proposal)."""
+sampling against the one-hot draft proposal).
+
+A sampled row draws from its *truncated* distribution: softmax(logits / T) over the
+tokens its top_k, top_p and min_p keep (`truncate`), renormalized. Rejection sampling
+accepts and redraws against that same distribution, so speculation stays lossless
+under truncation. Truncating is a static choice of the step (`Sampler.truncated`, a
+program of its own): its sort over the vocabulary runs only in steps where some row
+asks for it, and no step branches on the device.
+"""
 
 from __future__ import annotations
 
@@ -16,42 +24,99 @@ class Sampler:
     Attributes:
       temperatures: f32[B], 0 = greedy (argmax).
       keys: key[B], one PRNG key per row.
+      top_ks: i32[B], keep the k most likely tokens (0 = every token).
+      top_ps: f32[B], keep the most likely tokens whose probabilities reach p
+        (1 = every token).
+      min_ps: f32[B], keep the tokens at least min_p x the most likely one's
+        probability (0 = every token).
       greedy: static; every row is greedy (skips the softmax over the vocabulary).
+      truncated: static; rows are truncated by their top_ks, top_ps and min_ps (without
+        it the three are ignored).
     """
 
     temperatures: jax.Array
     keys: jax.Array
+    top_ks: jax.Array
+    top_ps: jax.Array
+    min_ps: jax.Array
     greedy: bool = flax.struct.field(pytree_node=False, default=True)
+    truncated: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def uniform(cls, batch: int, temperature: float, key) -> "Sampler":
-        """Every row at one temperature, keys split from one key."""
+        """Every row at one temperature, keys split from one key, nothing truncated."""
         return cls(jnp.full((batch,), temperature, jnp.float32), jax.random.split(key, batch),
-                   greedy=temperature == 0.0)
+                   *_untruncated(batch), greedy=temperature == 0.0)
 
     @classmethod
-    def per_row(cls, temperatures, seeds, positions, *, greedy: bool, stream: int) -> "Sampler":
+    def per_row(cls, temperatures, seeds, positions, *, greedy: bool, stream: int,
+                truncation=None) -> "Sampler":
         """Row keys folded from (seed, position, stream): a request draws the same
-        numbers whatever else shares its batch."""
+        numbers whatever else shares its batch. truncation: (top_ks, top_ps, min_ps)
+        per row to truncate by, or None (the step does not truncate)."""
         temperatures = temperatures.astype(jnp.float32)
+        batch = seeds.shape[0]
+        truncated = truncation is not None and not greedy
+        top_ks, top_ps, min_ps = truncation if truncated else _untruncated(batch)
+        truncation = (top_ks.astype(jnp.int32), top_ps.astype(jnp.float32),
+                      min_ps.astype(jnp.float32))
         if greedy:  # no draws: skip deriving keys
-            return cls(temperatures, jax.random.split(jax.random.key(0), seeds.shape[0]))
+            return cls(temperatures, jax.random.split(jax.random.key(0), batch), *truncation)
 
         def key(seed, position):
             k = jax.random.fold_in(jax.random.key(0), seed)
             return jax.random.fold_in(jax.random.fold_in(k, position), stream)
-        return cls(temperatures, jax.vmap(key)(seeds, positions), greedy=False)
+        return cls(temperatures, jax.vmap(key)(seeds, positions), *truncation, greedy=False,
+                   truncated=truncated)
+
+
+def _untruncated(batch: int):
+    return (jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.float32),
+            jnp.zeros((batch,), jnp.float32))
+
+
+def truncate_row(scaled, top_k, top_p, min_p):
+    """One row's scaled logits f32[V] with the tokens its truncation drops at -inf.
+
+    Kept: the top_k most likely tokens (0: all); of those, the most likely ones until
+    their renormalized probabilities reach top_p (the one that crosses it included; 1:
+    all); and of the tokens left, those with a probability of at least min_p x the most
+    likely one's (0: all). The three become one logit threshold, and every token at or
+    above it is kept: a tie at the threshold keeps all its tokens. The most likely
+    token is always kept.
+    """
+    vocab = scaled.shape[-1]
+    desc = -jnp.sort(-scaled)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    in_k = jnp.arange(vocab) < k
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf))
+    ahead = jnp.cumsum(probs) - probs          # mass of the more likely tokens
+    # top_p = 1 keeps all k: a float cumsum may reach 1 before the vocabulary's end.
+    kept = jnp.where(top_p < 1, jnp.sum(in_k & (ahead < top_p)), k)
+    threshold = jnp.maximum(desc[jnp.maximum(kept, 1) - 1], desc[0] + jnp.log(min_p))
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def truncate(scaled, sampler: Sampler):
+    """Scaled logits f32[B, ..., V] with each row's truncation applied (`truncate_row`;
+    the row's parameters hold for every position of it), if the sampler truncates."""
+    if not sampler.truncated:
+        return scaled
+    row = truncate_row
+    for _ in range(scaled.ndim - 2):   # positions within a row share its parameters
+        row = jax.vmap(row, in_axes=(0, None, None, None))
+    return jax.vmap(row)(scaled, sampler.top_ks, sampler.top_ps, sampler.min_ps)
 
 
 def sample(logits, sampler: Sampler):
-    """Greedy where the temperature is 0, else a draw from softmax(logits / T).
+    """Greedy where the temperature is 0, else a draw from softmax(logits / T), truncated.
     logits f32[B, V] -> i32[B]."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if sampler.greedy:
         return greedy
     t = sampler.temperatures
-    drawn = jax.vmap(jax.random.categorical)(
-        sampler.keys, logits / jnp.where(t > 0, t, 1.0)[:, None]).astype(jnp.int32)
+    scaled = truncate(logits / jnp.where(t > 0, t, 1.0)[:, None], sampler)
+    drawn = jax.vmap(jax.random.categorical)(sampler.keys, scaled).astype(jnp.int32)
     return jnp.where(t > 0, drawn, greedy)
 
 
@@ -61,7 +126,8 @@ def accept(logits, drafts, sampler: Sampler):
     Greedy: the longest prefix with d_i == argmax y_{i-1}; the bonus is
     y_a. Sampling (drafts are argmax, a one-hot proposal): accept d_i with
     probability P_{i-1}(d_i); at the first rejection draw from P with d_i
-    removed; if all pass, draw the bonus from P_K. Both are lossless.
+    removed; if all pass, draw the bonus from P_K. P is the row's truncated
+    distribution (`truncate`). Both are lossless.
     Returns (accepted i32[B], bonus i32[B]).
     """
     y = jnp.argmax(logits, axis=-1).astype(jnp.int32)                     # [B, K+1]
@@ -70,8 +136,8 @@ def accept(logits, drafts, sampler: Sampler):
     if sampler.greedy:
         return accepted, bonus
     t = sampler.temperatures
-    s_accepted, s_bonus = jax.vmap(_accept_sampled)(logits / jnp.where(t > 0, t, 1.0)[:, None, None],
-                                                    drafts, sampler.keys)
+    scaled = truncate(logits / jnp.where(t > 0, t, 1.0)[:, None, None], sampler)
+    s_accepted, s_bonus = jax.vmap(_accept_sampled)(scaled, drafts, sampler.keys)
     return jnp.where(t > 0, s_accepted, accepted), jnp.where(t > 0, s_bonus, bonus)
 
 

@@ -12,6 +12,7 @@ from disagg.kv_format import KVFormat, KVFormatMismatch, check_kv_formats
 from disagg.sources import ContextWorker, InProcessSource, disaggregated_engine
 from disagg.transfer import MOVE_PATHS
 from drafter.engine import Engine
+from drafter.request import SamplingParams
 from tests.drafter.test_context import PAIR, periodic_prompts
 from tests.drafter.tiny import tiny_pair
 from unified_kv import AdmissionError
@@ -103,6 +104,31 @@ def test_shared_mode_equals_aggregated_token_for_token_and_step_for_step(path, p
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
     assert engine.bytes_imported > 0
+    assert_pair_free(engine)
+
+
+SAMPLED = [SamplingParams(MAX_NEW, temperature=0.8, seed=1),
+           SamplingParams(MAX_NEW, temperature=1.2, seed=2, top_p=0.7),
+           SamplingParams(MAX_NEW),
+           SamplingParams(MAX_NEW, temperature=1.0, seed=4, top_k=3, min_p=0.05),
+           SamplingParams(MAX_NEW, temperature=0.5, seed=5)]
+
+
+def serve_each(engine, params_per_prompt):
+    for i, (prompt, params) in enumerate(zip(PROMPTS, params_per_prompt)):
+        engine.submit(engine.make_request(f"r{i}", prompt, params))
+    return {r.request_id: r for r in engine.run()}
+
+
+def test_sampled_requests_draw_in_shared_mode_what_they_draw_aggregated(pair):
+    """A sampled request's draws are keyed by its seed and positions, whichever engine
+    makes them: the context's first token and the generation side's decode steps give
+    the aggregated tokens, truncated or not, beside greedy ones."""
+    params, cfg = pair
+    agg = serve_each(Engine(params, cfg), SAMPLED)
+    engine = split_engine(params, cfg)
+    dis = serve_each(engine, SAMPLED)
+    assert {k: r.tokens for k, r in dis.items()} == {k: r.tokens for k, r in agg.items()}
     assert_pair_free(engine)
 
 

@@ -102,6 +102,15 @@ def test_json_lines_share_the_schema_stop_strings_included():
     with pytest.raises(RequestError) as e:
         parse_line({"prompt": "x", "temperature": "hot"}, 3, _Engine(), ByteTokenizer())
     assert e.value.field == "temperature"
+    req, _ = parse_line({"prompt": "x", "temperature": 0.7, "top_p": 0.9, "top_k": 40,
+                         "min_p": 0.05}, 4, _Engine(), ByteTokenizer())
+    assert (req.params.top_p, req.params.top_k, req.params.min_p) == (0.9, 40, 0.05)
+    req, _ = parse_line({"prompt": "x", "top_p": None, "top_k": None}, 5, _Engine(),
+                        ByteTokenizer())   # null: the default, as in OpenAI's API
+    assert (req.params.top_p, req.params.top_k, req.params.min_p) == (1.0, 0, 0.0)
+    with pytest.raises(RequestError) as e:
+        parse_line({"prompt": "x", "top_k": True}, 6, _Engine(), ByteTokenizer())
+    assert e.value.field == "top_k"
 
 
 def copy_pair_with_text(root: Path) -> Path:

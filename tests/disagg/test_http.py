@@ -147,6 +147,22 @@ def test_completion_equals_the_engines_greedy_output(server):
     assert ids.choices[0].token_ids == want
 
 
+def test_sampling_truncated_to_one_token_gives_greedy_output_through_the_client(server):
+    """top_p (OpenAI's own field) and top_k / min_p (extensions, as vLLM takes them)
+    reach the engine: each cut to the most likely token, a hot sampled request returns
+    the greedy tokens, completion and chat alike."""
+    c, name = server["client"], server["name"]
+    prompt = PROMPTS[0]
+    for kw in (dict(top_p=1e-6), dict(extra_body={"top_k": 1}),
+               dict(extra_body={"min_p": 1.0, "top_p": None})):
+        out = c.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                   temperature=5.0, seed=3, **kw)
+        assert out.choices[0].token_ids == server["greedy"][prompt], kw
+    chat = c.chat.completions.create(model=name, messages=CHATS["add"][0], temperature=5.0,
+                                     max_tokens=MAX_TOKENS, extra_body={"top_k": 1})
+    assert chat.choices[0].token_ids == server["greedy"]["add"]
+
+
 def test_streamed_pieces_make_the_same_text(server):
     c, tok = server["client"], server["tok"]
     prompt = PROMPTS[1]
@@ -207,6 +223,9 @@ BAD = [
     ({"prompt": "x", "max_tokens": "3"}, "max_tokens", "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature", "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"prompt": "x", "top_k": "5"}, "top_k", "integer"),
+    ({"prompt": "x", "min_p": -1}, "min_p", "[0, 1]"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown fields"),
     ({"prompt": "x", "n": 2}, "n", "one request per completion"),
     ({"prompt": ["a", "b"]}, "prompt", "one prompt"),
@@ -462,3 +481,34 @@ def test_hostile_shapes_get_named_refusals_not_500s(server):
                               "temperature": 0})   # OpenAI's list form, one prompt
     assert status == 200
     assert json.loads(text)["choices"][0]["token_ids"] == server["greedy"][PROMPTS[2]]
+
+
+def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
+    """/tokenize gives a prompt's ids as a completion encodes them, and a chat's as the
+    chat template renders it; /detokenize gives the text back; bad bodies get 400 naming
+    the field, another model's name 404."""
+    url, tok = server["url"], server["tok"]
+    status, text = post(f"{url}/tokenize", {"model": server["name"], "prompt": PROMPTS[1]})
+    assert status == 200, text
+    out = json.loads(text)
+    assert out["tokens"] == tok.encode(PROMPTS[1]) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == server["engine"].spec.max_seq_len
+    status, text = post(f"{url}/tokenize", {"messages": CHATS["loop"][0]})
+    assert status == 200 and json.loads(text)["tokens"] == server["chat_ids"]["loop"]
+    assert json.loads(post(f"{url}/tokenize", {"prompt": ""})[1])["tokens"] == []
+    status, text = post(f"{url}/detokenize", {"tokens": tok.encode(PROMPTS[2])})
+    assert status == 200 and json.loads(text)["prompt"] == PROMPTS[2]
+    for route, body, param in [
+            ("tokenize", {}, "prompt"), ("tokenize", {"prompt": "a", "messages": []}, "prompt"),
+            ("tokenize", {"prompt": [1, 2]}, "prompt"),
+            ("tokenize", {"messages": [{"role": "robot", "content": "x"}]},
+             "messages[0].role"),
+            ("tokenize", {"prompt": "a", "colour": 1}, "colour"),
+            ("detokenize", {"tokens": "abc"}, "tokens"),
+            ("detokenize", {"tokens": [1, 10**6]}, "tokens"),
+            ("detokenize", {"tokens": [True]}, "tokens")]:
+        status, text = post(f"{url}/{route}", body)
+        assert status == 400 and json.loads(text)["error"]["param"] == param, (body, text)
+    status, text = post(f"{url}/tokenize", {"model": "other", "prompt": "a"})
+    assert status == 404 and json.loads(text)["error"]["param"] == "model"
+    assert post(f"{url}/detokenize", b"{nope")[0] == 400

@@ -1,5 +1,7 @@
 """The engine's request lifecycle: bad input, queueing, stop ids, mixed arrivals, pages."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -72,7 +74,11 @@ def test_duplicate_ids_and_bad_sampling_fields_are_named(pair):
                           (dict(temperature=float("nan")), "temperature"),
                           (dict(seed=-3), "seed"), (dict(stop_token_ids=(99,)), "stop_token_ids"),
                           (dict(max_new_tokens=2.9), "max_new_tokens"),
-                          (dict(max_new_tokens=True), "max_new_tokens")]:
+                          (dict(max_new_tokens=True), "max_new_tokens"),
+                          (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                          (dict(top_p=float("nan")), "top_p"), (dict(top_k=-2), "top_k"),
+                          (dict(top_k=2.0), "top_k"), (dict(min_p=-0.1), "min_p"),
+                          (dict(min_p=True), "min_p")]:
         with pytest.raises(RequestError, match=match):
             engine.make_request("b", [1, 2], **fields)
 
@@ -144,6 +150,29 @@ def test_sampled_requests_draw_the_same_whatever_shares_their_batch(pair):
     assert other.tokens != alone.tokens  # the seed matters
 
 
+@pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_sampling_truncated_to_the_most_likely_token_is_greedy(pair, truncation):
+    """At a high temperature, a truncation that keeps one token gives greedy's tokens and
+    acceptance, speculative and plain, beside an untruncated sampled row that draws what
+    it draws alone."""
+    params, speculative_cfg, plain_cfg = pair
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5]]
+    free = SamplingParams(10, temperature=0.9, seed=5)
+    for speculative, cfg in ((True, speculative_cfg), (False, plain_cfg)):
+        make = functools.partial(Engine, params, cfg, speculative=speculative)
+        greedy = make().generate(prompts[:1], 10)[0]
+        free_alone = make().generate(prompts[1:], params=free)[0]
+        engine = make()
+        engine.submit(engine.make_request(
+            "one", prompts[0], SamplingParams(10, temperature=3.0, seed=1, **truncation)))
+        engine.submit(engine.make_request("free", prompts[1], free))
+        got = {r.request_id: r for r in engine.run()}
+        assert got["one"].tokens == greedy.tokens
+        assert got["one"].acceptance == greedy.acceptance
+        assert got["free"].tokens == free_alone.tokens
+        assert_all_free(engine)
+
+
 def test_lookahead_off_gives_the_same_tokens(pair):
     params, speculative_cfg, _ = pair
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -205,8 +234,8 @@ def test_warmup_compiles_table_widths_and_changes_nothing(pair):
 
 def test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range(caplog):
     """warmup(max_len, sampled=True) compiles every call a step makes in that range:
-    prompts of several lengths arriving alone and together, greedy and sampled, then
-    compile no step. A config of its own (max_seq_len 152), so that no other test
+    prompts of several lengths arriving alone and together, greedy, sampled and sampled
+    with truncation, then compile no step. A config of its own (max_seq_len 152), so that no other test
     compiled its steps first."""
     params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=152)
     engine = Engine(params, cfg)
@@ -216,6 +245,9 @@ def test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range(caplog):
         engine.generate(prompts[:1], 8)
         engine.generate(prompts[1:], 8)
         engine.add_request("t", prompts[2], 8, temperature=0.7, seed=3)
+        engine.run()
+        engine.add_request("p", prompts[0], 8, temperature=0.7, top_p=0.9)
+        engine.add_request("k", prompts[1], 8, temperature=0.7, top_k=5)
         engine.run()
     assert not compiled, compiled
 

@@ -1,0 +1,104 @@
+"""Sampling: the truncation against a numpy reference, and lossless rejection sampling
+under it (the tokens a row emits are distributed as its truncated target distribution)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from drafter.sampling import Sampler, accept, sample, truncate, truncate_row
+
+
+def reference_kept(logits, top_k, top_p, min_p):
+    """The kept set by its definition, token by token (float64)."""
+    order = np.argsort(-logits, kind="stable")
+    k = len(logits) if top_k <= 0 else min(top_k, len(logits))
+    top = logits[order[:k]]
+    probs = np.exp(top - top.max())
+    probs /= probs.sum()
+    kept_n = k
+    if top_p < 1:
+        ahead = np.cumsum(probs) - probs
+        kept_n = int(np.sum(ahead < top_p))
+    threshold = top[kept_n - 1]
+    if min_p > 0:
+        threshold = max(threshold, top[0] + np.log(min_p))
+    return logits >= threshold
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_truncation_keeps_what_its_definition_keeps(seed):
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.integers(2, 40))
+    # Coarse values make ties at the threshold; they are all kept.
+    logits = np.round(rng.normal(size=vocab) * 2, 0 if seed % 3 == 0 else 3).astype(np.float32)
+    top_k = int(rng.choice([0, -1, 1, 2, 5, vocab, vocab + 3]))
+    top_p = float(rng.choice([1.0, 0.9, 0.5, 0.1, 1e-6]))
+    min_p = float(rng.choice([0.0, 0.05, 0.3, 1.0]))
+    got = np.isfinite(np.asarray(truncate_row(jnp.asarray(logits), top_k, top_p, min_p)))
+    want = reference_kept(logits.astype(np.float64), top_k, top_p, min_p)
+    assert got.tolist() == want.tolist(), (logits, top_k, top_p, min_p)
+    assert got[np.argmax(logits)]     # the most likely token always stays
+
+
+def sampler(batch, *, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0, key=0):
+    return Sampler(jnp.full((batch,), temperature, jnp.float32),
+                   jax.random.split(jax.random.key(key), batch),
+                   jnp.full((batch,), top_k, jnp.int32), jnp.full((batch,), top_p, jnp.float32),
+                   jnp.full((batch,), min_p, jnp.float32), greedy=False, truncated=True)
+
+
+def truncated_probs(logits, **kw):
+    row = truncate_row(jnp.asarray(logits), kw.get("top_k", 0), kw.get("top_p", 1.0),
+                       kw.get("min_p", 0.0))
+    return np.asarray(jax.nn.softmax(row))
+
+
+def assert_distributed_as(draws, probs, n):
+    """Each token's count within 5 standard deviations of n x its probability; tokens of
+    probability 0 never drawn."""
+    counts = np.bincount(draws, minlength=len(probs))
+    sd = np.sqrt(n * probs * (1 - probs)) + 1e-9
+    assert np.all(counts[probs == 0] == 0), (counts, probs)
+    assert np.all(np.abs(counts - n * probs) <= 5 * sd + 1), (counts, n * probs)
+
+
+TRUNCATIONS = [dict(), dict(top_k=3), dict(top_p=0.6), dict(min_p=0.2),
+               dict(top_k=4, top_p=0.8, min_p=0.05)]
+
+
+@pytest.mark.parametrize("kw", TRUNCATIONS)
+def test_sampled_tokens_follow_the_truncated_distribution(kw):
+    n, vocab = 20000, 8
+    logits = jax.random.normal(jax.random.key(1), (vocab,)) * 1.5
+    draws = sample(jnp.broadcast_to(logits, (n, vocab)), sampler(n, **kw))
+    assert_distributed_as(np.asarray(draws), truncated_probs(logits, **kw), n)
+
+
+@pytest.mark.parametrize("kw", TRUNCATIONS)
+@pytest.mark.parametrize("draft_rank", [0, 1, 5])
+def test_speculative_sampling_is_lossless_under_truncation(kw, draft_rank):
+    """Over many keys: the first emitted token is distributed as position 0's truncated
+    distribution, and after an accepted first draft the second as position 1's, whether
+    the drafts are likely, unlikely, or truncated away."""
+    n, vocab, block = 20000, 8, 4
+    logits = jax.random.normal(jax.random.key(2), (block, vocab)) * 1.5
+    drafts = jnp.argsort(-logits[:-1], axis=-1)[:, draft_rank].astype(jnp.int32)
+    accepted, bonus = accept(jnp.broadcast_to(logits, (n, block, vocab)),
+                             jnp.broadcast_to(drafts, (n, block - 1)), sampler(n, **kw))
+    accepted, bonus = np.asarray(accepted), np.asarray(bonus)
+    first = np.where(accepted >= 1, int(drafts[0]), bonus)
+    assert_distributed_as(first, truncated_probs(logits[0], **kw), n)
+    took = accepted >= 1
+    second = np.where(accepted[took] >= 2, int(drafts[1]), bonus[took])
+    assert_distributed_as(second, truncated_probs(logits[1], **kw), int(took.sum()))
+
+
+def test_rows_that_do_not_truncate_are_untouched_beside_one_that_does():
+    logits = jax.random.normal(jax.random.key(3), (3, 5, 11))
+    s = sampler(3).replace(top_ks=jnp.array([0, 2, -1], jnp.int32))
+    out = np.asarray(truncate(logits, s))
+    np.testing.assert_array_equal(out[[0, 2]], np.asarray(logits)[[0, 2]])
+    assert (np.isfinite(out[1]).sum(axis=-1) == 2).all()
+    untruncated = s.replace(truncated=False)   # a step that does not truncate ignores them
+    np.testing.assert_array_equal(np.asarray(truncate(logits, untruncated)), logits)
