@@ -14,24 +14,26 @@
 
 Rules:
   * the HTTP server runs on its own thread and asyncio loop and never touches
-    the engine: requests go through `ServingLoop.submit`; a request's Events
-    come back through `call_soon_threadsafe` onto its own asyncio queue;
+    the engine: requests go through `ServingLoop.submit`, one engine request per
+    choice (prompts x `n`); their Events come back through `call_soon_threadsafe`
+    onto the HTTP request's own asyncio queue;
   * a bad request gets HTTP 400 with an OpenAI error body {"error": {"message",
     "type": "invalid_request_error", "param", "code"}} naming the field and the
     fix, and touches nothing else; so does a max_tokens that does not fit;
   * a request without max_tokens gets `default_max_tokens`, at most the room its
     prompt leaves (disagg/schema.py);
   * a client that goes away mid-request, streamed or not, cancels it (its pages
-    are freed);
+    are freed); so does a choice that fails to the rest of its request;
   * a body larger than any prompt within max_seq_len needs gets HTTP 413, and
     prompts are parsed off the event loop, so one large request stalls no stream;
   * every wait for a request's next Event is bounded by `request_timeout_s`
     (then the request is cancelled: 504, or an error event when streaming);
-  * the response's `usage` counts prompt and completion tokens; extensions:
-    "acceptance_length" (tokens kept per decode step, 1..block size; higher is
-    better) and each choice's "token_ids";
-  * a streamed answer ends with `data: [DONE]`; a chat stream's first chunk
-    carries the role, its last one the finish_reason (with an empty delta).
+  * the response's `usage` counts each prompt once and every choice's completion
+    tokens; extensions: "acceptance_length" (tokens kept per decode step over every
+    choice's steps, 1..block size; higher is better) and each choice's "token_ids";
+  * a streamed answer ends with `data: [DONE]`; a chunk holds one choice; a chat
+    choice's first chunk carries the role, its last one the finish_reason (with an
+    empty delta).
 
 starlette, uvicorn and prometheus-client are imported when a server is made;
 a missing one is named with the command that installs it.
@@ -48,7 +50,8 @@ import uuid
 
 from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
-from disagg.responses import ChatFormat, CompletionFormat, error_body
+from disagg.responses import (ChatFormat, CompletionFormat, error_body, pooled_acceptance,
+                              usage)
 from disagg.schema import (DEFAULT_MAX_TOKENS, parse_chat, parse_completion, parse_detokenize,
                            parse_tokenize)
 from drafter.request import RequestError
@@ -189,7 +192,8 @@ class CompletionsApp:
         return JSONResponse(out)
 
     async def _serve(self, request, fmt: CompletionFormat, parse):
-        """Parse, check, submit; answer whole or as server-sent events in `fmt`."""
+        """Parse, check, submit every choice; answer whole or as server-sent events in
+        `fmt`."""
         from starlette.responses import StreamingResponse
         rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         body, refusal = await self._body(request)
@@ -197,104 +201,110 @@ class CompletionsApp:
             return refusal
         aio = asyncio.get_running_loop()
         try:   # tokenizing a long prompt takes a while: off the loop, so streams flow on
-            req, stops = await aio.run_in_executor(None, self._parse_and_check, parse, body,
-                                                   rid)
+            subs = await aio.run_in_executor(None, self._parse_and_check, parse, body, rid)
         except RequestError as e:
             return _refuse(400, str(e), e.field)
         except AdmissionError as e:  # named in the request's own spelling
             field = "max_completion_tokens" if "max_completion_tokens" in body else \
                 "max_tokens"
             return _refuse(400, str(e).replace("max_new_tokens", field), field)
-        events: asyncio.Queue = asyncio.Queue()
-
-        def sink(event: Event) -> None:  # on the engine's thread
-            aio.call_soon_threadsafe(events.put_nowait, event)
-
+        choices = _Choices(self.loop, [req.request_id for req, _ in subs], body.get("n") or 1)
         try:
-            self.loop.submit(Submission(req, sink, stops))
+            for i, (req, stops) in enumerate(subs):
+                self.loop.submit(Submission(req, choices.sink(aio, i), stops))
+                choices.open.add(i)
         except ServingClosed as e:
+            choices.cancel_open()
             return _refuse(503, str(e), None, "server_error")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if body.get("stream", False):
-            return StreamingResponse(self._stream(rid, fmt, events, include_usage),
+            return StreamingResponse(self._stream(rid, fmt, choices, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(rid, fmt, events, request)
+        return await self._whole(rid, fmt, choices, request)
 
     def _parse_and_check(self, parse, body, rid):
-        req, stops = parse(body, rid)
-        self.loop.engine.scheduler.check_fits(req)
-        return req, stops
+        subs = parse(body, rid)
+        for req, _ in subs:
+            self.loop.engine.scheduler.check_fits(req)
+        return subs
 
-    async def _next(self, rid: str, events: asyncio.Queue) -> Event:
+    async def _next(self, choices: "_Choices") -> tuple[int, Event]:
+        """The next (choice index, Event); on timeout every open choice is cancelled."""
         try:
-            return await asyncio.wait_for(events.get(), self.request_timeout_s)
+            i, event = await asyncio.wait_for(choices.events.get(), self.request_timeout_s)
         except asyncio.TimeoutError:
-            self.loop.cancel(rid)
+            choices.cancel_open()
             raise
+        if event.finish_reason is not None:
+            choices.open.discard(i)
+        return i, event
 
     def _envelope(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": int(time.time()),
                 "model": self.model_name, "choices": choices, **extra}
 
-    @staticmethod
-    def _usage(event: Event) -> dict:
-        prompt, completion = len(event.result.prompt), len(event.result.tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
-
-    async def _whole(self, rid: str, fmt: CompletionFormat, events: asyncio.Queue, request):
+    async def _whole(self, rid: str, fmt: CompletionFormat, choices: "_Choices", request):
         from starlette.responses import JSONResponse
         # The events are collected in one task raced against the client's disconnect, which
         # no event would tell (a stream notices it at its next write).
-        collect = asyncio.ensure_future(self._collect(rid, events))
+        collect = asyncio.ensure_future(self._collect(choices))
         gone = asyncio.ensure_future(_disconnect(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
                 return _refuse(499, f"request {rid!r}: the client went away; it was cancelled")
             try:
-                pieces, event = collect.result()
+                pieces, last = collect.result()
             except asyncio.TimeoutError:
                 return _refuse(504, f"request {rid!r}: no progress within "
-                                   f"{self.request_timeout_s:g}s; it was cancelled", None,
-                              "timeout_error")
+                                    f"{self.request_timeout_s:g}s; it was cancelled", None,
+                               "timeout_error")
         finally:
             gone.cancel()
             if not collect.done():
                 collect.cancel()
-                self.loop.cancel(rid)
-        if event.result is None or event.finish_reason == "error":
-            server = event.result is not None or event.server_fault
-            return _refuse(500 if server else 400, event.error, None,
-                          "server_error" if server else "invalid_request_error")
-        choice = fmt.choice("".join(pieces), event.finish_reason, event.result.tokens,
-                            whole=True)
-        return JSONResponse(self._envelope(rid, fmt.whole_object, [choice],
-                                           usage=self._usage(event),
-                                           acceptance_length=event.result.acceptance_length))
+            choices.cancel_open()   # the rest of a request with a failed choice too
+        failed = [e for e in last.values() if e.result is None or e.finish_reason == "error"]
+        if failed:
+            server = failed[0].result is not None or failed[0].server_fault
+            return _refuse(500 if server else 400, failed[0].error, None,
+                           "server_error" if server else "invalid_request_error")
+        out = [fmt.choice(i, "".join(pieces[i]), last[i].finish_reason, last[i].result.tokens,
+                          whole=True) for i in range(len(choices.ids))]
+        results = [last[i].result for i in range(len(choices.ids))]
+        return JSONResponse(self._envelope(rid, fmt.whole_object, out,
+                                           usage=usage(results, choices.n),
+                                           acceptance_length=pooled_acceptance(results)))
 
-    async def _collect(self, rid: str, events: asyncio.Queue) -> tuple[list[str], Event]:
-        """(every Event's text, the last Event) of a request answered whole."""
-        pieces = []
-        while True:
-            event = await self._next(rid, events)
-            pieces.append(event.text)
+    async def _collect(self, choices: "_Choices") -> tuple[dict, dict]:
+        """({index: every Event's text}, {index: its last Event}) of a request answered
+        whole: until every choice ends, or one fails."""
+        pieces: dict = {i: [] for i in range(len(choices.ids))}
+        last: dict = {}
+        while len(last) < len(choices.ids):
+            i, event = await self._next(choices)
+            pieces[i].append(event.text)
             if event.finish_reason is not None:
-                return pieces, event
+                last[i] = event
+                if event.result is None or event.finish_reason == "error":
+                    break
+        return pieces, last
 
-    async def _stream(self, rid: str, fmt: CompletionFormat, events: asyncio.Queue,
+    async def _stream(self, rid: str, fmt: CompletionFormat, choices: "_Choices",
                       include_usage: bool):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
-        finished = False
+        results: dict = {}
+        total = len(choices.ids)
         try:
-            for choice in fmt.head():
-                yield sse(self._envelope(rid, fmt.chunk_object, [choice]))
-            while not finished:
+            for i in range(total):
+                for choice in fmt.head(i):
+                    yield sse(self._envelope(rid, fmt.chunk_object, [choice]))
+            while len(results) < total:
                 try:
-                    event = await self._next(rid, events)
+                    i, event = await self._next(choices)
                 except asyncio.TimeoutError:
                     yield sse(error_body(f"request {rid!r}: no progress within "
                                          f"{self.request_timeout_s:g}s; it was cancelled",
@@ -304,15 +314,36 @@ class CompletionsApp:
                 if finished and (event.result is None or event.finish_reason == "error"):
                     yield sse(error_body(event.error, None, "server_error"))
                     break
-                for choice, extra in fmt.pieces(event):
+                for choice, extra in fmt.pieces(i, event):
                     yield sse(self._envelope(rid, fmt.chunk_object, [choice], **extra))
-                if finished and include_usage:
-                    yield sse(self._envelope(rid, fmt.chunk_object, [],
-                                             usage=self._usage(event)))
+                if finished:
+                    results[i] = event.result
+            if len(results) == total and include_usage:
+                yield sse(self._envelope(rid, fmt.chunk_object, [], usage=usage(
+                    [results[i] for i in range(total)], choices.n)))
             yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away (or timed out): free the request
-                self.loop.cancel(rid)
+        finally:   # a client gone, a timeout or a failed choice: free the rest
+            choices.cancel_open()
+
+
+class _Choices:
+    """The engine requests answering one HTTP request, by choice index (prompt-major, `n`
+    per prompt), and the queue their Events arrive on as (index, Event)."""
+
+    def __init__(self, loop: ServingLoop, ids: list[str], n: int):
+        self.loop, self.ids, self.n = loop, ids, n
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.open: set[int] = set()   # submitted and not yet ended
+
+    def sink(self, aio, index: int):
+        def put(event: Event) -> None:  # on the engine's thread
+            aio.call_soon_threadsafe(self.events.put_nowait, (index, event))
+        return put
+
+    def cancel_open(self) -> None:
+        for i in sorted(self.open):
+            self.loop.cancel(self.ids[i])
+        self.open.clear()
 
 
 class HTTPServer:

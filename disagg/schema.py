@@ -1,7 +1,8 @@
 """The request schema every front end shares: JSON lines, OpenAI completions and chat.
 
-Each turns a decoded JSON object into one checked `Request` (drafter/request.py:
-the same strict checks as the Python API: no coercion) plus its stop strings.
+Each turns a decoded JSON object into checked `Request`s (drafter/request.py: the
+same strict checks as the Python API: no coercion) plus their stop strings: a JSON
+line into one, an OpenAI request into one per choice (its prompts x `n`).
 A problem raises RequestError naming the field (`.field`, in the front end's
 own spelling) and the fix.
 
@@ -9,18 +10,20 @@ JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
              "top_k": int >= -1, "min_p": [0, 1], "seed": int, "stop": str | [str, ...],
              "stop_token_ids": [int, ...], "ignore_eos": bool}
-completion: {"model": str, "prompt": str | [int, ...], "max_tokens": int >= 1,
+completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batch),
+             "n": int >= 1 (choices per prompt; at most MAX_CHOICES in all; sample j
+             of a prompt draws with seed + j), "max_tokens": int >= 1,
              "temperature": number >= 0, "top_p", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool},
              extensions "top_k", "min_p", "stop_token_ids", "ignore_eos"}; OpenAI fields
              this server does not implement are accepted only at their neutral value
-             (n = 1, echo = false, logprobs = null, penalties = 0, ...).
+             (best_of = 1, echo = false, logprobs = null, penalties = 0, ...).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
 chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
              "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
-             int >= 1 (one of them; default as for a completion), "temperature",
+             int >= 1 (one of them; default as for a completion), "n", "temperature",
              "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
              "stop_token_ids", "ignore_eos" as for a completion};
              neutral-only OpenAI fields as for a completion, plus tools = null,
@@ -41,8 +44,7 @@ TRUNCATION_FIELDS = ("top_p", "top_k", "min_p")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
                 "stop_token_ids", "ignore_eos", *TRUNCATION_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
-NEUTRAL = {"n": ((1, None), "send one request per completion"),
-           "best_of": ((1, None), "send one request per completion"),
+NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "echo": ((False, None), "the prompt is not echoed; prepend it yourself"),
            "logprobs": ((None,), "log probabilities are not returned"),
            "frequency_penalty": ((0, 0.0, None), "penalties are not implemented"),
@@ -50,7 +52,7 @@ NEUTRAL = {"n": ((1, None), "send one request per completion"),
            "logit_bias": ((None,), "logit bias is not implemented"),
            "suffix": ((None, ""), "suffixes are not implemented"),
            "user": (None, "")}
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "seed", "stop", "stream",
+COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "seed", "stop", "stream",
                      "stream_options", "stop_token_ids", "ignore_eos", *TRUNCATION_FIELDS,
                      *NEUTRAL}
 CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "echo", "suffix",
@@ -61,7 +63,7 @@ CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "ech
                 "tool_choice": ((None, "none"), "tool calls are not implemented"),
                 "response_format": ((None, {"type": "text"}),
                                     "structured output is not implemented")}
-CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature",
+CHAT_FIELDS = {"model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
                "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
                *TRUNCATION_FIELDS, *CHAT_NEUTRAL}
 CHAT_ROLES = ("system", "user", "assistant")
@@ -78,6 +80,8 @@ MAX_STOP_CHARS = 256
 # says so in max_tokens.
 DEFAULT_MAX_TOKENS = 256
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+# Choices one HTTP request may ask for (prompts x n): each is a request of the engine's.
+MAX_CHOICES = 64
 
 
 def _stop_strings(rid: str, stop) -> tuple[str, ...]:
@@ -185,33 +189,72 @@ def parse_line(obj, line_no: int, engine, tokenizer) -> tuple[Request, tuple[str
     return _make(rid, prompt, obj, engine, "max_new_tokens", 64, 0.0), stop
 
 
+def _prompts(rid: str, prompt, tokenizer) -> list[list[int]]:
+    """A completion's prompts: text, token ids, or OpenAI's batch form (a list of texts
+    or of token-id lists)."""
+    if isinstance(prompt, str):
+        return [_text_prompt(rid, prompt, tokenizer)]
+    if not isinstance(prompt, list):
+        raise RequestError(f"request {rid!r}: \"prompt\" must be text or a list of token "
+                           f"ids, got {type(prompt).__name__}", "prompt")
+    if not (prompt and all(isinstance(p, (str, list)) for p in prompt)):
+        return [prompt]   # token ids (Request.make checks them)
+    if len(prompt) > MAX_CHOICES:
+        raise RequestError(f"request {rid!r}: \"prompt\" holds {len(prompt)} prompts; send "
+                           f"at most {MAX_CHOICES} per request", "prompt")
+    return [_text_prompt(rid, p, tokenizer) if isinstance(p, str) else p for p in prompt]
+
+
+def _num_choices(rid: str, obj: dict, num_prompts: int) -> int:
+    """`n` (completions per prompt), checked; at most MAX_CHOICES choices in all."""
+    n = obj.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise RequestError(f"request {rid!r}: \"n\" must be an integer >= 1, got {n!r}", "n")
+    if n * num_prompts > MAX_CHOICES:
+        raise RequestError(f"request {rid!r}: {num_prompts} prompt(s) x n={n} is "
+                           f"{n * num_prompts} completions; ask for at most {MAX_CHOICES} per "
+                           f"request", "n")
+    return n
+
+
+def _choices(rid: str, prompt, obj: dict, engine, field: str, default_max, n: int,
+             first_index: int, total: int) -> list[Request]:
+    """The n Requests of one prompt, choices first_index.. of `total`: a request's only
+    choice keeps the id `rid`, else choice k is f"{rid}-{k}"; sample j of a prompt draws
+    with seed + j (the first sample's checks ran on the seed as given)."""
+    out = []
+    for j in range(n):
+        fields = dict(obj, seed=(obj.get("seed", 0) + j) % 2**32) if j else obj
+        out.append(_make(rid if total == 1 else f"{rid}-{first_index + j}", prompt, fields,
+                         engine, field, default_max, 1.0))
+    return out
+
+
 def parse_completion(obj, rid: str, engine, tokenizer, *,
                      default_max_tokens: int = DEFAULT_MAX_TOKENS
-                     ) -> tuple[Request, tuple[str, ...]]:
-    """An OpenAI completion request's checked Request and stop strings (RequestError's
-    `.field` uses OpenAI's names). Defaults: max_tokens `default_max_tokens`, at most
-    the room the prompt leaves (`_default_max`); temperature 1 (OpenAI's)."""
+                     ) -> list[tuple[Request, tuple[str, ...]]]:
+    """An OpenAI completion request's checked Requests and stop strings, one per choice:
+    per prompt (text, ids, or a batch of them), `n` of them (RequestError's `.field`
+    uses OpenAI's names). Defaults: max_tokens `default_max_tokens`, at most the room
+    the prompt leaves (`_default_max`); temperature 1 (OpenAI's)."""
     try:
         _check_fields(rid, obj, COMPLETION_FIELDS)
         _check_openai_options(rid, obj, NEUTRAL)
         if "prompt" not in obj:
             raise RequestError(f"request {rid!r}: \"prompt\" is missing; give text or a list "
                                f"of token ids", "prompt")
-        prompt = obj["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]   # OpenAI's batch form holding one prompt
-        if isinstance(prompt, str):
-            prompt = _text_prompt(rid, prompt, tokenizer)
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list))
-                                                         for p in prompt):
-            raise RequestError(f"request {rid!r}: \"prompt\" holds {len(prompt)} prompts; "
-                               f"send one prompt (text or token ids) per request", "prompt")
-        elif not isinstance(prompt, list):
-            raise RequestError(f"request {rid!r}: \"prompt\" must be text or a list of token "
-                               f"ids, got {type(prompt).__name__}", "prompt")
+        prompts = _prompts(rid, obj["prompt"], tokenizer)
+        n = _num_choices(rid, obj, len(prompts))
         stop = _stop_strings(rid, obj.get("stop"))
-        default_max = _default_max(rid, prompt, obj, "max_tokens", engine, default_max_tokens)
-        return _make(rid, prompt, obj, engine, "max_tokens", default_max, 1.0), stop
+        out = []
+        for i, prompt in enumerate(prompts):
+            default_max = _default_max(rid, prompt, obj, "max_tokens", engine,
+                                       default_max_tokens)
+            out += _choices(rid, prompt, obj, engine, "max_tokens", default_max, n, i * n,
+                            n * len(prompts))
+        return [(req, stop) for req in out]
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", "max_tokens"),
                            OPENAI_NAMES.get(e.field, e.field)) from None
@@ -293,8 +336,9 @@ def _default_max(rid: str, prompt, obj: dict, field: str, engine,
 
 def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
                default_max_tokens: int = DEFAULT_MAX_TOKENS
-               ) -> tuple[Request, tuple[str, ...]]:
-    """An OpenAI chat completion request's checked Request and stop strings (RequestError's
+               ) -> list[tuple[Request, tuple[str, ...]]]:
+    """An OpenAI chat completion request's checked Requests and stop strings, `n` of them
+    (RequestError's
     `.field` uses OpenAI's names, a message's as "messages[i].role"). Defaults: temperature
     1; max tokens as for a completion (`default_max_tokens`, at most the room the prompt
     leaves)."""
@@ -317,7 +361,9 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
         stop = _stop_strings(rid, obj.get("stop"))
         default_max = _default_max(rid, prompt, obj, field, engine, default_max_tokens,
                                    "messages")
-        return _make(rid, prompt, obj, engine, field, default_max, 1.0), stop
+        n = _num_choices(rid, obj, 1)
+        return [(req, stop) for req in _choices(rid, prompt, obj, engine, field, default_max,
+                                                 n, 0, n)]
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", field),
                            field if e.field == "max_new_tokens" else e.field) from None

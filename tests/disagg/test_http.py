@@ -227,8 +227,10 @@ BAD = [
     ({"prompt": "x", "top_k": "5"}, "top_k", "integer"),
     ({"prompt": "x", "min_p": -1}, "min_p", "[0, 1]"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown fields"),
-    ({"prompt": "x", "n": 2}, "n", "one request per completion"),
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt"),
+    ({"prompt": "x", "n": 0}, "n", "integer >= 1"),
+    ({"prompt": ["a", "b"], "n": 40}, "n", "at most 64"),
+    ({"prompt": ["a"] * 65}, "prompt", "at most 64"),
+    ({"prompt": "x", "best_of": 2}, "best_of", "ask for n completions"),
     ({"prompt": [1, 258]}, "prompt", "reserved"),
     ({"prompt": ""}, "prompt", "empty prompt"),
     ({"max_tokens": 3}, "prompt", "missing"),
@@ -255,8 +257,9 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(serv
     assert json.loads(text)["choices"][0]["token_ids"] == server["greedy"][PROMPTS[3]]
 
 
-def test_a_client_that_goes_away_frees_its_request(server):
-    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_goes_away_frees_its_request(server, n):
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "n": n,
                        "stream": True, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"{server['url']}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
@@ -434,8 +437,8 @@ def test_the_default_max_tokens_is_cut_to_the_room_a_long_prompt_leaves(server):
     most that fits (check_fits, the admission rule, passes; one more does not)."""
     engine, scheduler = server["engine"], server["engine"].scheduler
     prompt = [ord("a")] * (engine.spec.max_seq_len - DEFAULT_MAX_TOKENS)
-    req, _ = parse_completion({"prompt": prompt}, "long", engine, server["tok"],
-                              default_max_tokens=DEFAULT_MAX_TOKENS)
+    [(req, _)] = parse_completion({"prompt": prompt}, "long", engine, server["tok"],
+                                  default_max_tokens=DEFAULT_MAX_TOKENS)
     room = req.params.max_new_tokens
     assert 1 <= room < DEFAULT_MAX_TOKENS
     scheduler.check_fits(req)
@@ -512,3 +515,85 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
     status, text = post(f"{url}/tokenize", {"model": "other", "prompt": "a"})
     assert status == 404 and json.loads(text)["error"]["param"] == "model"
     assert post(f"{url}/detokenize", b"{nope")[0] == 400
+
+
+def test_n_choices_and_batched_prompts_are_each_served_as_alone(server):
+    """n samples of a prompt draw with seeds seed, seed + 1, ... (each what the engine
+    draws alone with that seed); a batch of prompts answers each prompt's choices in
+    order; usage counts each prompt once; streamed choices carry their index."""
+    c, name, tok, engine = server["client"], server["name"], server["tok"], server["engine"]
+    ids = tok.encode(PROMPTS[1])
+    out = c.completions.create(model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, n=2,
+                               temperature=0.9, seed=7)
+    alone = [c.completions.create(model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                  temperature=0.9, seed=seed).choices[0].token_ids
+             for seed in (7, 8)]
+    assert alone[0] != alone[1]   # the seeds differ, so do the draws
+    assert [ch.index for ch in out.choices] == [0, 1]
+    assert [ch.token_ids for ch in out.choices] == alone
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == sum(map(len, alone))
+    batch = [PROMPTS[0], PROMPTS[2]]
+    out = c.completions.create(model=name, prompt=batch, max_tokens=MAX_TOKENS, n=2,
+                               temperature=0)
+    want = [server["greedy"][p] for p in batch for _ in range(2)]
+    assert [ch.token_ids for ch in out.choices] == want
+    assert out.usage.prompt_tokens == sum(len(tok.encode(p)) for p in batch)
+    stream = c.completions.create(model=name, prompt=batch, max_tokens=MAX_TOKENS,
+                                  temperature=0, stream=True,
+                                  stream_options={"include_usage": True})
+    got = {0: [], 1: []}
+    usage = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            got[ch.index] += ch.token_ids
+        usage = chunk.usage or usage
+    assert [got[0], got[1]] == [server["greedy"][p] for p in batch]
+    assert usage.completion_tokens == sum(len(server["greedy"][p]) for p in batch)
+    chat = c.chat.completions.create(model=name, messages=CHATS["add"][0], n=2, temperature=0,
+                                     max_tokens=MAX_TOKENS)
+    assert [ch.token_ids for ch in chat.choices] == [server["greedy"]["add"]] * 2
+    assert engine.num_active == 0
+
+
+def test_a_batch_with_one_prompt_that_does_not_fit_is_refused_whole(server):
+    url, engine = server["url"], server["engine"]
+    long = [ord("a")] * engine.spec.max_seq_len
+    status, text = post(f"{url}/v1/completions", {"prompt": [PROMPTS[0], long],
+                                                  "max_tokens": 4})
+    assert status == 400 and json.loads(text)["error"]["param"] in ("prompt", "max_tokens")
+    assert engine.num_active == 0 and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_that_fails_ends_its_whole_request_and_frees_the_rest(server, stream,
+                                                                       monkeypatch):
+    """One of three choices cancelled on the server (as a failure of its own would end
+    it): the answer is an error, and the other two stop too."""
+    import types
+    import disagg.http
+    monkeypatch.setattr(disagg.http.uuid, "uuid4",
+                        lambda: types.SimpleNamespace(hex=f"fail{int(stream)}"))
+    rid = f"cmpl-fail{int(stream)}"
+    engine = server["engine"]
+    body = {"prompt": PROMPTS[2], "max_tokens": 2000, "temperature": 0, "n": 3,
+            "ignore_eos": True, "stream": stream}
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(
+        zip(("status", "text"), post(f"{server['url']}/v1/completions", body))))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while engine.num_active < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server["app"].loop.cancel(f"{rid}-1")
+    thread.join(120)
+    assert not thread.is_alive()
+    if stream:
+        assert answer["status"] == 200 and "was cancelled" in answer["text"]
+        assert answer["text"].rstrip().endswith("data: [DONE]")
+    else:
+        assert answer["status"] == 500 and "was cancelled" in answer["text"]
+    deadline = time.monotonic() + 10   # 2,000 tokens take far longer
+    while engine.num_active and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.num_active == 0, "the other choices still run"
