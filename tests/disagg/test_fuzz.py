@@ -220,7 +220,8 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
 
 @pytest.mark.timeout(300)
 def test_hostile_and_good_requests_through_http(http_server, engine, greedy):
-    """Every request one answer: good ones equal greedy, hostile ones a 400 naming the
+    """Every request one answer: good ones equal greedy (some sampled hot with top_k = 1),
+    sampled ones (top_p, min_p, n = 2) answer both choices, hostile ones a 400 naming the
     field; sent 8 at a time; afterwards no page is held."""
     rng = np.random.default_rng(25)
     jobs = []
@@ -229,6 +230,12 @@ def test_hostile_and_good_requests_through_http(http_server, engine, greedy):
             k, n = int(rng.integers(len(PROMPTS))), int(rng.integers(1, MAX_NEW + 1))
             body = {"prompt": TEXTS[k] if k < len(TEXTS) else PROMPTS[k], "max_tokens": n,
                     "temperature": 0}
+            if i % 4 == 1:    # hot, truncated to the most likely token: greedy's tokens
+                body.update(temperature=1.5, top_k=1, seed=i)
+            if i % 4 == 2:    # sampled, truncated, two choices: only their shape is known
+                body.update(temperature=1.0, top_p=0.9, min_p=0.05, n=2, seed=i)
+                jobs.append((json.dumps(body).encode(), ("sampled", n)))
+                continue
             jobs.append((json.dumps(body).encode(), ("tokens", greedy[k][:n])))
         else:
             raw, names = HTTP_BAD[int(rng.integers(len(HTTP_BAD)))]
@@ -241,6 +248,9 @@ def test_hostile_and_good_requests_through_http(http_server, engine, greedy):
         kind, want = jobs[j][1]
         if kind == "tokens":
             assert status == 200 and body["choices"][0]["token_ids"] == want, body
+        elif kind == "sampled":
+            assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1], body
+            assert all(1 <= len(c["token_ids"]) <= want for c in body["choices"]), body
         else:
             assert status == 400, (status, body, jobs[j][0][:80])
             err = body["error"]
