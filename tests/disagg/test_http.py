@@ -523,11 +523,11 @@ def test_n_choices_and_batched_prompts_are_each_served_as_alone(server):
     order; usage counts each prompt once; streamed choices carry their index."""
     c, name, tok, engine = server["client"], server["name"], server["tok"], server["engine"]
     ids = tok.encode(PROMPTS[1])
-    out = c.completions.create(model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, n=2,
-                               temperature=0.9, seed=7)
-    alone = [c.completions.create(model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
-                                  temperature=0.9, seed=seed).choices[0].token_ids
-             for seed in (7, 8)]
+    # top_p: the truncated programs the test above compiled (no sampled set of its own)
+    hot = dict(temperature=2.0, top_p=0.999, max_tokens=8)
+    out = c.completions.create(model=name, prompt=PROMPTS[1], n=2, seed=7, **hot)
+    alone = [c.completions.create(model=name, prompt=PROMPTS[1], seed=seed, **hot)
+             .choices[0].token_ids for seed in (7, 8)]
     assert alone[0] != alone[1]   # the seeds differ, so do the draws
     assert [ch.index for ch in out.choices] == [0, 1]
     assert [ch.token_ids for ch in out.choices] == alone
