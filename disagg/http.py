@@ -8,7 +8,7 @@
     POST /tokenize              {"prompt": text} or {"messages": [...]} -> {"tokens", "count",
                                 "max_model_len"} (as vLLM answers)
     POST /detokenize            {"tokens": [ids]} -> {"prompt": text}
-    GET  /v1/models             the one model served
+    GET  /v1/models             the one model served (with its max_model_len, as vLLM)
     GET  /health                200 {"status": "ready"} once compiled; 503 {"status": "starting"}
     GET  /metrics               Prometheus text format (disagg/metrics.py)
 
@@ -126,7 +126,8 @@ class CompletionsApp:
         from starlette.responses import JSONResponse
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created,
-             "owned_by": "unified-kv-dflash"}]})
+             "owned_by": "unified-kv-dflash",
+             "max_model_len": self.loop.engine.spec.max_seq_len}]})
 
     async def metrics_page(self, request):
         from starlette.responses import Response

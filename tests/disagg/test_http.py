@@ -278,6 +278,7 @@ def test_health_models_and_metrics(server):
     assert status == 200 and json.loads(text)["status"] == "ready"
     models = server["client"].models.list()
     assert [m.id for m in models.data] == [server["name"]]
+    assert models.data[0].max_model_len == server["engine"].spec.max_seq_len   # as vLLM
     server["client"].completions.create(model=server["name"], prompt=PROMPTS[0], max_tokens=4,
                                         temperature=0)
     status, text = get(f"{url}/metrics")
