@@ -266,7 +266,7 @@ class CompletionsApp:
             if not collect.done():
                 collect.cancel()
             choices.cancel_open()   # the rest of a request with a failed choice too
-        failed = [e for e in last.values() if e.result is None or e.finish_reason == "error"]
+        failed = [e for e in last.values() if e.failed]
         if failed:
             server = failed[0].result is not None or failed[0].server_fault
             return _refuse(500 if server else 400, failed[0].error, None,
@@ -288,7 +288,7 @@ class CompletionsApp:
             pieces[i].append(event.text)
             if event.finish_reason is not None:
                 last[i] = event
-                if event.result is None or event.finish_reason == "error":
+                if event.failed:
                     break
         return pieces, last
 
@@ -311,13 +311,12 @@ class CompletionsApp:
                                          f"{self.request_timeout_s:g}s; it was cancelled",
                                          None, "timeout_error"))
                     break
-                finished = event.finish_reason is not None
-                if finished and (event.result is None or event.finish_reason == "error"):
+                if event.failed:
                     yield sse(error_body(event.error, None, "server_error"))
                     break
                 for choice, extra in fmt.pieces(i, event):
                     yield sse(self._envelope(rid, fmt.chunk_object, [choice], **extra))
-                if finished:
+                if event.finish_reason is not None:
                     results[i] = event.result
             if len(results) == total and include_usage:
                 yield sse(self._envelope(rid, fmt.chunk_object, [], usage=usage(

@@ -64,6 +64,12 @@ class Event:
     error: str | None = None
     server_fault: bool = False   # the error is the server's, not the request's
 
+    @property
+    def failed(self) -> bool:
+        """The request's last Event, ending without an answer (an error, or it never ran)."""
+        return self.finish_reason is not None and (self.result is None
+                                                   or self.finish_reason == "error")
+
 
 @dataclasses.dataclass(frozen=True)
 class Submission:

@@ -338,10 +338,9 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
                default_max_tokens: int = DEFAULT_MAX_TOKENS
                ) -> list[tuple[Request, tuple[str, ...]]]:
     """An OpenAI chat completion request's checked Requests and stop strings, `n` of them
-    (RequestError's
-    `.field` uses OpenAI's names, a message's as "messages[i].role"). Defaults: temperature
-    1; max tokens as for a completion (`default_max_tokens`, at most the room the prompt
-    leaves)."""
+    (RequestError's `.field` uses OpenAI's names, a message's as "messages[i].role").
+    Defaults: temperature 1; max tokens as for a completion (`default_max_tokens`, at
+    most the room the prompt leaves)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError(no_chat_template(model_name), None)
     field = "max_tokens"

@@ -35,8 +35,7 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     """A finite int or float (not a bool)."""
-    return (isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-            and math.isfinite(x))
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +70,7 @@ class SamplingParams:
             raise RequestError(f"{where}: max_new_tokens must be an integer >= 1, got "
                                f"{self.max_new_tokens!r}", "max_new_tokens")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not _is_number(t) or t < 0:
             raise RequestError(f"{where}: temperature must be a finite number >= 0 "
                                f"(0 = greedy), got {t!r}", "temperature")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
