@@ -105,7 +105,7 @@ def test_unsliced_weights_reach_the_layer_stacked_with_its_row():
         norm = p["norm"]
         picked = jax.lax.dynamic_index_in_dim(norm.stack, norm.row, keepdims=False)
         assert norm.stack.shape == (5, 3) and p["w"].shape == (2,)
-        return x + (picked[0] / 3 - p["w"][0] / 2), pools   # 0 when row and slice agree
+        return x + (picked[0] * 2 - p["w"][0] * 3), pools   # 0 when row and slice agree
 
     x, _, taps = scan_layers(layer_fn, layers, runs, jnp.zeros(1), (), taps=(0, 2, 4),
                              unsliced=("norm",))
