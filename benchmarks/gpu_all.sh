@@ -80,9 +80,11 @@ run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.t
 for stage in "${stages[@]}"; do
   case $stage in
     tests)
-      # the compiled tests (~6 s each: a compile apiece); the interpret-mode
-      # suite is CI's
-      run 500 pytest_gpu python3 -m pytest -q -p no:cacheprovider \
+      # the compiled tests (3-9 s each: a compile apiece, 184 of them: over 500 s in one
+      # process), over 4 pytest processes sharing the GPU (compiles are the host's work;
+      # no process takes the GPU's memory up front); the interpret-mode suite is CI's
+      run 500 pytest_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q \
+        -p no:cacheprovider -n 4 --dist load \
         tests/pallas_kernels/test_gpu_compiled.py \
         tests/pallas_kernels/test_paged_attention_gluon.py tests/pallas_kernels/test_gluon_call.py \
         tests/pallas_kernels/test_rope_store.py \
@@ -91,7 +93,8 @@ for stage in "${stages[@]}"; do
       # speculative == plain greedy token for token with the GPU's kernels and lookahead;
       # sampling: truncation and rejection sampling's distribution, and a sampled request
       # truncated to one token == greedy, speculative and plain
-      run 400 pytest_lossless python3 -m pytest -q -p no:cacheprovider \
+      run 400 pytest_lossless env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q \
+        -p no:cacheprovider -n 4 --dist load \
         tests/drafter/test_lossless.py tests/drafter/test_precision.py \
         tests/drafter/test_sampling.py \
         "tests/drafter/test_engine.py::test_sampling_truncated_to_the_most_likely_token_is_greedy" ;;
