@@ -17,6 +17,7 @@ from disagg.frontend import load_pair, make_engine
 from disagg.serving import serve_json_lines
 from tests.disagg.test_frontend import copy_pair_with_text
 
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = copy_pair_with_text(tmp_path_factory.mktemp("pair") / "pair")
@@ -71,6 +72,40 @@ def test_a_repeated_id_is_refused_and_the_first_answer_keeps_all_its_text(tmp_pa
     assert "already in flight" in refused["error"]
     assert len(first["tokens"]) == 400
     assert first["text"] == tokenizer.decode(first["tokens"])
+
+
+def test_a_line_read_as_the_server_stops_is_answered_before_it_returns(tmp_path, engine,
+                                                                       tokenizer, monkeypatch):
+    """SIGTERM lands while the reader holds a line it has read but not submitted: the
+    loop closes, the line is refused as ServingClosed, and `serve_json_lines` waits for
+    that answer before it returns (the process would otherwise exit without it)."""
+    import signal
+
+    from disagg import serving
+    reading, proceed = threading.Event(), threading.Event()
+    real_parse = serving.parse_line
+
+    def paused_parse(*args, **kwargs):
+        reading.set()
+        proceed.wait(30)
+        return real_parse(*args, **kwargs)
+    monkeypatch.setattr(serving, "parse_line", paused_parse)
+
+    def stop_mid_read():
+        assert reading.wait(60)
+        os.kill(os.getpid(), signal.SIGTERM)   # serve's drain handler closes the loop
+        time.sleep(0.5)   # the loop has stopped; the reader still holds its line
+        proceed.set()
+    stopper = threading.Thread(target=stop_mid_read, daemon=True)
+    stopper.start()
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(line("late", 4))
+    out = io.StringIO()
+    assert serve_json_lines(engine, str(requests), tokenizer, out=out) == 1
+    answer, = answers(out)
+    assert answer["id"] == "late" and answer["error"].startswith("ServingClosed"), answer
+    stopper.join(10)
+    assert engine.admission.reserved_pages == (0,) * len(engine.spec.pools)
 
 
 def test_an_engine_failure_answers_every_request_in_flight_and_queued(tmp_path, engine,
