@@ -7,7 +7,8 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
-FIGURES = {"default_pair.ipynb": "acceptance.png", "paged_attention.ipynb": "paged_attention.png"}
+FIGURES = {"default_pair.ipynb": "acceptance.png", "paged_attention.ipynb": "paged_attention.png",
+           "disaggregated.ipynb": "disaggregated.png"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
