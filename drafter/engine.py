@@ -151,7 +151,14 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue a request. AdmissionError if it can never fit this cache or its
-        id is in flight; nothing changes then."""
+        id is in flight; RequestError if it asks for log probabilities from an engine fed
+        by a KV source; nothing changes then."""
+        if self.kv_source is not None and request.params.logprobs is not None:
+            raise RequestError(f"request {request.request_id!r}: log probabilities are "
+                               f"returned by aggregated serving only (a disaggregated "
+                               f"request's first token is the context worker's, which does "
+                               f"not send them); leave logprobs unset, or serve aggregated",
+                               "logprobs")
         if self.arrivals.at_source(request.request_id):
             raise AdmissionError(f"request id {request.request_id!r} is still in flight at the "
                                  f"KV source (it ended here while its KV was being made); use "
@@ -298,12 +305,14 @@ class Engine:
         return [results[r.request_id] for r in requests]
 
     def warmup(self, max_len: int | None = None, min_len: int = 0, *,
-               sampled: bool = False) -> int:
+               sampled: bool = False, logprobs: bool = False) -> int:
         """Compile every call a step of this engine's role makes (decode of 1 and of
         `decode_steps` steps, unless it exports; prefill of one prompt and of a full
         step's rows, unless its KV comes from a source; of none: resets alone) at every
         table width that rows of `min_len` to `max_len` tokens (default 0 to
-        max_seq_len) use; greedy, and with `sampled` also sampling; the exports (a
+        max_seq_len) use; greedy, and with `sampled` also sampling; with `logprobs` each
+        of those also returning log-probabilities (an engine that prefills: one fed by a
+        KV source refuses them); the exports (a
         context worker) or imports and redrafts (a worker fed by a KV source) of
         prompts of those lengths; and the same for an in-process KV source's context
         engines. Runs calls whose rows all pad, which change nothing. Returns the
@@ -319,7 +328,8 @@ class Engine:
                               if self.kv_source is None else {0})
         decode_steps = [] if self.export else sorted({1, self.decode_steps})
         self.executor.warm(widths, decode_steps=decode_steps, prefill_rows=prefill_rows,
-                           sampled=sampled)
+                           sampled=sampled, logprobs=logprobs and self.kv_source is None
+                           and not self.export)
         lengths = range(max(min_len, 1), max_len + 1)
         if self.scheduler.export or self.kv_source is not None:   # one per page bucket
             self.executor.warm_transfers(lengths, exports=self.scheduler.export,

@@ -58,6 +58,7 @@ class Executor:
         self.top_ks = np.zeros(slots, np.int32)
         self.top_ps = np.ones(slots, np.float32)
         self.min_ps = np.zeros(slots, np.float32)
+        self.wants_logprobs = np.zeros(slots, bool)
         self.len_bound = np.zeros(slots, np.int64)  # upper bound of each slot's length
         self.bytes_imported = 0
         # Jitted calls dispatched, by kind (prefill, decode, export, import, redraft): on
@@ -97,12 +98,14 @@ class Executor:
         self.top_ks[slot] = params.top_k
         self.top_ps[slot] = params.top_p
         self.min_ps[slot] = params.min_p
+        self.wants_logprobs[slot] = params.logprobs is not None
 
     # ------------------------------------------------------------ steps
 
     def run(self, plan: StepPlan, *, prefill_rows: int, decode_steps: int) -> list:
         """Dispatch a plan's prefill chunks and decode rows (imports first, by
-        `import_payloads`). Returns [(packed outputs, decode steps)] per call."""
+        `import_payloads`). Returns [(packed outputs, their layout)] per call, the layout
+        as `unpack_outputs` takes it."""
         block = self.cfg.block_size
         for slot in plan.reset_slots:
             self.len_bound[slot] = 0
@@ -130,6 +133,7 @@ class Executor:
         for seq in plan.decode:
             self.len_bound[seq.slot] += k * block
         greedy, truncated = self._sampling(sampled)
+        logprobs = bool(self.wants_logprobs[sampled].any())
         width = self.table_width(max_len)
         # Prefill chunks and decode rows of one plan go out as two calls: one
         # program holding both compiles ~2x longer per variant and multiplies
@@ -137,12 +141,15 @@ class Executor:
         outputs = []
         if plan.prefill or not plan.decode:
             outputs.append((self._call(batch, table_width=width, decode=False, greedy=greedy,
-                                       truncated=truncated), 1))
+                                       truncated=truncated, logprobs=logprobs),
+                            dict(decode_steps=1, num_prefill=prefill_rows,
+                                 logprobs=logprobs)))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
             outputs.append((self._call(dataclasses.replace(batch, **self._no_prefill()),
                                        table_width=width, decode=True, greedy=greedy,
-                                       truncated=truncated, decode_steps=k), k))
+                                       truncated=truncated, decode_steps=k, logprobs=logprobs),
+                            dict(decode_steps=k, num_prefill=0, logprobs=logprobs)))
         return outputs
 
     def _sampling(self, slots) -> tuple[bool, bool]:
@@ -156,31 +163,36 @@ class Executor:
                                   | (self.min_ps[hot] > 0)))
 
     def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
-                  num_prefill: int = 0, greedy: bool = True, truncated: bool = False) -> None:
+                  num_prefill: int = 0, greedy: bool = True, truncated: bool = False,
+                  logprobs: bool = False) -> None:
         """Calls whose rows all pad (compile that variant, every copy of it; change
         nothing): a decode call of `decode_steps` steps, or a prefill call of
         `num_prefill` rows (0: a call that only empties slots)."""
         for _ in range(self.cfg.graph_copies):
             self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
                        decode=decode, greedy=greedy, truncated=truncated,
-                       decode_steps=decode_steps if decode else 1)
+                       decode_steps=decode_steps if decode else 1, logprobs=logprobs)
 
-    def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool) -> None:
+    def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool,
+             logprobs: bool = False) -> None:
         """`run_empty` for every variant: each width, decode of each of `decode_steps`,
         prefill of each of `prefill_rows`; greedy, and with `sampled` also sampling, with
-        and without truncation."""
+        and without truncation; each of those also returning log-probabilities with
+        `logprobs`."""
         variants = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
+        variants = [(*v, lp) for v in variants for lp in ((False, True) if logprobs
+                                                          else (False,))]
         for width in widths:
-            for greedy, truncated in variants:
+            for greedy, truncated, lp in variants:
                 for k in decode_steps:
                     self.run_empty(table_width=width, decode_steps=k, greedy=greedy,
-                                   truncated=truncated)
+                                   truncated=truncated, logprobs=lp)
                 for rows in prefill_rows:
                     self.run_empty(table_width=width, decode=False, num_prefill=rows,
-                                   greedy=greedy, truncated=truncated)
+                                   greedy=greedy, truncated=truncated, logprobs=lp)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
-              truncated: bool = False, decode_steps: int = 1):
+              truncated: bool = False, decode_steps: int = 1, logprobs: bool = False):
         """One jitted step on a packed batch. The batch goes as a host array, transferred
         by the call itself: a `device_put` of its own costs more host time than the
         call's transfer, and a call must always take it in one form (a host array and a
@@ -190,7 +202,7 @@ class Executor:
             self.params, self.state, pack_batch(batch),
             num_prefill=batch.prefill_slots.shape[0],
             table_width=table_width, decode=decode, speculative=self.speculative,
-            greedy=greedy, truncated=truncated, decode_steps=decode_steps)
+            greedy=greedy, truncated=truncated, decode_steps=decode_steps, logprobs=logprobs)
         return out
 
     def _step_fn(self, params, state, batch, **static):
@@ -229,15 +241,16 @@ class Executor:
         return dict(prefill_slots=np.zeros(0, np.int32), prefill_tokens=np.zeros((0, t), np.int32),
                     prefill_lens=np.zeros(0, np.int32), prefill_last=np.zeros(0, bool))
 
-    def unpack(self, packed: list[tuple[np.ndarray, int]]):
-        """One StepOutputs from a step's calls (host arrays): prefill rows from
-        the first call, decode rows from the last."""
+    def unpack(self, packed: list[tuple[np.ndarray, dict]]):
+        """One StepOutputs from a step's calls (host arrays, with their layouts): prefill
+        rows from the first call, decode rows from the last."""
         unpack = functools.partial(unpack_outputs, num_slots=self.spec.num_slots,
                                    block_size=self.cfg.block_size)
-        (p0, k0), (p1, k1) = packed[0], packed[-1]
-        first, last = unpack(p0, decode_steps=k0), unpack(p1, decode_steps=k1)
+        (p0, layout0), (p1, layout1) = packed[0], packed[-1]
+        first, last = unpack(p0, **layout0), unpack(p1, **layout1)
         return dataclasses.replace(last, first_tokens=first.first_tokens,
-                                   prefill_ok=first.prefill_ok)
+                                   prefill_ok=first.prefill_ok,
+                                   first_logprobs=first.first_logprobs)
 
     # ------------------------------------------------------------ KV in and out
 

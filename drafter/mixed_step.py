@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from drafter.sampling import Sampler
+from drafter.sampling import LOGPROB_WIDTH, Sampler
 from drafter.steps import (StepState, StepConfig, _at_precision, decode_rows, empty_slots,
                            plain_decode_rows, prefill_rows)
 
@@ -65,6 +65,9 @@ class StepOutputs:
       out_tokens: i32[decode_steps, num_slots, block_size]; num_out: i32[decode_steps,
         num_slots]; decode_ok: bool[decode_steps, num_slots] (False: the row could not
         get pages, a bug in admission).
+      first_logprobs: f32[P, W]; out_logprobs: f32[decode_steps, num_slots, block_size,
+        W]: each token's `sampling.token_logprobs`, W = LOGPROB_WIDTH in a step that
+        returns them, else 0.
     """
 
     first_tokens: jax.Array
@@ -72,65 +75,78 @@ class StepOutputs:
     out_tokens: jax.Array
     num_out: jax.Array
     decode_ok: jax.Array
+    first_logprobs: jax.Array
+    out_logprobs: jax.Array
 
 
 @_at_precision
 def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                table_width: int, decode: bool, speculative: bool, greedy: bool,
-               truncated: bool = False, decode_steps: int = 1
+               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False
                ) -> tuple[StepState, StepOutputs]:
     """Run one `StepBatch`. `decode` False skips decoding (no running rows);
     P = 0 prefill rows skips prefill; `decode_steps` decode steps run back to
     back on the device (one host round trip for several steps). Static:
     `table_width` (pages every row's table holds, prefill and decode alike: one
     width keeps compiles few), `decode`, `speculative`, `greedy`, `truncated` (sampled
-    rows are truncated by their top_ks / top_ps / min_ps: `Sampler`), `decode_steps`."""
+    rows are truncated by their top_ks / top_ps / min_ps: `Sampler`), `decode_steps`,
+    `logprobs` (every emitted token's log-probabilities: `StepOutputs`)."""
     state = empty_slots(cfg, state, batch.reset_slots)
     kv = state.kv
     num_slots, block = batch.decode_slots.shape[0], cfg.block_size
+    width = LOGPROB_WIDTH if logprobs else 0
     first = jnp.zeros((0,), jnp.int32)
     prefill_ok = jnp.zeros((0,), bool)
+    first_logprobs = jnp.zeros((batch.prefill_slots.shape[0], width), jnp.float32)
     if batch.prefill_slots.shape[0]:
         ids = batch.prefill_slots
         sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
                                   kv.target_lens[ids] + batch.prefill_lens, greedy=greedy,
                                   stream=_PREFILL_STREAM,
                                   truncation=batch.truncation(ids) if truncated else None)
-        state, first, prefill_ok = prefill_rows(
+        state, first, prefill_ok, *got = prefill_rows(
             params, state, ids, batch.prefill_tokens, batch.prefill_lens, batch.prefill_last,
-            sampler, cfg=cfg, table_width=table_width)
+            sampler, cfg=cfg, table_width=table_width, logprobs=logprobs)
+        if logprobs:
+            first_logprobs, = got
     out_tokens = jnp.zeros((decode_steps, num_slots, block), jnp.int32)
     num_out = jnp.zeros((decode_steps, num_slots), jnp.int32)
     decode_ok = jnp.ones((decode_steps, num_slots), bool)
+    out_logprobs = jnp.zeros((decode_steps, num_slots, block, width), jnp.float32)
     if decode:
         def one_step(state, _):
             return _decode_once(params, state, batch, cfg=cfg, table_width=table_width,
-                                speculative=speculative, greedy=greedy, truncated=truncated)
+                                speculative=speculative, greedy=greedy, truncated=truncated,
+                                logprobs=logprobs)
 
         if decode_steps == 1:  # no loop around the common case
             state, outs = one_step(state, None)
-            out_tokens, num_out, decode_ok = (x[None] for x in outs)
+            out_tokens, num_out, decode_ok, out_logprobs = (x[None] for x in outs)
         else:
-            state, (out_tokens, num_out, decode_ok) = jax.lax.scan(one_step, state, None,
-                                                                   length=decode_steps)
-    return state, StepOutputs(first, prefill_ok, out_tokens, num_out, decode_ok)
+            state, (out_tokens, num_out, decode_ok, out_logprobs) = jax.lax.scan(
+                one_step, state, None, length=decode_steps)
+    return state, StepOutputs(first, prefill_ok, out_tokens, num_out, decode_ok,
+                              first_logprobs, out_logprobs)
 
 
 def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculative, greedy,
-                 truncated):
-    """One decode step of the batch's rows: (state, (tokens [S, block], num_out [S], ok [S]))."""
+                 truncated, logprobs):
+    """One decode step of the batch's rows: (state, (tokens [S, block], num_out [S], ok [S],
+    logprobs [S, block, W]))."""
     ids = batch.decode_slots
     sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
                               state.kv.target_lens[ids], greedy=greedy, stream=_DECODE_STREAM,
                               truncation=batch.truncation(ids) if truncated else None)
+    no_logprobs = jnp.zeros((ids.shape[0], cfg.block_size, 0), jnp.float32)
     if speculative:
-        state, out_tokens, num_out, ok = decode_rows(params, state, ids, sampler, cfg=cfg,
-                                                     table_width=table_width)
-        return state, (out_tokens, num_out, ok)
-    state, token, ok = plain_decode_rows(params, state, ids, sampler, cfg=cfg,
-                                         table_width=table_width)
+        state, out_tokens, num_out, ok, *got = decode_rows(
+            params, state, ids, sampler, cfg=cfg, table_width=table_width, logprobs=logprobs)
+        return state, (out_tokens, num_out, ok, got[0] if logprobs else no_logprobs)
+    state, token, ok, *got = plain_decode_rows(params, state, ids, sampler, cfg=cfg,
+                                               table_width=table_width, logprobs=logprobs)
     live = (ids != cfg.spec.dummy_slot) & state.running[ids] & ok
-    return state, (token[:, None], jnp.where(live, 1, 0).astype(jnp.int32), ok)
+    lps = got[0][:, None] if logprobs else no_logprobs[:, :1]
+    return state, (token[:, None], jnp.where(live, 1, 0).astype(jnp.int32), ok, lps)
 
 
 # ---------------------------------------------------------------- one transfer each way
@@ -143,7 +159,8 @@ def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculati
 #            temperature bits S+1 | seeds S+1 | top_k S+1 | top_p bits S+1 |
 #            min_p bits S+1]
 #   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
-#            prefill P x 2: first, ok]
+#            prefill P x 2: first, ok | logprob bits: K x S x block x W, then P x W]
+#            (W = LOGPROB_WIDTH in a step that returns log-probabilities, else 0)
 
 def pack_batch(batch: StepBatch) -> np.ndarray:
     """A host StepBatch (numpy fields) as one i32 vector."""
@@ -176,27 +193,37 @@ def pack_outputs(out: StepOutputs):
     decode = jnp.concatenate([out.out_tokens, out.num_out[..., None],
                               out.decode_ok[..., None].astype(jnp.int32)], axis=-1)
     prefill = jnp.stack([out.first_tokens, out.prefill_ok.astype(jnp.int32)], axis=1)
-    return jnp.concatenate([decode.ravel(), prefill.ravel()])
+    logprob_bits = [jax.lax.bitcast_convert_type(x, jnp.int32).ravel()
+                    for x in (out.out_logprobs, out.first_logprobs)]
+    return jnp.concatenate([decode.ravel(), prefill.ravel(), *logprob_bits])
 
 
 def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
-                   decode_steps: int) -> StepOutputs:
+                   decode_steps: int, num_prefill: int, logprobs: bool) -> StepOutputs:
     """Inverse of `pack_outputs`, on the host."""
-    n = decode_steps * num_slots * (block_size + 2)
-    decode = packed[:n].reshape(decode_steps, num_slots, block_size + 2)
-    prefill = packed[n:].reshape(-1, 2)
+    width = LOGPROB_WIDTH if logprobs else 0
+    sizes = [decode_steps * num_slots * (block_size + 2), num_prefill * 2,
+             decode_steps * num_slots * block_size * width]
+    decode, prefill, out_logprobs, first_logprobs = np.split(packed, np.cumsum(sizes))
+    decode = decode.reshape(decode_steps, num_slots, block_size + 2)
+    prefill = prefill.reshape(num_prefill, 2)
     return StepOutputs(first_tokens=prefill[:, 0], prefill_ok=prefill[:, 1].astype(bool),
                        out_tokens=decode[..., :block_size], num_out=decode[..., block_size],
-                       decode_ok=decode[..., block_size + 1].astype(bool))
+                       decode_ok=decode[..., block_size + 1].astype(bool),
+                       first_logprobs=first_logprobs.view(np.float32).reshape(num_prefill,
+                                                                              width),
+                       out_logprobs=out_logprobs.view(np.float32).reshape(
+                           decode_steps, num_slots, block_size, width))
 
 
 def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
                 table_width: int, decode: bool, speculative: bool, greedy: bool,
-                truncated: bool = False, decode_steps: int = 1):
+                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False):
     """`mixed_step` on a packed batch, returning packed outputs."""
     batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_prefill=num_prefill,
                          chunk=cfg.spec.max_step_tokens)
     state, out = mixed_step(params, state, batch, cfg=cfg, table_width=table_width,
                             decode=decode, speculative=speculative, greedy=greedy,
-                            truncated=truncated, decode_steps=decode_steps)
+                            truncated=truncated, decode_steps=decode_steps,
+                            logprobs=logprobs)
     return state, pack_outputs(out)

@@ -12,6 +12,10 @@ import math
 
 import numpy as np
 
+# The most likely tokens a request may ask for beside each generated token (vLLM's
+# default limit); the step returns this many for every token (drafter/sampling.py).
+MAX_LOGPROBS = 20
+
 
 class RequestError(ValueError):
     """A request that can never be served as given; names the field and the fix.
@@ -53,6 +57,9 @@ class SamplingParams:
       seed: the request's PRNG seed (its draws do not depend on its batch).
       stop_token_ids: generation ends after any of these (kept in the output).
       ignore_eos: keep going past the model's end-of-sequence token.
+      logprobs: None, or return each generated token's log-probability and those of
+        this many most likely tokens at its position (0 to MAX_LOGPROBS), from the
+        target's raw logits (before temperature and truncation): `Result.logprobs`.
     """
 
     max_new_tokens: int = 64
@@ -63,6 +70,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def validate(self, request_id: str, vocab_size: int) -> None:
         where = f"request {request_id!r}"
@@ -92,6 +100,11 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"{where}: ignore_eos must be true or false, got "
                                f"{self.ignore_eos!r}", "ignore_eos")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"{where}: logprobs must be an integer in [0, {MAX_LOGPROBS}] "
+                               f"(the most likely tokens returned beside each token), or "
+                               f"null for none, got {self.logprobs!r}", "logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +150,24 @@ class Request:
         return cls(request_id, tuple(ids.tolist()), params)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability under the target's raw logits, and the
+    most likely tokens at its position with theirs, most likely first (as many as the
+    request's `logprobs` asked)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def of_row(cls, row, top: int) -> "TokenLogprobs":
+        """From a step's row (`sampling.token_logprobs`: the token's log-probability,
+        MAX_LOGPROBS ids, their log-probabilities), keeping `top` of them."""
+        ids, logprobs = row[1:1 + MAX_LOGPROBS], row[1 + MAX_LOGPROBS:]
+        return cls(float(row[0]), tuple((int(i), float(x)) for i, x in
+                                        zip(ids[:top], logprobs[:top]) if i >= 0))
+
+
 @dataclasses.dataclass
 class Result:
     """One finished request.
@@ -148,6 +179,7 @@ class Result:
       finish_reason: "length", "stop" (a stop id or EOS), or "error".
       error: what went wrong, naming the request, when finish_reason is "error".
       token_times_s: when each token reached the host, from submission.
+      logprobs: a TokenLogprobs per token when the request asked for them, else None.
     """
 
     request_id: str
@@ -159,6 +191,7 @@ class Result:
     finish_reason: str = "length"
     error: str | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def acceptance_length(self) -> float:

@@ -16,6 +16,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from drafter.request import MAX_LOGPROBS
+
 
 @flax.struct.dataclass
 class Sampler:
@@ -162,3 +164,27 @@ def emitted_tokens(tokens, accepted, bonus):
     out = jnp.where(cols < accepted[:, None],
                     jnp.concatenate([tokens[:, 1:], bonus[:, None]], axis=1), 0)
     return jnp.where(cols == accepted[:, None], bonus[:, None], out)
+
+
+# Log-probabilities a step returns with each token it emits, for requests that ask: the
+# token's own and those of the MAX_LOGPROBS most likely tokens at its position, from the
+# target's raw logits (before temperature and truncation, as vLLM reports them by
+# default). One width for every request keeps it one static variant of the step.
+LOGPROB_WIDTH = 1 + 2 * MAX_LOGPROBS
+
+
+def token_logprobs(logits, tokens):
+    """f32[..., LOGPROB_WIDTH] per position: log_softmax(logits)[token], then the
+    MAX_LOGPROBS most likely token ids (as f32: exact below 2**24), then their
+    log-probabilities, most likely first. logits [..., V]; tokens i32[...]."""
+    if logits.shape[-1] >= 2 ** 24:
+        raise ValueError(f"a vocabulary of {logits.shape[-1]} tokens has ids f32 cannot hold")
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[..., None].astype(jnp.int32), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    pad = MAX_LOGPROBS - top_ids.shape[-1]   # a vocabulary smaller than MAX_LOGPROBS
+    if pad:
+        widths = [(0, 0)] * (top_ids.ndim - 1) + [(0, pad)]
+        top_ids = jnp.pad(top_ids, widths, constant_values=-1)
+        top_logprobs = jnp.pad(top_logprobs, widths, constant_values=-jnp.inf)
+    return jnp.concatenate([chosen, top_ids.astype(jnp.float32), top_logprobs], axis=-1)

@@ -27,7 +27,7 @@ import collections
 import dataclasses
 import enum
 
-from drafter.request import Request, Result
+from drafter.request import Request, Result, TokenLogprobs
 from unified_kv import AdmissionController, AdmissionError, CacheSpec, check_fits
 
 
@@ -53,6 +53,7 @@ class Sequence:
     tokens: list = dataclasses.field(default_factory=list)
     acceptance: list = dataclasses.field(default_factory=list)
     token_times: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)   # TokenLogprobs per token
     first_token_at: float | None = None
     result: Result | None = None
     stop_ids: frozenset = frozenset()   # ids that end it: its stop ids, and EOS unless ignored
@@ -253,12 +254,16 @@ class Scheduler:
         first = seq.first_token_at if seq.first_token_at is not None else now
         seq.result = Result(seq.request_id, list(seq.request.prompt), seq.tokens, seq.acceptance,
                             first - seq.submitted, now - first, reason, error,
-                            [t - seq.submitted for t in seq.token_times])
+                            [t - seq.submitted for t in seq.token_times],
+                            seq.logprobs if seq.request.params.logprobs is not None else None)
         return seq.result
 
-    def emit(self, seq: Sequence, new_tokens, now: float, *, decode_step: bool) -> Result | None:
+    def emit(self, seq: Sequence, new_tokens, now: float, *, decode_step: bool,
+             logprobs=None) -> Result | None:
         """Book tokens a step produced for `seq`; returns its Result if it ended.
-        Tokens past max_new_tokens or a stop id are dropped and not counted."""
+        Tokens past max_new_tokens or a stop id are dropped and not counted.
+        `logprobs`: f32[len(new_tokens), LOGPROB_WIDTH] (`sampling.token_logprobs`), read
+        when the request asked for log-probabilities."""
         if seq.phase is Phase.DONE:
             return None  # a step dispatched ahead ran past the end
         params = seq.request.params
@@ -273,6 +278,8 @@ class Scheduler:
             seq.first_token_at = now
         seq.tokens.extend(kept)
         seq.token_times.extend([now] * len(kept))
+        if (top := params.logprobs) is not None:
+            seq.logprobs.extend(TokenLogprobs.of_row(row, top) for row in logprobs[:len(kept)])
         if decode_step:
             seq.acceptance.append(len(kept))
         return self.finish(seq, now, reason) if reason else None

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import DFlashConfig, draft_block, write_context
-from drafter.sampling import Sampler, accept, emitted_tokens, sample
+from drafter.sampling import Sampler, accept, emitted_tokens, sample, token_logprobs
 from models.attention import resolve_impl
 from models.qwen3 import Qwen3Config, forward
 from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
@@ -204,7 +204,8 @@ def _draft(params, cfg, kv, tables, anchors, ctx_lens, active):
 
 
 def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last,
-                 sampler: Sampler, *, cfg: StepConfig, table_width: int):
+                 sampler: Sampler, *, cfg: StepConfig, table_width: int,
+                 logprobs: bool = False):
     """Prefill one chunk per row: target KV, draft context KV, and on a row's
     last chunk its first token (the anchor) and first draft block; the row then
     runs (`StepState.running`).
@@ -214,6 +215,8 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
       is_last: bool[B] the chunk ends the prompt.
     Returns:
       (state, first_tokens i32[B], ok bool[B]); a row with ok False changed nothing.
+      With `logprobs`, a fourth: f32[B, LOGPROB_WIDTH], each first token's
+      `token_logprobs`.
     """
     spec, kv = cfg.spec, state.kv
     active = slot_ids != spec.dummy_slot
@@ -240,8 +243,9 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
         drafts = drafts.at[slot_ids].set(jnp.where(done[:, None], new, drafts[slot_ids]))
     kv = retire_window_pages(spec, kv, slot_ids)
     running = state.running.at[slot_ids].set(done | state.running[slot_ids])
-    return (StepState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running)),
-            first, ok)
+    out = (StepState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running)),
+           first, ok)
+    return out + (token_logprobs(last[:, 0], first),) if logprobs else out
 
 
 def _idle_dummy(cfg: StepConfig, running):
@@ -258,7 +262,7 @@ def prefill_step(params, state: StepState, slot_ids, tokens, num_tokens, is_last
 
 
 def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: StepConfig,
-                table_width: int):
+                table_width: int, logprobs: bool = False):
     """One speculative step: verify, accept, commit, extend draft context, draft.
     Rows whose slot is not running (padding, reset, failed import) do nothing.
 
@@ -266,6 +270,8 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
       (state, out_tokens i32[B, block_size], num_out i32[B], ok bool[B]);
       out_tokens[b, :num_out[b]] are the committed tokens (accepted drafts,
       then the bonus). Rows not running and rows with ok False emit nothing.
+      With `logprobs`, a fifth: f32[B, block_size, LOGPROB_WIDTH], each emitted
+      token's `token_logprobs` (token j is drawn from verify position j's logits).
     """
     spec, kv, block = cfg.spec, state.kv, cfg.block_size
     active = (slot_ids != spec.dummy_slot) & state.running[slot_ids]
@@ -296,14 +302,16 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
         anchors=state.anchors.at[slot_ids].set(jnp.where(live, bonus, state.anchors[slot_ids])),
         drafts=state.drafts.at[slot_ids].set(jnp.where(live[:, None], drafts,
                                                        state.drafts[slot_ids])))
-    return state, out_tokens, num_out, ok | ~active
+    out = (state, out_tokens, num_out, ok | ~active)
+    return out + (token_logprobs(logits, out_tokens),) if logprobs else out
 
 
 def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
-                      cfg: StepConfig, table_width: int):
+                      cfg: StepConfig, table_width: int, logprobs: bool = False):
     """Non-speculative decode: the anchor goes in, one new token comes out.
 
-    Returns (state, tokens i32[B], ok bool[B]); rows not running emit nothing.
+    Returns (state, tokens i32[B], ok bool[B]); rows not running emit nothing. With
+    `logprobs`, a fourth: f32[B, LOGPROB_WIDTH], each token's `token_logprobs`.
     """
     spec, kv = cfg.spec, state.kv
     active = (slot_ids != spec.dummy_slot) & state.running[slot_ids]
@@ -319,7 +327,8 @@ def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
     token = sample(logits[:, 0], sampler)
     kv = retire_window_pages(spec, kv.replace(pools=pools), rows)
     anchors = state.anchors.at[slot_ids].set(jnp.where(live, token, state.anchors[slot_ids]))
-    return state.replace(kv=kv, anchors=anchors), token, ok | ~active
+    out = (state.replace(kv=kv, anchors=anchors), token, ok | ~active)
+    return out + (token_logprobs(logits[:, 0], token),) if logprobs else out
 
 
 def _uniform_running(cfg, state, slot_ids):

@@ -25,8 +25,9 @@ def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, 
     context worker (`export`) books no first tokens: its requests leave instead."""
     results = []
 
-    def book(seq, tokens, decode_step):
-        if (r := scheduler.emit(seq, tokens, now, decode_step=decode_step)) is not None:
+    def book(seq, tokens, decode_step, logprobs=None):
+        if (r := scheduler.emit(seq, tokens, now, decode_step=decode_step,
+                                logprobs=logprobs)) is not None:
             results.append(r)
 
     for seq, got in zip(plan.imports, imported):
@@ -50,7 +51,7 @@ def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, 
                 f"request {seq.request_id!r}: prefill could not allocate pages although "
                 f"admission reserved them (a bug in page accounting)")))
         elif chunk.is_last and not export:
-            book(seq, [int(outputs.first_tokens[i])], False)
+            book(seq, [int(outputs.first_tokens[i])], False, outputs.first_logprobs[i:i + 1])
     num_out, decode_ok = outputs.num_out.tolist(), outputs.decode_ok.tolist()
     for j in range(len(num_out)):  # the call's decode steps, in order
         for seq in plan.decode:
@@ -61,5 +62,7 @@ def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, 
                     f"request {seq.request_id!r}: a decode step could not allocate pages "
                     f"(a bug in admission accounting)")))
                 continue
-            book(seq, outputs.out_tokens[j, seq.slot, :num_out[j][seq.slot]], True)
+            n = num_out[j][seq.slot]
+            book(seq, outputs.out_tokens[j, seq.slot, :n], True,
+                 outputs.out_logprobs[j, seq.slot, :n])
     return results

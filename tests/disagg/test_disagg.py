@@ -310,6 +310,21 @@ def test_room_is_checked_on_the_generation_side_before_any_prefill(pair):
     assert_pair_free(engine)
 
 
+def test_a_request_for_logprobs_is_refused_by_name_behind_a_kv_source(pair):
+    """A disaggregated request's first token is the context's, which sends no
+    log-probabilities: asking for them is refused at submit, naming the field, before
+    any prefill; the next request is served."""
+    from drafter.request import RequestError
+    params, cfg = pair
+    engine = split_engine(params, cfg)
+    with pytest.raises(RequestError, match="aggregated serving only") as refused:
+        engine.submit(engine.make_request("lp", [1, 2, 3], SamplingParams(4, logprobs=1)))
+    assert refused.value.field == "logprobs"
+    assert engine.kv_source.contexts[0].num_prefilled == 0
+    assert len(engine.generate([[1, 2, 3]], 4)[0].tokens) == 4
+    assert_pair_free(engine)
+
+
 @pytest.mark.parametrize("gen_tp", [2, 1])
 def test_context_tp4_into_generation_tp2_and_tp1(gen_tp, pair, aggregated):
     """kv heads split 4 ways on the context side are resharded on receipt."""

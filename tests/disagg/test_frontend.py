@@ -229,7 +229,8 @@ def test_layer_loop_flag_reaches_the_served_steps():
 
 
 def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
-    """`serve --warmup all` makes warm_up run Engine.warmup(sampled=True) after the
+    """`serve --warmup all` makes warm_up run Engine.warmup(sampled=True, logprobs=True)
+    after the
     first-request compiles (what that compiles: tests/drafter/test_engine.py::
     test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range)."""
     import types
@@ -246,7 +247,8 @@ def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
         warmup=lambda **kw: calls.append(("warmup", kw)))
     said = []
     warm_up(engine, ByteTokenizer(), said.append, every_length=True)
-    assert calls == [("generate", 1), ("generate", 2), ("warmup", {"sampled": True})]
+    assert calls == [("generate", 1), ("generate", 2),
+                     ("warmup", {"sampled": True, "logprobs": True})]
     assert any("every step for rows of up to 9,216 tokens" in s for s in said)
     calls.clear()
     warm_up(engine, ByteTokenizer(), said.append)

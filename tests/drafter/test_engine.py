@@ -173,6 +173,38 @@ def test_sampling_truncated_to_the_most_likely_token_is_greedy(pair, truncation)
         assert_all_free(engine)
 
 
+def test_logprobs_are_the_targets_own_for_every_kept_token(pair):
+    """Each generated token's log-probability, and the most likely tokens at its position
+    with theirs, are the target's (a dense forward over prompt + output, f32), speculative
+    and plain, for kept tokens only; asking for them changes no token; a request that does
+    not ask beside one that does gets None."""
+    from models.qwen3 import dense_forward
+    params, speculative_cfg, plain_cfg = pair
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5]]
+    for speculative, cfg in ((True, speculative_cfg), (False, plain_cfg)):
+        engine = Engine(params, cfg, speculative=speculative)
+        alone = engine.generate(prompts, 9)
+        engine.submit(engine.make_request("asks", prompts[0], SamplingParams(9, logprobs=3)))
+        engine.submit(engine.make_request("not", prompts[1], SamplingParams(9)))
+        got = {r.request_id: r for r in engine.run()}
+        assert got["asks"].tokens == alone[0].tokens and got["not"].tokens == alone[1].tokens
+        assert got["not"].logprobs is None
+        tokens, logprobs = got["asks"].tokens, got["asks"].logprobs
+        assert len(logprobs) == len(tokens) == 9
+        logits, _ = dense_forward(params["target"], cfg.target,
+                                  np.asarray([prompts[0] + tokens], np.int32))
+        reference = np.asarray(jax.nn.log_softmax(logits[0].astype(np.float32), axis=-1))
+        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+            row = reference[len(prompts[0]) - 1 + i]   # the position that predicts token i
+            most_likely = np.argsort(-row, kind="stable")[:3]
+            np.testing.assert_allclose(lp.logprob, row[token], atol=2e-4)
+            assert [t for t, _ in lp.top] == most_likely.tolist()
+            np.testing.assert_allclose([x for _, x in lp.top], row[most_likely], atol=2e-4)
+        assert_all_free(engine)
+    with pytest.raises(RequestError, match="logprobs must be an integer in \\[0, 20\\]"):
+        engine.make_request("bad", prompts[0], SamplingParams(4, logprobs=21))
+
+
 def test_lookahead_off_gives_the_same_tokens(pair):
     params, speculative_cfg, _ = pair
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -250,6 +282,24 @@ def test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range(caplog):
         engine.add_request("k", prompts[1], 8, temperature=0.7, top_k=5)
         engine.run()
     assert not compiled, compiled
+
+
+def test_warmup_with_logprobs_compiles_the_steps_that_return_them(caplog):
+    """warmup(logprobs=True) also compiles each call returning log-probabilities: a
+    request asking for them, alone and beside one that does not, compiles no step. A
+    config of its own (max_seq_len 136), so that no other test compiled its steps."""
+    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=136)
+    engine = Engine(params, cfg)
+    engine.warmup(20, logprobs=True)
+    with compiled_in(caplog, "step") as compiled:
+        engine.add_request("asks", [1, 2, 3], 6, logprobs=2)
+        engine.run()
+        engine.add_request("asks-too", [4, 5, 6, 7], 6, logprobs=0)
+        engine.add_request("not", [8, 9], 6)
+        got = {r.request_id: r for r in engine.run()}
+    assert not compiled, compiled
+    assert [len(x.top) for x in got["asks-too"].logprobs] == [0] * 6
+    assert got["not"].logprobs is None
 
 
 def test_a_warm_engine_compiles_nothing_more(pair, caplog):

@@ -102,3 +102,29 @@ def test_rows_that_do_not_truncate_are_untouched_beside_one_that_does():
     assert (np.isfinite(out[1]).sum(axis=-1) == 2).all()
     untruncated = s.replace(truncated=False)   # a step that does not truncate ignores them
     np.testing.assert_array_equal(np.asarray(truncate(logits, untruncated)), logits)
+
+
+@pytest.mark.parametrize("vocab", [64, 7])
+def test_token_logprobs_equal_a_float64_log_softmax(vocab):
+    """The token's log-probability, then the MAX_LOGPROBS most likely ids and theirs, most
+    likely first; a vocabulary smaller than MAX_LOGPROBS pads with id -1 at -inf."""
+    from drafter.request import MAX_LOGPROBS, TokenLogprobs
+    from drafter.sampling import LOGPROB_WIDTH, token_logprobs
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=(3, 5, vocab)) * 4
+    tokens = rng.integers(0, vocab, size=(3, 5))
+    got = np.asarray(token_logprobs(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens)))
+    assert got.shape == (3, 5, LOGPROB_WIDTH)
+    shifted = logits - logits.max(-1, keepdims=True)
+    reference = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    top = min(vocab, MAX_LOGPROBS)
+    for b, i in np.ndindex(3, 5):
+        row, want = got[b, i], reference[b, i]
+        order = np.argsort(-want, kind="stable")[:top]
+        np.testing.assert_allclose(row[0], want[tokens[b, i]], atol=1e-5)
+        assert row[1:1 + top].astype(int).tolist() == order.tolist()
+        np.testing.assert_allclose(row[1 + MAX_LOGPROBS:1 + MAX_LOGPROBS + top], want[order],
+                                   atol=1e-5)
+        assert (row[1 + top:1 + MAX_LOGPROBS] == -1).all()
+        kept = TokenLogprobs.of_row(row, 25)
+        assert [t for t, _ in kept.top] == order.tolist()   # the padding is not returned
