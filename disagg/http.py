@@ -52,8 +52,8 @@ from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
 from disagg.responses import (ChatFormat, CompletionFormat, error_body, pooled_acceptance,
                               usage)
-from disagg.schema import (DEFAULT_MAX_TOKENS, parse_chat, parse_completion, parse_detokenize,
-                           parse_tokenize)
+from disagg.schema import DEFAULT_MAX_TOKENS, parse_chat, parse_completion
+from disagg.tokenize_schema import parse_detokenize, parse_tokenize
 from drafter.request import RequestError
 from unified_kv import AdmissionError
 
@@ -135,14 +135,16 @@ class CompletionsApp:
         return Response(body, media_type=content_type)
 
     async def completions(self, request):
-        return await self._serve(request, CompletionFormat(), lambda body, rid: parse_completion(
-            body, rid, self.loop.engine, self.loop.tokenizer,
-            default_max_tokens=self.default_max_tokens))
+        return await self._serve(
+            request, CompletionFormat(self.loop.tokenizer), lambda body, rid: parse_completion(
+                body, rid, self.loop.engine, self.loop.tokenizer,
+                default_max_tokens=self.default_max_tokens))
 
     async def chat_completions(self, request):
-        return await self._serve(request, ChatFormat(), lambda body, rid: parse_chat(
-            body, rid, self.loop.engine, self.loop.tokenizer, self.model_name,
-            default_max_tokens=self.default_max_tokens))
+        return await self._serve(
+            request, ChatFormat(self.loop.tokenizer), lambda body, rid: parse_chat(
+                body, rid, self.loop.engine, self.loop.tokenizer, self.model_name,
+                default_max_tokens=self.default_max_tokens))
 
     async def tokenize(self, request):
         def answer(body, rid):
@@ -272,7 +274,8 @@ class CompletionsApp:
             return _refuse(500 if server else 400, failed[0].error, None,
                            "server_error" if server else "invalid_request_error")
         out = [fmt.choice(i, "".join(pieces[i]), last[i].finish_reason, last[i].result.tokens,
-                          whole=True) for i in range(len(choices.ids))]
+                          whole=True, logprobs=last[i].result.logprobs)
+               for i in range(len(choices.ids))]
         results = [last[i].result for i in range(len(choices.ids))]
         return JSONResponse(self._envelope(rid, fmt.whole_object, out,
                                            usage=usage(results, choices.n),

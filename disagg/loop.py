@@ -54,7 +54,8 @@ class ServingClosed(RuntimeError):
 class Event:
     """Part of one request's output. The last one has `finish_reason` ("length",
     "stop" or "error"), and `result` when the request ran (tokens cut at a stop
-    string) or `error` when it did not."""
+    string) or `error` when it did not. `logprobs`: a TokenLogprobs per token of
+    `tokens` when the request asked for them, else None."""
 
     request_id: str
     tokens: list[int]
@@ -63,6 +64,7 @@ class Event:
     result: Result | None = None
     error: str | None = None
     server_fault: bool = False   # the error is the server's, not the request's
+    logprobs: list | None = None
 
     @property
     def failed(self) -> bool:
@@ -231,7 +233,10 @@ class ServingLoop:
             tokens = result.tokens if result is not None else seq.tokens if seq else None
             if tokens is None:
                 continue  # waiting for admission
+            logprobs = result.logprobs if result is not None else seq.logprobs
             new = tokens[o.delivered:]
+            new_logprobs = (logprobs[o.delivered:len(tokens)]
+                            if o.sub.request.params.logprobs is not None else None)
             if new:
                 self._observe_tokens(o, len(new), now)
             o.delivered = len(tokens)
@@ -240,12 +245,15 @@ class ServingLoop:
             if o.stream.stopped:
                 if result is None:
                     result = self.engine.cancel(rid)
-                self._end(o, "stop", result, None, o.stream.tokens[before:], text)
+                kept = o.stream.tokens[before:]
+                self._end(o, "stop", result, None, kept, text,
+                          new_logprobs and new_logprobs[:len(kept)])
             elif result is not None:
                 text += o.stream.finish()
-                self._end(o, result.finish_reason, result, result.error, new, text)
+                self._end(o, result.finish_reason, result, result.error, new, text,
+                          new_logprobs)
             elif new:
-                self._send(o.sub, Event(rid, list(new), text))
+                self._send(o.sub, Event(rid, list(new), text, logprobs=new_logprobs))
 
     def _observe_tokens(self, o: _Open, count: int, now: float) -> None:
         if self.observer is not None:
@@ -258,13 +266,15 @@ class ServingLoop:
         o.last_at = now
 
     def _end(self, o: _Open, reason: str, result: Result | None, error: str | None,
-             tokens=(), text: str = "") -> None:
+             tokens=(), text: str = "", logprobs=None) -> None:
         rid = o.sub.request.request_id
         self._open.pop(rid, None)
-        if result is not None:
-            result = dataclasses.replace(result, tokens=list(o.stream.tokens),
-                                         finish_reason=reason, error=error)
-        event = Event(rid, list(tokens), text, reason, result, error)
+        if result is not None:   # cut at a stop string as the stream was
+            kept = list(o.stream.tokens)
+            result = dataclasses.replace(
+                result, tokens=kept, finish_reason=reason, error=error,
+                logprobs=None if result.logprobs is None else result.logprobs[:len(kept)])
+        event = Event(rid, list(tokens), text, reason, result, error, logprobs=logprobs)
         if self.observer is not None:
             self.observer.finished(event, len(o.sub.request.prompt))
         self._send(o.sub, event)

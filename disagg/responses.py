@@ -27,15 +27,42 @@ def pooled_acceptance(results) -> float:
 
 class CompletionFormat:
     """The response objects of /v1/completions (`object` "text_completion"); a choice
-    carries its `index`, `text`, finish_reason and `token_ids`; a streamed chunk holds
-    one choice, and a choice's last chunk carries its finish_reason and, beside it, the
-    choice's acceptance_length."""
+    carries its `index`, `text`, finish_reason, `token_ids` and, when asked for, its
+    tokens' `logprobs` (OpenAI's legacy form: tokens, token_logprobs, top_logprobs,
+    text_offset); a streamed chunk holds one choice, and a choice's last chunk carries
+    its finish_reason and, beside it, the choice's acceptance_length.
+
+    A token's text is the token decoded alone (a piece of a character whose bytes span
+    tokens reads U+FFFD); text offsets add up those texts."""
 
     id_prefix, whole_object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def choice(self, index: int, text: str, finish_reason, token_ids, *, whole: bool) -> dict:
-        return {"index": index, "text": text, "logprobs": None,
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._offsets: dict[int, int] = {}   # per choice: its tokens' text so far
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def choice(self, index: int, text: str, finish_reason, token_ids, *, whole: bool,
+               logprobs=None) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs(index, token_ids,
+                                                                        logprobs),
                 "finish_reason": finish_reason, "token_ids": token_ids}
+
+    def logprobs(self, index: int, token_ids, logprobs) -> dict | None:
+        if logprobs is None:
+            return None
+        texts = [self.token_text(t) for t in token_ids]
+        offsets, at = [], self._offsets.get(index, 0)
+        for piece in texts:
+            offsets.append(at)
+            at += len(piece)
+        self._offsets[index] = at
+        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): x for t, x in lp.top}
+                                 for lp in logprobs],
+                "text_offset": offsets}
 
     def head(self, index: int) -> list[dict]:
         """Choice `index`'s streamed choices sent before its first token."""
@@ -48,22 +75,35 @@ class CompletionFormat:
             return []
         extra = {"acceptance_length": event.result.acceptance_length} if finished else {}
         return [(self.choice(index, event.text, event.finish_reason, event.tokens,
-                             whole=False), extra)]
+                             whole=False, logprobs=event.logprobs), extra)]
 
 
 class ChatFormat(CompletionFormat):
     """The response objects of /v1/chat/completions: "chat.completion" with a `message`
     {role, content}; streamed as "chat.completion.chunk": the role first (empty
     content), then content deltas, then an empty delta with the finish_reason and
-    acceptance_length."""
+    acceptance_length; a choice's `logprobs` in OpenAI's chat form."""
 
     id_prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def choice(self, index, text, finish_reason, token_ids, *, whole, delta=None) -> dict:
+    def choice(self, index, text, finish_reason, token_ids, *, whole, delta=None,
+               logprobs=None) -> dict:
         body = {"message": {"role": "assistant", "content": text}} if whole else \
             {"delta": {"content": text} if delta is None else delta}
-        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason,
-                "token_ids": token_ids}
+        return {"index": index, **body, "logprobs": self.logprobs(index, token_ids, logprobs),
+                "finish_reason": finish_reason, "token_ids": token_ids}
+
+    def logprobs(self, index: int, token_ids, logprobs) -> dict | None:
+        """OpenAI's chat form: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        if logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**entry(t, lp.logprob),
+                             "top_logprobs": [entry(u, x) for u, x in lp.top]}
+                            for t, lp in zip(token_ids, logprobs)]}
 
     def head(self, index: int) -> list[dict]:
         return [self.choice(index, "", None, [], whole=False,
@@ -72,7 +112,8 @@ class ChatFormat(CompletionFormat):
     def pieces(self, index: int, event: Event) -> list[tuple[dict, dict]]:
         out = []
         if event.text or event.tokens:
-            out.append((self.choice(index, event.text, None, event.tokens, whole=False), {}))
+            out.append((self.choice(index, event.text, None, event.tokens, whole=False,
+                                    logprobs=event.logprobs), {}))
         if event.finish_reason is not None:
             out.append((self.choice(index, "", event.finish_reason, [], whole=False,
                                     delta={}),

@@ -9,15 +9,16 @@ own spelling) and the fix.
 JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
              "top_k": int >= -1, "min_p": [0, 1], "seed": int, "stop": str | [str, ...],
-             "stop_token_ids": [int, ...], "ignore_eos": bool}
+             "stop_token_ids": [int, ...], "ignore_eos": bool, "logprobs": int in
+             [0, 20] | null (each token's log-probability and this many alternatives)}
 completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batch),
              "n": int >= 1 (choices per prompt; at most MAX_CHOICES in all; sample j
              of a prompt draws with seed + j), "max_tokens": int >= 1,
              "temperature": number >= 0, "top_p", "seed": int, "stop": str | [str, ...],
-             "stream": bool, "stream_options": {"include_usage": bool},
-             extensions "top_k", "min_p", "stop_token_ids", "ignore_eos"}; OpenAI fields
-             this server does not implement are accepted only at their neutral value
-             (best_of = 1, echo = false, logprobs = null, penalties = 0, ...).
+             "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
+             int in [0, 20] | null, extensions "top_k", "min_p", "stop_token_ids",
+             "ignore_eos"}; OpenAI fields this server does not implement are accepted
+             only at their neutral value (best_of = 1, echo = false, penalties = 0, ...).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
@@ -25,7 +26,8 @@ chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant"
              "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
              int >= 1 (one of them; default as for a completion), "n", "temperature",
              "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-             "stop_token_ids", "ignore_eos" as for a completion};
+             "stop_token_ids", "ignore_eos" as for a completion, "logprobs": bool,
+             "top_logprobs": int in [0, 20] (with "logprobs": true)};
              neutral-only OpenAI fields as for a completion, plus tools = null,
              tool_choice = "none", response_format = {"type": "text"}. The prompt is
              the messages rendered by the checkpoint's chat template with the
@@ -35,37 +37,33 @@ chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant"
 
 from __future__ import annotations
 
-from drafter.request import Request, RequestError, SamplingParams
+from drafter.request import MAX_LOGPROBS, Request, RequestError, SamplingParams
 from drafter.tokenizer import ChatTemplateError
 
 # Sampling fields every form takes as they are (SamplingParams checks them); null means
 # the default, as in OpenAI's API.
 TRUNCATION_FIELDS = ("top_p", "top_k", "min_p")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
-                "stop_token_ids", "ignore_eos", *TRUNCATION_FIELDS}
+                "stop_token_ids", "ignore_eos", "logprobs", *TRUNCATION_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
 NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "echo": ((False, None), "the prompt is not echoed; prepend it yourself"),
-           "logprobs": ((None,), "log probabilities are not returned"),
            "frequency_penalty": ((0, 0.0, None), "penalties are not implemented"),
            "presence_penalty": ((0, 0.0, None), "penalties are not implemented"),
            "logit_bias": ((None,), "logit bias is not implemented"),
            "suffix": ((None, ""), "suffixes are not implemented"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "seed", "stop", "stream",
-                     "stream_options", "stop_token_ids", "ignore_eos", *TRUNCATION_FIELDS,
-                     *NEUTRAL}
-CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "echo", "suffix",
-                                                                  "logprobs")},
-                "logprobs": ((None, False), "log probabilities are not returned"),
-                "top_logprobs": ((None,), "log probabilities are not returned"),
+                     "stream_options", "stop_token_ids", "ignore_eos", "logprobs",
+                     *TRUNCATION_FIELDS, *NEUTRAL}
+CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "echo", "suffix")},
                 "tools": ((None,), "tool calls are not implemented"),
                 "tool_choice": ((None, "none"), "tool calls are not implemented"),
                 "response_format": ((None, {"type": "text"}),
                                     "structured output is not implemented")}
 CHAT_FIELDS = {"model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
                "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
-               *TRUNCATION_FIELDS, *CHAT_NEUTRAL}
+               "logprobs", "top_logprobs", *TRUNCATION_FIELDS, *CHAT_NEUTRAL}
 CHAT_ROLES = ("system", "user", "assistant")
 MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 MAX_STOP_STRINGS = 16
@@ -100,7 +98,7 @@ def _stop_strings(rid: str, stop) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _check_fields(rid: str, obj, allowed: set) -> None:
+def check_fields(rid: str, obj, allowed: set) -> None:
     if not isinstance(obj, dict):
         raise RequestError(f"request {rid!r}: a request must be a JSON object, got "
                            f"{type(obj).__name__}")
@@ -127,7 +125,7 @@ def _check_openai_options(rid: str, obj: dict, neutral: dict) -> None:
                            f"\"include_usage\": true or false", "stream_options")
 
 
-def _text_prompt(rid: str, text, tokenizer) -> list[int]:
+def text_prompt(rid: str, text, tokenizer) -> list[int]:
     if not text:
         raise RequestError(f"request {rid!r}: empty prompt; give at least one character",
                            "prompt")
@@ -148,6 +146,7 @@ def _make(rid: str, prompt, obj: dict, engine, max_tokens_field: str, default_ma
                             temperature=obj.get("temperature", default_temperature),
                             seed=obj.get("seed", 0), stop_token_ids=tuple(stops),
                             ignore_eos=obj.get("ignore_eos", False),
+                            logprobs=obj.get("logprobs"),
                             **{name: obj[name] for name in TRUNCATION_FIELDS
                                if obj.get(name) is not None})
     for name in ("max_new_tokens", "temperature", "seed", "ignore_eos"):
@@ -170,7 +169,7 @@ def request_id_of(obj, line_no: int) -> str:
 def parse_line(obj, line_no: int, engine, tokenizer) -> tuple[Request, tuple[str, ...]]:
     """A JSON line's checked Request and stop strings."""
     rid = request_id_of(obj, line_no)
-    _check_fields(rid, obj, JSONL_FIELDS)
+    check_fields(rid, obj, JSONL_FIELDS)
     if ("prompt" in obj) == ("tokens" in obj):
         raise RequestError(f"request {rid!r}: give exactly one of \"prompt\" (text) and "
                            f"\"tokens\" (token ids)", "prompt")
@@ -179,7 +178,7 @@ def parse_line(obj, line_no: int, engine, tokenizer) -> tuple[Request, tuple[str
             raise RequestError(f"request {rid!r}: \"prompt\" must be a string, got "
                                f"{type(obj['prompt']).__name__}; send ids as \"tokens\"",
                                "prompt")
-        prompt = _text_prompt(rid, obj["prompt"], tokenizer)
+        prompt = text_prompt(rid, obj["prompt"], tokenizer)
     else:
         prompt = obj["tokens"]
         if not isinstance(prompt, list):
@@ -193,7 +192,7 @@ def _prompts(rid: str, prompt, tokenizer) -> list[list[int]]:
     """A completion's prompts: text, token ids, or OpenAI's batch form (a list of texts
     or of token-id lists)."""
     if isinstance(prompt, str):
-        return [_text_prompt(rid, prompt, tokenizer)]
+        return [text_prompt(rid, prompt, tokenizer)]
     if not isinstance(prompt, list):
         raise RequestError(f"request {rid!r}: \"prompt\" must be text or a list of token "
                            f"ids, got {type(prompt).__name__}", "prompt")
@@ -202,7 +201,7 @@ def _prompts(rid: str, prompt, tokenizer) -> list[list[int]]:
     if len(prompt) > MAX_CHOICES:
         raise RequestError(f"request {rid!r}: \"prompt\" holds {len(prompt)} prompts; send "
                            f"at most {MAX_CHOICES} per request", "prompt")
-    return [_text_prompt(rid, p, tokenizer) if isinstance(p, str) else p for p in prompt]
+    return [text_prompt(rid, p, tokenizer) if isinstance(p, str) else p for p in prompt]
 
 
 def _num_choices(rid: str, obj: dict, num_prompts: int) -> int:
@@ -240,7 +239,7 @@ def parse_completion(obj, rid: str, engine, tokenizer, *,
     uses OpenAI's names). Defaults: max_tokens `default_max_tokens`, at most the room
     the prompt leaves (`_default_max`); temperature 1 (OpenAI's)."""
     try:
-        _check_fields(rid, obj, COMPLETION_FIELDS)
+        check_fields(rid, obj, COMPLETION_FIELDS)
         _check_openai_options(rid, obj, NEUTRAL)
         if "prompt" not in obj:
             raise RequestError(f"request {rid!r}: \"prompt\" is missing; give text or a list "
@@ -269,7 +268,7 @@ def no_chat_template(model_name: str) -> str:
             f"checkpoint whose tokenizer has a chat template (--target DIR)")
 
 
-def _messages(rid: str, obj: dict) -> list[dict]:
+def chat_messages(rid: str, obj: dict) -> list[dict]:
     if "messages" not in obj:
         raise RequestError(f"request {rid!r}: \"messages\" is missing; give a list of "
                            f"{MESSAGE_FORM}", "messages")
@@ -345,14 +344,15 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
         raise RequestError(no_chat_template(model_name), None)
     field = "max_tokens"
     try:
-        _check_fields(rid, obj, CHAT_FIELDS)
+        check_fields(rid, obj, CHAT_FIELDS)
         _check_openai_options(rid, obj, CHAT_NEUTRAL)
         if "max_tokens" in obj and "max_completion_tokens" in obj:
             raise RequestError(f"request {rid!r}: give one of \"max_completion_tokens\" and "
                                f"\"max_tokens\", not both", "max_completion_tokens")
         if "max_completion_tokens" in obj:
             field = "max_completion_tokens"
-        messages = _messages(rid, obj)
+        obj = dict(obj, logprobs=_chat_logprobs(rid, obj))
+        messages = chat_messages(rid, obj)
         try:
             prompt = tokenizer.encode_chat(messages)
         except ChatTemplateError as e:
@@ -368,37 +368,18 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
                            field if e.field == "max_new_tokens" else e.field) from None
 
 
-def parse_tokenize(obj, rid: str, tokenizer, model_name: str) -> list[int]:
-    """POST /tokenize's token ids: {"model"?, "prompt": text} or {"model"?, "messages":
-    [...]} (rendered as a chat request's prompt is)."""
-    _check_fields(rid, obj, {"model", "prompt", "messages"})
-    if ("prompt" in obj) == ("messages" in obj):
-        raise RequestError(f"request {rid!r}: give exactly one of \"prompt\" (text) and "
-                           f"\"messages\" (a chat)", "prompt")
-    if "messages" in obj:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise RequestError(no_chat_template(model_name), "messages")
-        try:
-            return tokenizer.encode_chat(_messages(rid, obj))
-        except ChatTemplateError as e:
-            raise RequestError(f"request {rid!r}: {e}", "messages") from None
-    if not isinstance(obj["prompt"], str):
-        raise RequestError(f"request {rid!r}: \"prompt\" must be text, got "
-                           f"{type(obj['prompt']).__name__}", "prompt")
-    return _text_prompt(rid, obj["prompt"], tokenizer) if obj["prompt"] else []
-
-
-def parse_detokenize(obj, rid: str, vocab_size: int) -> list[int]:
-    """POST /detokenize's token ids: {"model"?, "tokens": [int, ...]}, each in the
-    vocabulary."""
-    _check_fields(rid, obj, {"model", "tokens"})
-    tokens = obj.get("tokens")
-    if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise RequestError(f"request {rid!r}: \"tokens\" must be a list of token ids, got "
-                           f"{tokens!r:.80}", "tokens")
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"request {rid!r}: token ids {bad[:5]} are outside the vocabulary "
-                           f"[0, {vocab_size})", "tokens")
-    return tokens
+def _chat_logprobs(rid: str, obj: dict) -> int | None:
+    """Chat's "logprobs": true with "top_logprobs": N as a SamplingParams.logprobs."""
+    wanted, top = obj.get("logprobs"), obj.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise RequestError(f"request {rid!r}: \"logprobs\" must be true or false, got "
+                           f"{wanted!r}", "logprobs")
+    if top is not None and wanted is not True:
+        raise RequestError(f"request {rid!r}: \"top_logprobs\" needs \"logprobs\": true",
+                           "top_logprobs")
+    if not wanted:
+        return None
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+        raise RequestError(f"request {rid!r}: \"top_logprobs\" must be an integer in "
+                           f"[0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs")
+    return top or 0

@@ -41,6 +41,10 @@ def answer_of(event: Event, text: str) -> dict:
               "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens)},
               "time_to_first_token_s": r.time_to_first_token_s,
               "decode_time_s": r.decode_time_s}
+    if r.logprobs is not None:
+        answer["logprobs"] = [{"token": t, "logprob": lp.logprob,
+                               "top_logprobs": [list(x) for x in lp.top]}
+                              for t, lp in zip(r.tokens, r.logprobs)]
     if r.error is not None:
         answer["error"] = r.error
     return answer

@@ -90,6 +90,8 @@ def server(tmp_path_factory):
     chat_ids = {k: [BOS, *text.encode()] for k, (_, text) in CHATS.items()}
     greedy = engine.generate([tok.encode(p) for p in PROMPTS] + list(chat_ids.values()),
                              MAX_TOKENS)
+    with_logprobs = engine.generate([tok.encode(PROMPTS[0]), chat_ids["add"]], MAX_TOKENS,
+                                    logprobs=3)
     metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
     loop = ServingLoop(engine, tok, metrics)
     app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=120,
@@ -103,7 +105,7 @@ def server(tmp_path_factory):
     yield {"url": http.url, "client": client, "name": pair.name, "tok": tok,
            "greedy": {p: r.tokens for p, r in zip([*PROMPTS, *CHATS], greedy)},
            "chat_ids": chat_ids, "engine": engine, "block": pair.step_config.block_size,
-           "app": app}
+           "app": app, "logprobs": {"prompt": with_logprobs[0], "chat": with_logprobs[1]}}
     loop.close()
     thread.join(60)
     http.stop()
@@ -145,6 +147,60 @@ def test_completion_equals_the_engines_greedy_output(server):
     ids = c.completions.create(model=server["name"], prompt=tok.encode(prompt),
                                max_tokens=MAX_TOKENS, temperature=0)
     assert ids.choices[0].token_ids == want
+
+
+def test_logprobs_of_completions_and_chats_are_the_engines(server):
+    """`logprobs` (completions: OpenAI's legacy form; chat: logprobs + top_logprobs) gives
+    the engine's log-probabilities for each token, whole and streamed alike; values out
+    of range or top_logprobs without logprobs are refused naming the field."""
+    import numpy as np
+    c, name, tok = server["client"], server["name"], server["tok"]
+    want = server["logprobs"]["prompt"]
+    out = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                               temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].token_ids == want.tokens
+    assert lp.tokens == [tok.decode([t]) for t in want.tokens]
+    np.testing.assert_allclose(lp.token_logprobs, [x.logprob for x in want.logprobs],
+                               atol=1e-5)
+    for top, x in zip(lp.top_logprobs, want.logprobs):
+        assert len(x.top) == 3
+        expected = {}
+        for t, v in x.top:   # tokens whose texts collide keep the first (most likely)
+            expected.setdefault(tok.decode([t]), v)
+        np.testing.assert_allclose([top[k] for k in expected], list(expected.values()),
+                                   atol=1e-5)
+    assert lp.text_offset == np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                      temperature=0, logprobs=3, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for key, values in streamed.items():
+                values += getattr(chunk.choices[0].logprobs, key)
+    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+                        "text_offset": lp.text_offset}
+    want = server["logprobs"]["chat"]
+    chat = c.chat.completions.create(model=name, messages=CHATS["add"][0], temperature=0,
+                                     max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.decode([t]) for t in want.tokens]
+    np.testing.assert_allclose([e.logprob for e in content], [x.logprob for x in want.logprobs],
+                               atol=1e-5)
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode())
+               for e in content)
+    plain = c.chat.completions.create(model=name, messages=CHATS["add"][0], temperature=0,
+                                      max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    url = server["url"]
+    for path, body, field in (
+            ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+            ("completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+            ("chat/completions", {"messages": CHATS["add"][0], "top_logprobs": 2},
+             "top_logprobs"),
+            ("chat/completions", {"messages": CHATS["add"][0], "logprobs": True,
+                                  "top_logprobs": 21}, "top_logprobs")):
+        status, text = post(f"{url}/v1/{path}", {"model": name, "max_tokens": 2, **body})
+        assert status == 400 and json.loads(text)["error"]["param"] == field, text
 
 
 def test_sampling_truncated_to_one_token_gives_greedy_output_through_the_client(server):

@@ -108,6 +108,37 @@ def test_a_line_read_as_the_server_stops_is_answered_before_it_returns(tmp_path,
     assert engine.admission.reserved_pages == (0,) * len(engine.spec.pools)
 
 
+def test_logprobs_come_with_the_tokens_kept_even_when_a_stop_string_cuts_them(tmp_path,
+                                                                          engine, tokenizer):
+    """A JSON line's `logprobs` answers one entry per token (the token, its log-probability,
+    that many [id, log-probability] alternatives); a stop string that cuts the output cuts
+    them with the tokens."""
+    first = tmp_path / "first.jsonl"
+    first.write_text(json.dumps({"id": "a", "tokens": [1, 2, 3, 4], "max_new_tokens": 8,
+                                 "ignore_eos": True, "logprobs": 2}) + "\n")
+    out = io.StringIO()
+    serve_json_lines(engine, str(first), tokenizer, out=out)
+    whole, = answers(out)
+    assert [e["token"] for e in whole["logprobs"]] == whole["tokens"]
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0][1] >= e["logprob"] - 1e-6
+               for e in whole["logprobs"])
+    stop = tokenizer.decode(whole["tokens"][3:5])
+    cut_at = whole["text"].index(stop)
+    assert stop and cut_at > 0
+    second = tmp_path / "second.jsonl"
+    second.write_text(json.dumps({"id": "b", "tokens": [1, 2, 3, 4], "max_new_tokens": 8,
+                                  "ignore_eos": True, "logprobs": 1, "stop": stop}) + "\n")
+    out = io.StringIO()
+    serve_json_lines(engine, str(second), tokenizer, out=out)
+    cut, = answers(out)
+    assert cut["finish_reason"] == "stop" and cut["text"] == whole["text"][:cut_at]
+    assert len(cut["tokens"]) < len(whole["tokens"])
+    assert [e["token"] for e in cut["logprobs"]] == cut["tokens"]
+    assert [e["logprob"] for e in cut["logprobs"]] == \
+        [e["logprob"] for e in whole["logprobs"][:len(cut["tokens"])]]
+    assert engine.admission.reserved_pages == (0,) * len(engine.spec.pools)
+
+
 def test_an_engine_failure_answers_every_request_in_flight_and_queued(tmp_path, engine,
                                                                       tokenizer, monkeypatch):
     real_step, calls = engine.step, []
