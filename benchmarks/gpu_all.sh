@@ -92,12 +92,14 @@ for stage in "${stages[@]}"; do
     lossless)
       # speculative == plain greedy token for token with the GPU's kernels and lookahead;
       # sampling: truncation and rejection sampling's distribution, and a sampled request
-      # truncated to one token == greedy, speculative and plain
+      # truncated to one token == greedy, speculative and plain; log-probabilities: the
+      # target's, and asking for them changes no token
       run 400 pytest_lossless env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q \
         -p no:cacheprovider -n 4 --dist load \
         tests/drafter/test_lossless.py tests/drafter/test_precision.py \
         tests/drafter/test_sampling.py \
-        "tests/drafter/test_engine.py::test_sampling_truncated_to_the_most_likely_token_is_greedy" ;;
+        "tests/drafter/test_engine.py::test_sampling_truncated_to_the_most_likely_token_is_greedy" \
+        "tests/drafter/test_engine.py::test_logprobs_are_the_targets_own_for_every_kept_token" ;;
     attention)
       run 330 paged_attention python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         "${bench_args[@]}"

@@ -21,6 +21,7 @@ from disagg.kv_format import KVFormat
 from disagg.transfer import TransferError, TransferTimeout
 from drafter.kv_io import KVPayload
 from drafter.request import Request, RequestError, SamplingParams
+from drafter.sampling import LOGPROB_WIDTH
 
 
 def kv_format_to_wire(kv_format: KVFormat) -> dict:
@@ -86,8 +87,9 @@ def request_from_wire(message: dict, *, vocab_size: int, reserved_ids=()) -> Req
 def handoff_to_wire(request_id: str, payload: KVPayload, host: tuple, uuid: int,
                     kv_format: KVFormat) -> tuple[list[jax.Array], dict]:
     """(the shards to offer under `uuid`, the handoff message) of a payload whose
-    checksums, first token and drafts were read to the host (`host`, in that order)."""
-    sums, first, drafts = host
+    checksums, first token, drafts and first-token log-probability bits (or None) were
+    read to the host (`host`, in that order)."""
+    sums, first, drafts, first_logprobs = host
     pieces, pools = [], []
     for k, pool_id in enumerate(payload.pool_ids):
         shards, boxes = split_shards(payload.buffers[k])
@@ -98,6 +100,8 @@ def handoff_to_wire(request_id: str, payload: KVPayload, host: tuple, uuid: int,
     return pieces, {"op": "handoff", "request_id": request_id,
                     "target_len": payload.target_len, "draft_ctx_len": payload.draft_ctx_len,
                     "first_token": int(first), "drafts": np.asarray(drafts).tolist(),
+                    "first_logprobs": (None if first_logprobs is None
+                                       else np.asarray(first_logprobs).tolist()),
                     "mode": payload.mode, "uuid": uuid, "pools": pools,
                     "kv_format": kv_format_to_wire(kv_format)}
 
@@ -124,7 +128,19 @@ def payload_from_wire(message: dict, pieces: list[jax.Array], origin: str) -> KV
         logical_pages=tuple(np.asarray(p["logical_pages"], np.int32) for p in message["pools"]),
         buffers=tuple(buffers),
         checksums=np.asarray([p["checksum"] for p in message["pools"]], np.uint32),
-        mode=message["mode"], origin=origin)
+        mode=message["mode"], origin=origin,
+        first_logprobs=_logprob_bits(message.get("first_logprobs")))
+
+
+def _logprob_bits(bits) -> np.ndarray | None:
+    """A handoff's first-token log-probabilities: None, or LOGPROB_WIDTH i32 bit patterns."""
+    if bits is None:
+        return None
+    if not (isinstance(bits, list) and len(bits) == LOGPROB_WIDTH
+            and all(type(b) is int and -2**31 <= b < 2**31 for b in bits)):
+        raise ValueError(f"a handoff's first_logprobs must be {LOGPROB_WIDTH} i32 bit "
+                         f"patterns, got {str(bits)[:80]}")
+    return np.asarray(bits, np.int32)
 
 
 class Pulls:

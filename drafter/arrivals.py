@@ -17,7 +17,7 @@ import time
 import jax
 
 from drafter.kv_io import KVSource
-from drafter.request import Result
+from drafter.request import Result, logprob_rows
 from drafter.scheduler import Phase, Scheduler, Sequence
 
 
@@ -73,11 +73,18 @@ class Arrivals:
                 results.append(self.scheduler.finish(seq, now, "error", f"request "
                                f"{request_id!r}: {type(item).__name__}: {item}"))
             else:
+                if seq.request.params.logprobs is not None and item.first_logprobs is None:
+                    results.append(self.scheduler.finish(seq, now, "error", (
+                        f"request {request_id!r}: its KV arrived without the first token's "
+                        f"log-probabilities, which the request asked for (a sender that "
+                        f"does not send them)")))
+                    continue
                 self.scheduler.kv_arrived(seq, item)
-                self._first[request_id] = (seq, item.first_token)
-                if hasattr(item.first_token, "copy_to_host_async"):
-                    # start its read now, so booking it later reads a copy already made
-                    item.first_token.copy_to_host_async()
+                self._first[request_id] = (seq, item.first_token, item.first_logprobs)
+                for x in (item.first_token, item.first_logprobs):
+                    if hasattr(x, "copy_to_host_async"):
+                        # start its read now, so booking it later reads a copy already made
+                        x.copy_to_host_async()
         for request_id, since in list(self._since.items()):
             seq = self.scheduler.active.get(request_id)
             if seq is None or seq.phase is not Phase.AWAITING_KV:
@@ -93,14 +100,16 @@ class Arrivals:
         """Book arrived first tokens the device has computed; never waits for one.
         Ready tokens are read together (one host read, not one per request)."""
         ready = []
-        for request_id, (seq, token) in list(self._first.items()):
+        for request_id, (seq, token, logprobs) in list(self._first.items()):
             if seq.phase is Phase.DONE or seq.tokens:  # ended, or booked by the import
                 del self._first[request_id]
-            elif not hasattr(token, "is_ready") or token.is_ready():
+            elif all(not hasattr(x, "is_ready") or x.is_ready() for x in (token, logprobs)):
                 del self._first[request_id]
-                ready.append((seq, token))
+                ready.append((seq, token, logprobs))
         results = []
-        for (seq, _), token in zip(ready, jax.device_get([t for _, t in ready])):
-            if (r := self.scheduler.emit(seq, [int(token)], now, decode_step=False)):
+        read = jax.device_get([(t, lp) for _, t, lp in ready])
+        for (seq, _, _), (token, logprobs) in zip(ready, read):
+            if (r := self.scheduler.emit(seq, [int(token)], now, decode_step=False,
+                                         logprobs=logprob_rows(logprobs))):
                 results.append(r)
         return results

@@ -23,6 +23,7 @@ Result with finish_reason "error" for the one request it concerns.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
@@ -151,14 +152,7 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue a request. AdmissionError if it can never fit this cache or its
-        id is in flight; RequestError if it asks for log probabilities from an engine fed
-        by a KV source; nothing changes then."""
-        if self.kv_source is not None and request.params.logprobs is not None:
-            raise RequestError(f"request {request.request_id!r}: log probabilities are "
-                               f"returned by aggregated serving only (a disaggregated "
-                               f"request's first token is the context worker's, which does "
-                               f"not send them); leave logprobs unset, or serve aggregated",
-                               "logprobs")
+        id is in flight; nothing changes then."""
         if self.arrivals.at_source(request.request_id):
             raise AdmissionError(f"request id {request.request_id!r} is still in flight at the "
                                  f"KV source (it ended here while its KV was being made); use "
@@ -311,8 +305,7 @@ class Engine:
         step's rows, unless its KV comes from a source; of none: resets alone) at every
         table width that rows of `min_len` to `max_len` tokens (default 0 to
         max_seq_len) use; greedy, and with `sampled` also sampling; with `logprobs` each
-        of those also returning log-probabilities (an engine that prefills: one fed by a
-        KV source refuses them); the exports (a
+        of those also returning log-probabilities; the exports (a
         context worker) or imports and redrafts (a worker fed by a KV source) of
         prompts of those lengths; and the same for an in-process KV source's context
         engines. Runs calls whose rows all pad, which change nothing. Returns the
@@ -328,14 +321,14 @@ class Engine:
                               if self.kv_source is None else {0})
         decode_steps = [] if self.export else sorted({1, self.decode_steps})
         self.executor.warm(widths, decode_steps=decode_steps, prefill_rows=prefill_rows,
-                           sampled=sampled, logprobs=logprobs and self.kv_source is None
-                           and not self.export)
+                           sampled=sampled, logprobs=logprobs)
         lengths = range(max(min_len, 1), max_len + 1)
         if self.scheduler.export or self.kv_source is not None:   # one per page bucket
             self.executor.warm_transfers(lengths, exports=self.scheduler.export,
                                          imports=self.kv_source is not None)
         if (warm_source := getattr(self.kv_source, "warmup", None)) is not None:
-            warm_source(max_len, min_len, sampled=sampled)   # in-process senders' steps
+            warm_source(max_len, min_len, sampled=sampled,   # in-process senders' steps
+                        logprobs=logprobs)
         jax.block_until_ready(self.state)
         return len(widths)
 
@@ -370,7 +363,10 @@ class Engine:
         if leaving:
             payloads = self.executor.export([(seq.slot, len(seq.request.prompt))
                                              for _, seq in leaving])
-            for (_, seq), payload in zip(leaving, payloads):
+            for (i, seq), payload in zip(leaving, payloads):
+                if seq.request.params.logprobs is not None:   # the first token's, with it
+                    payload = dataclasses.replace(
+                        payload, first_logprobs=self.executor.first_logprobs(outputs, i))
                 self._exports.append(Export(seq.request, payload, seq.submitted))
                 self.scheduler.release_exported(seq)
         return plan, outputs, imported
@@ -394,7 +390,7 @@ class Engine:
         done = self.executor.import_payloads([(seq.slot, payload, seq.request.params)
                                               for _, seq, payload in accepted], reset_slots)
         for (k, _, payload), ok in zip(accepted, done):
-            out[k] = (ok, payload.first_token, payload.origin)
+            out[k] = (ok, payload.first_token, payload.origin, payload.first_logprobs)
         return out
 
     def _collect(self, plan, outputs, imported) -> list[Result]:

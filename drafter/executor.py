@@ -18,7 +18,7 @@ import numpy as np
 
 from drafter.kv_io import (KVPayload, call_groups, export_payloads, pack_import_index,
                            padded_rows, receiver_shardings, sent_pool_ids, transfer_shapes)
-from drafter.mixed_step import StepBatch, pack_batch, unpack_outputs
+from drafter.mixed_step import StepBatch, first_logprobs_bits, pack_batch, unpack_outputs
 from drafter.programs import (Copies, export_step_for, import_step_for, packed_step_for,
                               redraft_step_for, traced_on_mesh)
 from drafter.scheduler import StepPlan
@@ -251,6 +251,15 @@ class Executor:
         return dataclasses.replace(last, first_tokens=first.first_tokens,
                                    prefill_ok=first.prefill_ok,
                                    first_logprobs=first.first_logprobs)
+
+    def first_logprobs(self, outputs: list, row: int):
+        """Prefill row `row`'s first-token log-probabilities (i32 bits, on the device)
+        from a plan's `run` outputs, or None when the call did not compute them."""
+        packed, layout = outputs[0]
+        if not layout["logprobs"]:
+            return None
+        return first_logprobs_bits(packed, row, num_slots=self.spec.num_slots,
+                                   block_size=self.cfg.block_size, **layout)
 
     # ------------------------------------------------------------ KV in and out
 

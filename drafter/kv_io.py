@@ -304,6 +304,9 @@ class KVPayload:
         checksums: u32[len(pool_ids)] (a device array or numpy).
       mode: "shared" or "private".
       origin: who sent it, as errors about it name the sender ("" : unnamed).
+      first_logprobs: when the request asked for log-probabilities, its first token's
+        `sampling.token_logprobs` row as i32 bits (i32[LOGPROB_WIDTH], on a device or
+        numpy: the sender's prefill computed it); else None.
     """
 
     target_len: int
@@ -316,6 +319,7 @@ class KVPayload:
     checksums: object
     mode: str
     origin: str = ""
+    first_logprobs: object = None
 
     @property
     def nbytes(self) -> int:
@@ -347,7 +351,7 @@ def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
 class KVSource(Protocol):
     """Where a generation engine's admitted requests get their KV. A source whose
     senders' steps run in this process may also have `warmup(max_len, min_len, *,
-    sampled)`, which `Engine.warmup` calls to compile those steps too."""
+    sampled, logprobs)`, which `Engine.warmup` calls to compile those steps too."""
 
     def fetch(self, request: Request) -> None:
         """Start producing `request`'s KV (it is admitted here: room is reserved)."""

@@ -198,12 +198,28 @@ def pack_outputs(out: StepOutputs):
     return jnp.concatenate([decode.ravel(), prefill.ravel(), *logprob_bits])
 
 
+def _output_sizes(*, num_slots: int, block_size: int, decode_steps: int, num_prefill: int,
+                  logprobs: bool) -> list[int]:
+    """Sizes of the packed outputs' first three parts (the last: P x W)."""
+    width = LOGPROB_WIDTH if logprobs else 0
+    return [decode_steps * num_slots * (block_size + 2), num_prefill * 2,
+            decode_steps * num_slots * block_size * width]
+
+
+def first_logprobs_bits(packed, row: int, **layout):
+    """Prefill row `row`'s first-token `token_logprobs` as i32 bits [LOGPROB_WIDTH], sliced
+    from a call's packed outputs where they lie (a device array stays one: no read).
+    `layout`: `unpack_outputs`'s keywords, log-probabilities on."""
+    start = sum(_output_sizes(**layout)) + row * LOGPROB_WIDTH
+    return packed[start:start + LOGPROB_WIDTH]
+
+
 def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
                    decode_steps: int, num_prefill: int, logprobs: bool) -> StepOutputs:
     """Inverse of `pack_outputs`, on the host."""
     width = LOGPROB_WIDTH if logprobs else 0
-    sizes = [decode_steps * num_slots * (block_size + 2), num_prefill * 2,
-             decode_steps * num_slots * block_size * width]
+    sizes = _output_sizes(num_slots=num_slots, block_size=block_size,
+                          decode_steps=decode_steps, num_prefill=num_prefill, logprobs=logprobs)
     decode, prefill, out_logprobs, first_logprobs = np.split(packed, np.cumsum(sizes))
     decode = decode.reshape(decode_steps, num_slots, block_size + 2)
     prefill = prefill.reshape(num_prefill, 2)

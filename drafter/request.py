@@ -168,6 +168,12 @@ class TokenLogprobs:
                                         zip(ids[:top], logprobs[:top]) if i >= 0))
 
 
+def logprob_rows(bits):
+    """A sender's first-token log-probabilities (i32 bits: `KVPayload.first_logprobs`) as
+    the f32[1, width] rows `Scheduler.emit` takes; None stays None."""
+    return None if bits is None else np.asarray(bits, np.int32).view(np.float32)[None]
+
+
 @dataclasses.dataclass
 class Result:
     """One finished request.

@@ -14,14 +14,15 @@ ahead ran past its end) are dropped.
 from __future__ import annotations
 
 from drafter.kv_io import import_failure
-from drafter.request import Result
+from drafter.request import Result, logprob_rows
 from drafter.scheduler import Phase, Scheduler, StepPlan
 
 
 def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, now: float,
                        *, export: bool) -> list[Result]:
     """Book `plan`'s outputs (`StepOutputs` of host arrays; `imported`: per import of the
-    plan, (ok, first token, origin), or None when the host refused it at dispatch). A
+    plan, (ok, first token, origin, first token's log-probability bits or None), or None
+    when the host refused it at dispatch). A
     context worker (`export`) books no first tokens: its requests leave instead."""
     results = []
 
@@ -36,12 +37,12 @@ def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, 
             continue
         if seq.phase is Phase.DONE:
             continue
-        ok, first, origin = got
+        ok, first, origin, first_logprobs = got
         if not ok:
             results.append(scheduler.finish(seq, now, "error",
                                             import_failure(seq.request_id, origin)))
         elif not seq.tokens:  # not booked on arrival
-            book(seq, [int(first)], False)
+            book(seq, [int(first)], False, logprob_rows(first_logprobs))
     for i, chunk in enumerate(plan.prefill):
         seq = chunk.seq
         if seq.phase is Phase.DONE and seq not in plan.exports:

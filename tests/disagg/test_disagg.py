@@ -310,18 +310,27 @@ def test_room_is_checked_on_the_generation_side_before_any_prefill(pair):
     assert_pair_free(engine)
 
 
-def test_a_request_for_logprobs_is_refused_by_name_behind_a_kv_source(pair):
-    """A disaggregated request's first token is the context's, which sends no
-    log-probabilities: asking for them is refused at submit, naming the field, before
-    any prefill; the next request is served."""
-    from drafter.request import RequestError
+@pytest.mark.parametrize("mode", ["shared", "private"])
+def test_logprobs_travel_with_the_kv_and_equal_aggregated(mode, pair):
+    """A disaggregated request's first token is the context's: its log-probabilities
+    (the context's prefill computed them) travel with the KV, so every token's equal
+    aggregated serving's, in either mode; a request that does not ask gets None."""
     params, cfg = pair
-    engine = split_engine(params, cfg)
-    with pytest.raises(RequestError, match="aggregated serving only") as refused:
-        engine.submit(engine.make_request("lp", [1, 2, 3], SamplingParams(4, logprobs=1)))
-    assert refused.value.field == "logprobs"
-    assert engine.kv_source.contexts[0].num_prefilled == 0
-    assert len(engine.generate([[1, 2, 3]], 4)[0].tokens) == 4
+    asks = SamplingParams(MAX_NEW, logprobs=2)
+    want = Engine(params, cfg).generate(PROMPTS[:3], params=asks)
+    engine = split_engine(params, cfg, mode=mode)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.submit(engine.make_request(f"asks-{i}", prompt, asks))
+    engine.submit(engine.make_request("not", PROMPTS[3], SamplingParams(MAX_NEW)))
+    got = {r.request_id: r for r in engine.run()}
+    assert got["not"].logprobs is None
+    for i, w in enumerate(want):
+        g = got[f"asks-{i}"]
+        assert g.tokens == w.tokens and len(g.logprobs) == len(w.logprobs) == MAX_NEW
+        np.testing.assert_allclose([x.logprob for x in g.logprobs],
+                                   [x.logprob for x in w.logprobs], atol=1e-5)
+        assert [[t for t, _ in x.top] for x in g.logprobs] == \
+            [[t for t, _ in x.top] for x in w.logprobs]
     assert_pair_free(engine)
 
 
@@ -428,4 +437,29 @@ def test_a_source_that_refuses_a_fetch_fails_that_request_alone(pair, aggregated
         results["refused"].error)
     assert results["kept"].tokens == aggregated[1].tokens
     assert not engine.arrivals.at_source("refused")
+    assert_pair_free(engine)
+
+
+class DroppingLogprobsSource(RefusingSource):
+    """A KV source whose payloads come without the first token's log-probabilities (a
+    sender that does not send them)."""
+
+    def poll(self, timeout):
+        return [(rid, dataclasses.replace(item, first_logprobs=None)
+                 if hasattr(item, "first_logprobs") else item)
+                for rid, item in self.inner.poll(timeout)]
+
+
+def test_kv_without_the_first_tokens_logprobs_fails_that_request_alone(pair, aggregated):
+    """A request that asked for log-probabilities whose KV arrives without the first
+    token's ends with an error naming it; the request beside it is served; no page
+    leaks."""
+    params, cfg = pair
+    engine = disaggregated_engine(params, cfg)
+    engine.kv_source = DroppingLogprobsSource(engine.kv_source, "")
+    engine.submit(engine.make_request("asks", PROMPTS[0], SamplingParams(MAX_NEW, logprobs=1)))
+    engine.add_request("kept", PROMPTS[1], MAX_NEW)
+    results = {r.request_id: r for r in engine.run()}
+    assert "arrived without the first token's log-probabilities" in results["asks"].error
+    assert results["kept"].tokens == aggregated[1].tokens
     assert_pair_free(engine)

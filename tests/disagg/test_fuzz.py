@@ -37,7 +37,7 @@ def good_line(rng, i: int):
     obj.update({"prompt": TEXTS[k]} if k < len(TEXTS) else {"tokens": PROMPTS[k]})
     if i % 4 == 1:
         obj.update(temperature=0, seed=int(rng.integers(2**32)), stop_token_ids=[],
-                   ignore_eos=bool(i % 8 == 1))
+                   ignore_eos=bool(i % 8 == 1), logprobs=2)
     return obj, str(rid), k, n
 
 
@@ -81,7 +81,6 @@ def bad_lines(mask: int) -> list[tuple[bytes | dict, str]]:
         ({"prompt": "a", "stop": ""}, "stop"), ({"prompt": "a", "stop": [1]}, "stop"),
         ({"prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": "a", "logprobs": "1"},
                                                          "logprobs"),
-        ({"prompt": "a", "logprobs": 1}, "aggregated serving only"),
     ]
 
 
@@ -97,7 +96,7 @@ def corpus(mask: int, seed: int = 26):
         if slot == "good":
             obj, rid, k, n = good_line(rng, i)
             lines.append(json.dumps(obj).encode())
-            expect[rid] = ("tokens", k, n)
+            expect[rid] = ("tokens", k, n, "logprobs" in obj)
             continue
         raw, names = kinds[int(rng.integers(len(kinds)))]
         if isinstance(raw, dict):
@@ -161,9 +160,13 @@ def test_500_hostile_and_good_lines_through_serve(jsonl_server, greedy):
     for answer in answers:
         kind, *what = expect[answer["id"]]
         if kind == "tokens":
-            k, n = what
+            k, n, asked = what
             assert "error" not in answer, answer
             assert answer["tokens"] == greedy[k][:n], answer
+            assert ("logprobs" in answer) == asked, answer
+            if asked:   # served disaggregated: the first token's travel with the KV
+                assert [e["token"] for e in answer["logprobs"]] == answer["tokens"], answer
+                assert all(len(e["top_logprobs"]) == 2 for e in answer["logprobs"]), answer
         else:
             assert what[0] in answer["error"], (answer, what)
             assert "tokens" not in answer

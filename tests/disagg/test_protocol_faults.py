@@ -105,14 +105,17 @@ def test_a_malformed_message_fails_its_requests_by_name_and_the_reader_goes_on()
         source.close()
 
 
-def test_a_handoff_that_cannot_be_read_after_its_pull_fails_its_request_by_name():
+@pytest.mark.parametrize("bad", [{"drafts": ["x"]},
+                                 {"drafts": [1, 2, 3], "first_logprobs": [0.5, "x"]}],
+                         ids=["drafts", "first_logprobs"])
+def test_a_handoff_that_cannot_be_read_after_its_pull_fails_its_request_by_name(bad):
     def behave(fake, channel):
         prefill = channel.recv(10.0)
         uuid = secrets.randbits(62)
         fake.transfer.await_pull(uuid, [jnp.arange(4, dtype=jnp.float32)],
                                  timeout=datetime.datetime.now() + datetime.timedelta(seconds=30))
         channel.send({"op": "handoff", "request_id": prefill["request_id"], "target_len": 4,
-                      "draft_ctx_len": 4, "first_token": 1, "drafts": ["x"], "mode": "private",
+                      "draft_ctx_len": 4, "first_token": 1, **bad, "mode": "private",
                       "uuid": uuid, "kv_format": kv_format_to_wire(FORMAT),
                       "pools": [{"pool_id": 0, "logical_pages": [0], "checksum": 0,
                                  "shape": [4], "dtype": "float32", "shards": [[[0, 4]]]}]}, 5.0)
@@ -124,6 +127,8 @@ def test_a_handoff_that_cannot_be_read_after_its_pull_fails_its_request_by_name(
         assert "r0" in errors, "the unreadable handoff vanished"
         assert "its handoff from the context worker" in str(errors["r0"])
         assert "could not be received" in str(errors["r0"]) and not source._outstanding
+        if "first_logprobs" in bad:
+            assert "first_logprobs must be 41 i32 bit patterns" in str(errors["r0"])
     finally:
         source.close()
 

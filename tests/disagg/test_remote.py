@@ -22,6 +22,7 @@ from disagg.remote import PeerHung, RemoteSource, _Wait
 from disagg.transfer import TransferTimeout
 from disagg.wire import assemble, kv_format_from_wire, kv_format_to_wire, split_shards
 from drafter.engine import Engine
+from drafter.request import SamplingParams
 from tests.disagg.test_disagg import assert_all_free
 from tests.drafter.test_context import PAIR, periodic_prompts
 
@@ -88,12 +89,16 @@ def test_two_processes_equal_aggregated_token_for_token_and_step_for_step(contex
     # All longer than the draft window (16); similar lengths keep the compiles few.
     prompts = (periodic_prompts(n=3, length=40, seed=11)
                + [rng.integers(0, 31, n).tolist() for n in (36, 48)])
-    agg = Engine(params, cfg, mesh=mesh).generate(prompts, 16)
+    # with log-probabilities: the first token's travel in the handoff message
+    asks = SamplingParams(16, logprobs=1)
+    agg = Engine(params, cfg, mesh=mesh).generate(prompts, params=asks)
     engine = remote_engine(context.address, cfg, params, mesh)
     before = engine.kv_source.stats()
-    dis = engine.generate(prompts, 16, arrival_steps=[0, 0, 0, 2, 5])
+    dis = engine.generate(prompts, params=asks, arrival_steps=[0, 0, 0, 2, 5])
     assert [r.tokens for r in dis] == [r.tokens for r in agg]
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
+    np.testing.assert_allclose([x.logprob for r in dis for x in r.logprobs],
+                               [x.logprob for r in agg for x in r.logprobs], atol=1e-5)
     assert np.mean([a for r in dis for a in r.acceptance]) > 2.0  # the draft context arrived
     assert engine.kv_source.bytes_pulled > 0
     assert_all_free(engine)
