@@ -53,8 +53,9 @@ def build_parser():
     srv.add_argument("--warmup", default="first", choices=("first", "all"),
                      help="compile before the ready line: what a first request needs "
                           "(first), or every step for every prompt length up to "
-                          "--max-seq-len, greedy and sampled (all: no request then waits "
-                          "on a compile; the compilation cache keeps them for restarts)")
+                          "--max-seq-len, greedy and sampled, with and without log-"
+                          "probabilities (all: no request then waits on a compile; the "
+                          "compilation cache keeps them for restarts)")
     srv.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                      help="per-step token budget: decode rows (a verify block each) plus "
                           "prefill chunks; a larger one puts more prompts' chunks into a step "
