@@ -311,6 +311,10 @@ class Engine:
         engines. Runs calls whose rows all pad, which change nothing. Returns the
         number of widths."""
         max_len = self.spec.max_seq_len if max_len is None else max_len
+        # An in-process source's senders first: one that holds requests refuses at once,
+        # before anything here compiles.
+        if (warm_source := getattr(self.kv_source, "warmup", None)) is not None:
+            warm_source(max_len, min_len, sampled=sampled, logprobs=logprobs)
         block = self.cfg.block_size
         widths = sorted({self._table_width(n + 2 * block) for n in
                          range(min_len, max_len + 1, self.spec.page_size)})
@@ -326,9 +330,6 @@ class Engine:
         if self.scheduler.export or self.kv_source is not None:   # one per page bucket
             self.executor.warm_transfers(lengths, exports=self.scheduler.export,
                                          imports=self.kv_source is not None)
-        if (warm_source := getattr(self.kv_source, "warmup", None)) is not None:
-            warm_source(max_len, min_len, sampled=sampled,   # in-process senders' steps
-                        logprobs=logprobs)
         jax.block_until_ready(self.state)
         return len(widths)
 

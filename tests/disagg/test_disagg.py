@@ -310,15 +310,15 @@ def test_room_is_checked_on_the_generation_side_before_any_prefill(pair):
     assert_pair_free(engine)
 
 
-@pytest.mark.parametrize("mode", ["shared", "private"])
-def test_logprobs_travel_with_the_kv_and_equal_aggregated(mode, pair):
+def test_logprobs_travel_with_the_kv_and_equal_aggregated(pair):
     """A disaggregated request's first token is the context's: its log-probabilities
     (the context's prefill computed them) travel with the KV, so every token's equal
-    aggregated serving's, in either mode; a request that does not ask gets None."""
+    aggregated serving's (shared mode here; private mode moves them alike, and the
+    two-process pair too: test_remote.py); a request that does not ask gets None."""
     params, cfg = pair
     asks = SamplingParams(MAX_NEW, logprobs=2)
     want = Engine(params, cfg).generate(PROMPTS[:3], params=asks)
-    engine = split_engine(params, cfg, mode=mode)
+    engine = split_engine(params, cfg)
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.submit(engine.make_request(f"asks-{i}", prompt, asks))
     engine.submit(engine.make_request("not", PROMPTS[3], SamplingParams(MAX_NEW)))
@@ -455,7 +455,7 @@ def test_kv_without_the_first_tokens_logprobs_fails_that_request_alone(pair, agg
     token's ends with an error naming it; the request beside it is served; no page
     leaks."""
     params, cfg = pair
-    engine = disaggregated_engine(params, cfg)
+    engine = split_engine(params, cfg)
     engine.kv_source = DroppingLogprobsSource(engine.kv_source, "")
     engine.submit(engine.make_request("asks", PROMPTS[0], SamplingParams(MAX_NEW, logprobs=1)))
     engine.add_request("kept", PROMPTS[1], MAX_NEW)

@@ -21,11 +21,12 @@ def test_a_warmed_up_disaggregated_engine_compiles_no_step(caplog):
 
 
 def test_warming_a_context_that_holds_requests_is_refused():
+    """A context worker that holds a request (handed to it as the generation engine's
+    fetch does, without running a step: nothing compiles) refuses the warm-up."""
     params, cfg, _ = tiny_pair(num_slots=2)
     engine = disaggregated_engine(params, cfg)
-    engine.add_request("a", list(range(1, 30)), 4)
-    while not any(ctx.busy for ctx in engine.kv_source.contexts):
-        engine.step()
+    context, = engine.kv_source.contexts
+    context.submit(engine.make_request("a", list(range(1, 30)), max_new_tokens=4))
+    assert context.busy
     with pytest.raises(RuntimeError, match="before submitting"):
         engine.warmup(60)
-    engine.run()

@@ -287,9 +287,10 @@ def test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range(caplog):
 
 def test_warmup_with_logprobs_compiles_the_steps_that_return_them(caplog):
     """warmup(logprobs=True) also compiles each call returning log-probabilities: a
-    request asking for them, alone and beside one that does not, compiles no step. A
-    config of its own (max_seq_len 136), so that no other test compiled its steps."""
-    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=136)
+    request asking for them, alone and beside one that does not, compiles no step. The
+    previous test's config (max_seq_len 152): its warm-up compiled the steps without
+    log-probabilities (this one's add only those with them), and no test compiles those."""
+    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=152)
     engine = Engine(params, cfg)
     engine.warmup(20, logprobs=True)
     with compiled_in(caplog, "step") as compiled:
