@@ -8,24 +8,28 @@ own spelling) and the fix.
 
 JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
-             "top_k": int >= -1, "min_p": [0, 1], "seed": int, "stop": str | [str, ...],
+             "top_k": int >= -1, "min_p": [0, 1], "presence_penalty": [-2, 2],
+             "frequency_penalty": [-2, 2], "seed": int, "stop": str | [str, ...],
              "stop_token_ids": [int, ...], "ignore_eos": bool, "logprobs": int in
              [0, 20] | null (each token's log-probability and this many alternatives)}
 completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batch),
              "n": int >= 1 (choices per prompt; at most MAX_CHOICES in all; sample j
              of a prompt draws with seed + j), "max_tokens": int >= 1,
-             "temperature": number >= 0, "top_p", "seed": int, "stop": str | [str, ...],
+             "temperature": number >= 0, "top_p", "presence_penalty",
+             "frequency_penalty", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "stop_token_ids",
              "ignore_eos"}; OpenAI fields this server does not implement are accepted
-             only at their neutral value (best_of = 1, echo = false, penalties = 0, ...).
+             only at their neutral value (best_of = 1, echo = false, logit_bias = null,
+             ...).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
 chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
              "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
              int >= 1 (one of them; default as for a completion), "n", "temperature",
-             "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
+             "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed",
+             "stop", "stream", "stream_options",
              "stop_token_ids", "ignore_eos" as for a completion, "logprobs": bool,
              "top_logprobs": int in [0, 20] (with "logprobs": true)};
              neutral-only OpenAI fields as for a completion, plus tools = null,
@@ -42,20 +46,18 @@ from drafter.tokenizer import ChatTemplateError
 
 # Sampling fields every form takes as they are (SamplingParams checks them); null means
 # the default, as in OpenAI's API.
-TRUNCATION_FIELDS = ("top_p", "top_k", "min_p")
+SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs", *TRUNCATION_FIELDS}
+                "stop_token_ids", "ignore_eos", "logprobs", *SAMPLING_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
 NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "echo": ((False, None), "the prompt is not echoed; prepend it yourself"),
-           "frequency_penalty": ((0, 0.0, None), "penalties are not implemented"),
-           "presence_penalty": ((0, 0.0, None), "penalties are not implemented"),
            "logit_bias": ((None,), "logit bias is not implemented"),
            "suffix": ((None, ""), "suffixes are not implemented"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "seed", "stop", "stream",
                      "stream_options", "stop_token_ids", "ignore_eos", "logprobs",
-                     *TRUNCATION_FIELDS, *NEUTRAL}
+                     *SAMPLING_FIELDS, *NEUTRAL}
 CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "echo", "suffix")},
                 "tools": ((None,), "tool calls are not implemented"),
                 "tool_choice": ((None, "none"), "tool calls are not implemented"),
@@ -63,7 +65,7 @@ CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "ech
                                     "structured output is not implemented")}
 CHAT_FIELDS = {"model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
                "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
-               "logprobs", "top_logprobs", *TRUNCATION_FIELDS, *CHAT_NEUTRAL}
+               "logprobs", "top_logprobs", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
 CHAT_ROLES = ("system", "user", "assistant")
 MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 MAX_STOP_STRINGS = 16
@@ -147,7 +149,7 @@ def _make(rid: str, prompt, obj: dict, engine, max_tokens_field: str, default_ma
                             seed=obj.get("seed", 0), stop_token_ids=tuple(stops),
                             ignore_eos=obj.get("ignore_eos", False),
                             logprobs=obj.get("logprobs"),
-                            **{name: obj[name] for name in TRUNCATION_FIELDS
+                            **{name: obj[name] for name in SAMPLING_FIELDS
                                if obj.get(name) is not None})
     for name in ("max_new_tokens", "temperature", "seed", "ignore_eos"):
         value = getattr(params, name)

@@ -160,14 +160,16 @@ class InProcessSource:
                     return out
 
     def warmup(self, max_len: int | None = None, min_len: int = 0, *,
-               sampled: bool = False, logprobs: bool = False) -> None:
+               sampled: bool = False, logprobs: bool = False,
+               penalized: bool = False) -> None:
         """`Engine.warmup` on every context worker's engine. Before any request: a
         threaded worker's thread touches its engine only once it has one."""
         if any(ctx.busy for ctx in self.contexts) or (self.threaded and not self._work.empty()):
             raise RuntimeError("warmup: context workers hold requests; warm up before "
                                "submitting any")
         for ctx in self.contexts:
-            ctx.engine.warmup(max_len, min_len, sampled=sampled, logprobs=logprobs)
+            ctx.engine.warmup(max_len, min_len, sampled=sampled, logprobs=logprobs,
+                              penalized=penalized)
 
     def close(self, timeout: float = 10.0) -> None:
         if self.threaded:

@@ -58,6 +58,8 @@ class Executor:
         self.top_ks = np.zeros(slots, np.int32)
         self.top_ps = np.ones(slots, np.float32)
         self.min_ps = np.zeros(slots, np.float32)
+        self.presence_penalties = np.zeros(slots, np.float32)
+        self.frequency_penalties = np.zeros(slots, np.float32)
         self.wants_logprobs = np.zeros(slots, bool)
         self.len_bound = np.zeros(slots, np.int64)  # upper bound of each slot's length
         self.bytes_imported = 0
@@ -86,7 +88,8 @@ class Executor:
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         return state.replace(anchors=jax.device_put(state.anchors, replicated),
                              drafts=jax.device_put(state.drafts, replicated),
-                             running=jax.device_put(state.running, replicated))
+                             running=jax.device_put(state.running, replicated),
+                             output_counts=jax.device_put(state.output_counts, replicated))
 
     def table_width(self, max_len: int) -> int:
         pages = -(-max_len // self.spec.page_size)
@@ -98,6 +101,8 @@ class Executor:
         self.top_ks[slot] = params.top_k
         self.top_ps[slot] = params.top_p
         self.min_ps[slot] = params.min_p
+        self.presence_penalties[slot] = params.presence_penalty
+        self.frequency_penalties[slot] = params.frequency_penalty
         self.wants_logprobs[slot] = params.logprobs is not None
 
     # ------------------------------------------------------------ steps
@@ -134,6 +139,8 @@ class Executor:
             self.len_bound[seq.slot] += k * block
         greedy, truncated = self._sampling(sampled)
         logprobs = bool(self.wants_logprobs[sampled].any())
+        penalized = bool(np.any((self.presence_penalties[sampled] != 0)
+                                | (self.frequency_penalties[sampled] != 0)))
         width = self.table_width(max_len)
         # Prefill chunks and decode rows of one plan go out as two calls: one
         # program holding both compiles ~2x longer per variant and multiplies
@@ -141,14 +148,16 @@ class Executor:
         outputs = []
         if plan.prefill or not plan.decode:
             outputs.append((self._call(batch, table_width=width, decode=False, greedy=greedy,
-                                       truncated=truncated, logprobs=logprobs),
+                                       truncated=truncated, logprobs=logprobs,
+                                       penalized=penalized),
                             dict(decode_steps=1, num_prefill=prefill_rows,
                                  logprobs=logprobs)))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
             outputs.append((self._call(dataclasses.replace(batch, **self._no_prefill()),
                                        table_width=width, decode=True, greedy=greedy,
-                                       truncated=truncated, decode_steps=k, logprobs=logprobs),
+                                       truncated=truncated, decode_steps=k, logprobs=logprobs,
+                                       penalized=penalized),
                             dict(decode_steps=k, num_prefill=0, logprobs=logprobs)))
         return outputs
 
@@ -164,35 +173,40 @@ class Executor:
 
     def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
                   num_prefill: int = 0, greedy: bool = True, truncated: bool = False,
-                  logprobs: bool = False) -> None:
+                  logprobs: bool = False, penalized: bool = False) -> None:
         """Calls whose rows all pad (compile that variant, every copy of it; change
         nothing): a decode call of `decode_steps` steps, or a prefill call of
         `num_prefill` rows (0: a call that only empties slots)."""
         for _ in range(self.cfg.graph_copies):
             self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
                        decode=decode, greedy=greedy, truncated=truncated,
-                       decode_steps=decode_steps if decode else 1, logprobs=logprobs)
+                       decode_steps=decode_steps if decode else 1, logprobs=logprobs,
+                       penalized=penalized)
 
     def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool,
-             logprobs: bool = False) -> None:
+             logprobs: bool = False, penalized: bool = False) -> None:
         """`run_empty` for every variant: each width, decode of each of `decode_steps`,
         prefill of each of `prefill_rows`; greedy, and with `sampled` also sampling, with
         and without truncation; each of those also returning log-probabilities with
-        `logprobs`."""
+        `logprobs`, and also penalized with `penalized`."""
         variants = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
         variants = [(*v, lp) for v in variants for lp in ((False, True) if logprobs
                                                           else (False,))]
+        variants = [(*v, pen) for v in variants for pen in ((False, True) if penalized
+                                                            else (False,))]
         for width in widths:
-            for greedy, truncated, lp in variants:
+            for greedy, truncated, lp, pen in variants:
                 for k in decode_steps:
                     self.run_empty(table_width=width, decode_steps=k, greedy=greedy,
-                                   truncated=truncated, logprobs=lp)
+                                   truncated=truncated, logprobs=lp, penalized=pen)
                 for rows in prefill_rows:
                     self.run_empty(table_width=width, decode=False, num_prefill=rows,
-                                   greedy=greedy, truncated=truncated, logprobs=lp)
+                                   greedy=greedy, truncated=truncated, logprobs=lp,
+                                   penalized=pen)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
-              truncated: bool = False, decode_steps: int = 1, logprobs: bool = False):
+              truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
+              penalized: bool = False):
         """One jitted step on a packed batch. The batch goes as a host array, transferred
         by the call itself: a `device_put` of its own costs more host time than the
         call's transfer, and a call must always take it in one form (a host array and a
@@ -202,7 +216,8 @@ class Executor:
             self.params, self.state, pack_batch(batch),
             num_prefill=batch.prefill_slots.shape[0],
             table_width=table_width, decode=decode, speculative=self.speculative,
-            greedy=greedy, truncated=truncated, decode_steps=decode_steps, logprobs=logprobs)
+            greedy=greedy, truncated=truncated, decode_steps=decode_steps, logprobs=logprobs,
+            penalized=penalized)
         return out
 
     def _step_fn(self, params, state, batch, **static):
@@ -231,7 +246,9 @@ class Executor:
             prefill_last=np.zeros(num_prefill, bool),
             decode_slots=np.full(spec.num_slots, dummy, np.int32),
             temperatures=self.temperatures, seeds=self.seeds, top_ks=self.top_ks,
-            top_ps=self.top_ps, min_ps=self.min_ps)
+            top_ps=self.top_ps, min_ps=self.min_ps,
+            presence_penalties=self.presence_penalties,
+            frequency_penalties=self.frequency_penalties)
 
     def _no_slots(self):
         return np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.request import Request
-from drafter.steps import (StepConfig, StepState, _at_precision, empty_slots,
+from drafter.steps import (StepConfig, StepState, _at_precision, empty_slots, first_counts,
                            redraft_rows)
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
                         live_logical_pages, pow2_at_least)
@@ -224,10 +224,10 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
         give the page buckets; checksums: u32[len(pool_ids)], the sender's).
     Returns:
       (state, per row ok bool[]). With ok, the slot holds its request's KV, its anchor
-      is its first token, its draft block is the sender's (shared mode), and it runs.
-      Without, the slot does not run and holds pages no one writes (within its
-      admission's reservation) until the host, reading ok, resets it; nothing else
-      changed.
+      is its first token (its output counts: that token alone), its draft block is the
+      sender's (shared mode), and it runs. Without, the slot does not run and holds
+      pages no one writes (within its admission's reservation) until the host, reading
+      ok, resets it; nothing else changed.
     """
     spec = cfg.spec
     buckets = tuple(b.shape[1] for b in payloads[0][2])
@@ -277,7 +277,8 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
         drafts = drafts.at[ids].set(jnp.where(ok[:, None], sent, drafts[ids]))
     state = state.replace(kv=kv, drafts=drafts, anchors=state.anchors.at[ids].set(
                               jnp.where(ok, firsts, state.anchors[ids])),
-                          running=state.running.at[ids].set(ok | state.running[ids] & ~real))
+                          running=state.running.at[ids].set(ok | state.running[ids] & ~real),
+                          output_counts=first_counts(state.output_counts, ids, firsts, ok))
     return state, tuple(ok)
 
 
@@ -351,7 +352,7 @@ def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
 class KVSource(Protocol):
     """Where a generation engine's admitted requests get their KV. A source whose
     senders' steps run in this process may also have `warmup(max_len, min_len, *,
-    sampled, logprobs)`, which `Engine.warmup` calls to compile those steps too."""
+    sampled, logprobs, penalized)`, which `Engine.warmup` calls to compile those steps too."""
 
     def fetch(self, request: Request) -> None:
         """Start producing `request`'s KV (it is admitted here: room is reserved)."""

@@ -38,7 +38,8 @@ class StepBatch:
         (0 = padding); prefill_last: bool[P], the chunk ends its prompt. P may be 0.
       decode_slots: i32[num_slots]; rows to decode (dummy slot pads).
       temperatures: f32[num_slots + 1]; seeds: u32[num_slots + 1]; top_ks:
-        i32[num_slots + 1]; top_ps, min_ps: f32[num_slots + 1]; per slot (Sampler).
+        i32[num_slots + 1]; top_ps, min_ps, presence_penalties, frequency_penalties:
+        f32[num_slots + 1]; per slot (Sampler).
     """
 
     reset_slots: jax.Array
@@ -52,10 +53,16 @@ class StepBatch:
     top_ks: jax.Array
     top_ps: jax.Array
     min_ps: jax.Array
+    presence_penalties: jax.Array
+    frequency_penalties: jax.Array
 
     def truncation(self, ids):
         """(top_ks, top_ps, min_ps) of slots `ids` (Sampler.per_row)."""
         return self.top_ks[ids], self.top_ps[ids], self.min_ps[ids]
+
+    def penalties(self, ids):
+        """(presence, frequency) penalties of slots `ids` (Sampler.per_row)."""
+        return self.presence_penalties[ids], self.frequency_penalties[ids]
 
 
 @flax.struct.dataclass
@@ -82,15 +89,16 @@ class StepOutputs:
 @_at_precision
 def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                table_width: int, decode: bool, speculative: bool, greedy: bool,
-               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False
-               ) -> tuple[StepState, StepOutputs]:
+               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
+               penalized: bool = False) -> tuple[StepState, StepOutputs]:
     """Run one `StepBatch`. `decode` False skips decoding (no running rows);
     P = 0 prefill rows skips prefill; `decode_steps` decode steps run back to
     back on the device (one host round trip for several steps). Static:
     `table_width` (pages every row's table holds, prefill and decode alike: one
     width keeps compiles few), `decode`, `speculative`, `greedy`, `truncated` (sampled
     rows are truncated by their top_ks / top_ps / min_ps: `Sampler`), `decode_steps`,
-    `logprobs` (every emitted token's log-probabilities: `StepOutputs`)."""
+    `logprobs` (every emitted token's log-probabilities: `StepOutputs`), `penalized`
+    (rows are penalized by their presence / frequency penalties: `Sampler`)."""
     state = empty_slots(cfg, state, batch.reset_slots)
     kv = state.kv
     num_slots, block = batch.decode_slots.shape[0], cfg.block_size
@@ -103,7 +111,8 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
         sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
                                   kv.target_lens[ids] + batch.prefill_lens, greedy=greedy,
                                   stream=_PREFILL_STREAM,
-                                  truncation=batch.truncation(ids) if truncated else None)
+                                  truncation=batch.truncation(ids) if truncated else None,
+                                  penalties=batch.penalties(ids) if penalized else None)
         state, first, prefill_ok, *got = prefill_rows(
             params, state, ids, batch.prefill_tokens, batch.prefill_lens, batch.prefill_last,
             sampler, cfg=cfg, table_width=table_width, logprobs=logprobs)
@@ -117,7 +126,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
         def one_step(state, _):
             return _decode_once(params, state, batch, cfg=cfg, table_width=table_width,
                                 speculative=speculative, greedy=greedy, truncated=truncated,
-                                logprobs=logprobs)
+                                logprobs=logprobs, penalized=penalized)
 
         if decode_steps == 1:  # no loop around the common case
             state, outs = one_step(state, None)
@@ -130,13 +139,14 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
 
 
 def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculative, greedy,
-                 truncated, logprobs):
+                 truncated, logprobs, penalized):
     """One decode step of the batch's rows: (state, (tokens [S, block], num_out [S], ok [S],
     logprobs [S, block, W]))."""
     ids = batch.decode_slots
     sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
                               state.kv.target_lens[ids], greedy=greedy, stream=_DECODE_STREAM,
-                              truncation=batch.truncation(ids) if truncated else None)
+                              truncation=batch.truncation(ids) if truncated else None,
+                              penalties=batch.penalties(ids) if penalized else None)
     no_logprobs = jnp.zeros((ids.shape[0], cfg.block_size, 0), jnp.float32)
     if speculative:
         state, out_tokens, num_out, ok, *got = decode_rows(
@@ -157,7 +167,7 @@ def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculati
 #
 #   batch   [reset S | decode S | prefill slots P | lens P | last P | tokens P*T |
 #            temperature bits S+1 | seeds S+1 | top_k S+1 | top_p bits S+1 |
-#            min_p bits S+1]
+#            min_p bits S+1 | presence penalty bits S+1 | frequency penalty bits S+1]
 #   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
 #            prefill P x 2: first, ok | logprob bits: K x S x block x W, then P x W]
 #            (W = LOGPROB_WIDTH in a step that returns log-probabilities, else 0)
@@ -169,24 +179,27 @@ def pack_batch(batch: StepBatch) -> np.ndarray:
              np.asarray(batch.temperatures, np.float32).view(np.int32),
              np.asarray(batch.seeds, np.uint32).view(np.int32), batch.top_ks,
              np.asarray(batch.top_ps, np.float32).view(np.int32),
-             np.asarray(batch.min_ps, np.float32).view(np.int32)]
+             np.asarray(batch.min_ps, np.float32).view(np.int32),
+             np.asarray(batch.presence_penalties, np.float32).view(np.int32),
+             np.asarray(batch.frequency_penalties, np.float32).view(np.int32)]
     return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
 
 
 def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int) -> StepBatch:
     """Inverse of `pack_batch`, inside jit."""
     sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill * chunk,
-             *[num_slots + 1] * 5]
+             *[num_slots + 1] * 7]
     cuts = np.cumsum(sizes)[:-1].tolist()
-    reset, decode, slots, lens, last, tokens, temps, seeds, top_ks, top_ps, min_ps = \
-        jnp.split(packed, cuts)
+    (reset, decode, slots, lens, last, tokens, temps, seeds, top_ks, top_ps, min_ps, presence,
+     frequency) = jnp.split(packed, cuts)
     as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     return StepBatch(reset_slots=reset, prefill_slots=slots,
                      prefill_tokens=tokens.reshape(num_prefill, chunk), prefill_lens=lens,
                      prefill_last=last.astype(bool), decode_slots=decode,
                      temperatures=as_f32(temps),
                      seeds=jax.lax.bitcast_convert_type(seeds, jnp.uint32),
-                     top_ks=top_ks, top_ps=as_f32(top_ps), min_ps=as_f32(min_ps))
+                     top_ks=top_ks, top_ps=as_f32(top_ps), min_ps=as_f32(min_ps),
+                     presence_penalties=as_f32(presence), frequency_penalties=as_f32(frequency))
 
 
 def pack_outputs(out: StepOutputs):
@@ -234,12 +247,13 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
 
 def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
                 table_width: int, decode: bool, speculative: bool, greedy: bool,
-                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False):
+                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
+                penalized: bool = False):
     """`mixed_step` on a packed batch, returning packed outputs."""
     batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_prefill=num_prefill,
                          chunk=cfg.spec.max_step_tokens)
     state, out = mixed_step(params, state, batch, cfg=cfg, table_width=table_width,
                             decode=decode, speculative=speculative, greedy=greedy,
                             truncated=truncated, decode_steps=decode_steps,
-                            logprobs=logprobs)
+                            logprobs=logprobs, penalized=penalized)
     return state, pack_outputs(out)

@@ -29,7 +29,8 @@ def packed_step_for(cfg: StepConfig, kind: str = "decode", copy: int = 0):
     del copy  # only keys the cache: a distinct jit object compiles its own executable
     return jax.jit(functools.partial(packed_step, cfg=cfg),
                    static_argnames=("num_prefill", "table_width", "decode", "speculative",
-                                    "greedy", "truncated", "decode_steps", "logprobs"),
+                                    "greedy", "truncated", "decode_steps", "logprobs",
+                                   "penalized"),
                    donate_argnums=1,
                    compiler_options=cfg.compiler_options_for(kind))
 

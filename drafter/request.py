@@ -54,6 +54,12 @@ class SamplingParams:
         probability (0 <= min_p <= 1; 0 = every token). The three truncate the
         distribution a sampled request draws from (drafter/sampling.py, `truncate_row`);
         a greedy request (temperature 0) takes the most likely token whatever they are.
+      presence_penalty: subtracted from the logit of every token the request has
+        generated (-2 to 2, OpenAI's range; 0 = none).
+      frequency_penalty: subtracted from a token's logit once for each time the request
+        has generated it (-2 to 2; 0 = none). The two apply before temperature and
+        truncation, to greedy requests too; the first token has nothing before it
+        (drafter/sampling.py, `penalize`).
       seed: the request's PRNG seed (its draws do not depend on its batch).
       stop_token_ids: generation ends after any of these (kept in the output).
       ignore_eos: keep going past the model's end-of-sequence token.
@@ -67,6 +73,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -90,6 +98,11 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise RequestError(f"{where}: min_p must be a number in [0, 1] (0 = every token), "
                                f"got {self.min_p!r}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise RequestError(f"{where}: {name} must be a number in [-2, 2] (0 = none), "
+                                   f"got {value!r}", name)
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise RequestError(f"{where}: seed must be an integer in [0, 2**32), got "
                                f"{self.seed!r}", "seed")

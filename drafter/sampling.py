@@ -8,6 +8,13 @@ accepts and redraws against that same distribution, so speculation stays lossles
 under truncation. Truncating is a static choice of the step (`Sampler.truncated`, a
 program of its own): its sort over the vocabulary runs only in steps where some row
 asks for it, and no step branches on the device.
+
+Presence and frequency penalties (OpenAI's) lower the logits of tokens the request has
+generated: logit - frequency x count - presence x (count > 0), before temperature and
+truncation, greedy rows too (`penalize`). In a verify block, position j counts the
+drafts before it as generated, so a row that accepts them scores every position as
+plain decoding would, and speculation stays lossless. Penalizing is a static choice too
+(`Sampler.penalized`).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from drafter.request import MAX_LOGPROBS
 
@@ -32,8 +40,11 @@ class Sampler:
       min_ps: f32[B], keep the tokens at least min_p x the most likely one's
         probability (0 = every token).
       greedy: static; every row is greedy (skips the softmax over the vocabulary).
+      presence_penalties, frequency_penalties: f32[B] (`penalize`).
       truncated: static; rows are truncated by their top_ks, top_ps and min_ps (without
         it the three are ignored).
+      penalized: static; rows are penalized by their presence and frequency penalties
+        (without it the two are ignored).
     """
 
     temperatures: jax.Array
@@ -41,40 +52,91 @@ class Sampler:
     top_ks: jax.Array
     top_ps: jax.Array
     min_ps: jax.Array
+    presence_penalties: jax.Array
+    frequency_penalties: jax.Array
     greedy: bool = flax.struct.field(pytree_node=False, default=True)
     truncated: bool = flax.struct.field(pytree_node=False, default=False)
+    penalized: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def uniform(cls, batch: int, temperature: float, key) -> "Sampler":
         """Every row at one temperature, keys split from one key, nothing truncated."""
         return cls(jnp.full((batch,), temperature, jnp.float32), jax.random.split(key, batch),
-                   *_untruncated(batch), greedy=temperature == 0.0)
+                   *_untruncated(batch), *_unpenalized(batch), greedy=temperature == 0.0)
 
     @classmethod
     def per_row(cls, temperatures, seeds, positions, *, greedy: bool, stream: int,
-                truncation=None) -> "Sampler":
+                truncation=None, penalties=None) -> "Sampler":
         """Row keys folded from (seed, position, stream): a request draws the same
         numbers whatever else shares its batch. truncation: (top_ks, top_ps, min_ps)
-        per row to truncate by, or None (the step does not truncate)."""
+        per row to truncate by, or None (the step does not truncate); penalties:
+        (presence, frequency) per row, or None (the step does not penalize)."""
         temperatures = temperatures.astype(jnp.float32)
         batch = seeds.shape[0]
         truncated = truncation is not None and not greedy
         top_ks, top_ps, min_ps = truncation if truncated else _untruncated(batch)
         truncation = (top_ks.astype(jnp.int32), top_ps.astype(jnp.float32),
                       min_ps.astype(jnp.float32))
+        penalized = penalties is not None
+        penalties = tuple(x.astype(jnp.float32) for x in penalties) if penalized \
+            else _unpenalized(batch)
         if greedy:  # no draws: skip deriving keys
-            return cls(temperatures, jax.random.split(jax.random.key(0), batch), *truncation)
+            return cls(temperatures, jax.random.split(jax.random.key(0), batch), *truncation,
+                       *penalties, penalized=penalized)
 
         def key(seed, position):
             k = jax.random.fold_in(jax.random.key(0), seed)
             return jax.random.fold_in(jax.random.fold_in(k, position), stream)
-        return cls(temperatures, jax.vmap(key)(seeds, positions), *truncation, greedy=False,
-                   truncated=truncated)
+        return cls(temperatures, jax.vmap(key)(seeds, positions), *truncation, *penalties,
+                   greedy=False, truncated=truncated, penalized=penalized)
 
 
 def _untruncated(batch: int):
     return (jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.float32),
             jnp.zeros((batch,), jnp.float32))
+
+
+def _unpenalized(batch: int):
+    return jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32)
+
+
+def penalty(counts, presence, frequency):
+    """What a token's logit loses for `counts` occurrences among the generated tokens.
+    One expression for every caller: a verify position and a plain step that see the
+    same counts subtract bit-identical penalties."""
+    return frequency * counts.astype(jnp.float32) + jnp.where(counts > 0, presence, 0.0)
+
+
+def penalize(logits, counts, drafts, sampler: Sampler):
+    """Logits f32[B, b, V] less each row's penalties, if the sampler penalizes.
+
+    counts: i32[B, V], each token's occurrences among the row's generated tokens before
+    position 0; drafts: i32[B, b - 1], the tokens at positions 1..b-1: position j counts
+    drafts[:, :j] too (what it would have seen had they been generated).
+    """
+    if not sampler.penalized:
+        return logits
+    rows, block, _ = logits.shape
+    before = (jnp.arange(block - 1)[None] < jnp.arange(block)[:, None]).astype(jnp.int32)
+    position_counts = jnp.broadcast_to(counts[:, None], logits.shape).at[
+        jnp.arange(rows)[:, None, None], jnp.arange(block)[None, :, None],
+        drafts[:, None, :]].add(jnp.broadcast_to(before, (rows, *before.shape)))
+    return logits - penalty(position_counts, sampler.presence_penalties[:, None, None],
+                            sampler.frequency_penalties[:, None, None])
+
+
+def penalize_reference(logits, counts, drafts, presence, frequency):
+    """`penalize` one position at a time, counting in numpy (for tests)."""
+    logits, counts, drafts = (np.asarray(x) for x in (logits, counts, drafts))
+    out = np.array(logits, np.float32)
+    for r in range(logits.shape[0]):
+        seen = np.array(counts[r])
+        for j in range(logits.shape[1]):
+            if j:
+                seen[drafts[r, j - 1]] += 1
+            out[r, j] -= (np.float32(frequency[r]) * seen.astype(np.float32)
+                          + np.where(seen > 0, np.float32(presence[r]), np.float32(0)))
+    return out
 
 
 def truncate_row(scaled, top_k, top_p, min_p):

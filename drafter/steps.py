@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import DFlashConfig, draft_block, write_context
-from drafter.sampling import Sampler, accept, emitted_tokens, sample, token_logprobs
+from drafter.sampling import Sampler, accept, emitted_tokens, penalize, sample, token_logprobs
 from models.attention import resolve_impl
 from models.qwen3 import Qwen3Config, forward
 from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
@@ -60,12 +60,17 @@ class StepState:
         when its prefill or KV import completes, cleared when the slot is reset.
         Decode steps skip rows that are not running, so a failed import or a
         finished request in a step dispatched ahead never grows state.
+      output_counts: i32[num_slots + 1, vocab], how often each token occurs among the
+        slot's generated tokens (its first token included). Kept for the rows of steps
+        that penalize (`Sampler.penalized`: a penalized request's every call is one) and
+        set by every import; other rows' counts are stale, and nothing reads them.
     """
 
     kv: KVState
     anchors: jax.Array
     drafts: jax.Array
     running: jax.Array
+    output_counts: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +193,15 @@ def init_step_state(cfg: StepConfig, kv: KVState) -> StepState:
     slots = cfg.spec.num_slots + 1
     return StepState(kv=kv, anchors=jnp.zeros((slots,), jnp.int32),
                      drafts=jnp.zeros((slots, max(cfg.block_size - 1, 1)), jnp.int32),
-                     running=jnp.zeros((slots,), bool))
+                     running=jnp.zeros((slots,), bool),
+                     output_counts=jnp.zeros((slots, cfg.target.vocab_size), jnp.int32))
+
+
+def first_counts(counts, slot_ids, first, done):
+    """`StepState.output_counts` with the rows of `slot_ids` that are `done` restarted
+    at their first token."""
+    fresh = jax.nn.one_hot(first, counts.shape[1], dtype=counts.dtype)
+    return counts.at[slot_ids].set(jnp.where(done[:, None], fresh, counts[slot_ids]))
 
 
 def empty_slots(cfg: StepConfig, state: StepState, slot_ids) -> StepState:
@@ -243,8 +256,11 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
         drafts = drafts.at[slot_ids].set(jnp.where(done[:, None], new, drafts[slot_ids]))
     kv = retire_window_pages(spec, kv, slot_ids)
     running = state.running.at[slot_ids].set(done | state.running[slot_ids])
-    out = (StepState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running)),
-           first, ok)
+    counts = state.output_counts
+    if sampler.penalized:
+        counts = first_counts(counts, slot_ids, first, done)
+    out = (StepState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running),
+                     output_counts=counts), first, ok)
     return out + (token_logprobs(last[:, 0], first),) if logprobs else out
 
 
@@ -285,7 +301,8 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    p, verify_len, feature_layers=cfg.draft.target_layer_ids,
                                    impl=cfg.impl, scan_unroll=cfg.scan_unroll)
-    accepted, bonus = accept(logits, tokens[:, 1:], sampler)
+    scored = penalize(logits, state.output_counts[slot_ids], tokens[:, 1:], sampler)
+    accepted, bonus = accept(scored, tokens[:, 1:], sampler)
     num_out = jnp.where(live, accepted + 1, 0).astype(jnp.int32)
     pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, p, num_out)
     new_len = jnp.where(live, p + num_out, p)
@@ -295,13 +312,18 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
         draft_ctx_lens=kv.draft_ctx_lens.at[slot_ids].set(
             jnp.where(live, new_len, kv.draft_ctx_lens[slot_ids])))
     out_tokens = emitted_tokens(tokens, accepted, bonus)
+    counts = state.output_counts
+    if sampler.penalized:
+        kept = (jnp.arange(block)[None] < num_out[:, None]).astype(jnp.int32)
+        counts = counts.at[slot_ids[:, None], out_tokens].add(kept)
     drafts = _draft(params, cfg, kv, tables, bonus, new_len, live)
     kv = retire_window_pages(spec, kv, jnp.where(active, slot_ids, spec.dummy_slot))
     state = state.replace(
         kv=kv,
         anchors=state.anchors.at[slot_ids].set(jnp.where(live, bonus, state.anchors[slot_ids])),
         drafts=state.drafts.at[slot_ids].set(jnp.where(live[:, None], drafts,
-                                                       state.drafts[slot_ids])))
+                                                       state.drafts[slot_ids])),
+        output_counts=counts)
     out = (state, out_tokens, num_out, ok | ~active)
     return out + (token_logprobs(logits, out_tokens),) if logprobs else out
 
@@ -324,10 +346,15 @@ def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
                                state.anchors[slot_ids][:, None], p,
                                live.astype(jnp.int32), impl=cfg.impl,
                                scan_unroll=cfg.scan_unroll)
-    token = sample(logits[:, 0], sampler)
+    no_drafts = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
+    token = sample(penalize(logits[:, :1], state.output_counts[slot_ids], no_drafts,
+                            sampler)[:, 0], sampler)
+    counts = state.output_counts
+    if sampler.penalized:
+        counts = counts.at[slot_ids, token].add(live.astype(jnp.int32))
     kv = retire_window_pages(spec, kv.replace(pools=pools), rows)
     anchors = state.anchors.at[slot_ids].set(jnp.where(live, token, state.anchors[slot_ids]))
-    out = (state.replace(kv=kv, anchors=anchors), token, ok | ~active)
+    out = (state.replace(kv=kv, anchors=anchors, output_counts=counts), token, ok | ~active)
     return out + (token_logprobs(logits[:, 0], token),) if logprobs else out
 
 

@@ -334,6 +334,19 @@ def test_logprobs_travel_with_the_kv_and_equal_aggregated(pair):
     assert_pair_free(engine)
 
 
+def test_penalized_requests_equal_aggregated(pair):
+    """The import counts a request's first token (the context's) as generated, so its
+    penalized decode steps give the aggregated tokens (shared mode; the same import
+    serves private mode and the two-process pair)."""
+    params, cfg = pair
+    penalized = SamplingParams(MAX_NEW, presence_penalty=1.5, frequency_penalty=0.5)
+    want = Engine(params, cfg).generate(PROMPTS[:2], params=penalized)
+    engine = split_engine(params, cfg)
+    got = engine.generate(PROMPTS[:2], params=penalized)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert_pair_free(engine)
+
+
 @pytest.mark.parametrize("gen_tp", [2, 1])
 def test_context_tp4_into_generation_tp2_and_tp1(gen_tp, pair, aggregated):
     """kv heads split 4 ways on the context side are resharded on receipt."""

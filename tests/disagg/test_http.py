@@ -40,6 +40,7 @@ CHAT_TEMPLATE = (
     "{{ raise_exception('a conversation opens with a system or user message') }}{% endif %}"
     "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n"
     "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+PENALTIES = dict(presence_penalty=1.2, frequency_penalty=0.6)
 CHATS = {  # messages -> the prompt the template renders, spelled out by hand
     "add": ([{"role": "system", "content": "Write Python."},
              {"role": "user", "content": "def add(a, b):"}],
@@ -92,6 +93,8 @@ def server(tmp_path_factory):
                              MAX_TOKENS)
     with_logprobs = engine.generate([tok.encode(PROMPTS[0]), chat_ids["add"]], MAX_TOKENS,
                                     logprobs=3)
+    penalized = engine.generate([tok.encode(PROMPTS[0]), chat_ids["add"]], MAX_TOKENS,
+                                **PENALTIES)
     metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
     loop = ServingLoop(engine, tok, metrics)
     app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=120,
@@ -105,7 +108,8 @@ def server(tmp_path_factory):
     yield {"url": http.url, "client": client, "name": pair.name, "tok": tok,
            "greedy": {p: r.tokens for p, r in zip([*PROMPTS, *CHATS], greedy)},
            "chat_ids": chat_ids, "engine": engine, "block": pair.step_config.block_size,
-           "app": app, "logprobs": {"prompt": with_logprobs[0], "chat": with_logprobs[1]}}
+           "app": app, "logprobs": {"prompt": with_logprobs[0], "chat": with_logprobs[1]},
+           "penalized": {"prompt": penalized[0].tokens, "chat": penalized[1].tokens}}
     loop.close()
     thread.join(60)
     http.stop()
@@ -219,6 +223,24 @@ def test_sampling_truncated_to_one_token_gives_greedy_output_through_the_client(
     assert chat.choices[0].token_ids == server["greedy"]["add"]
 
 
+def test_penalties_reach_the_engine_through_the_client(server):
+    """presence_penalty and frequency_penalty (OpenAI's fields) give the engine's penalized
+    tokens, completion and chat, whole and streamed."""
+    c, name = server["client"], server["name"]
+    want = server["penalized"]
+    assert want["prompt"] != server["greedy"][PROMPTS[0]]   # the penalties change the output
+    out = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                               temperature=0, **PENALTIES)
+    assert out.choices[0].token_ids == want["prompt"]
+    streamed = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                    temperature=0, stream=True, **PENALTIES)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == \
+        out.choices[0].text
+    chat = c.chat.completions.create(model=name, messages=CHATS["add"][0], temperature=0,
+                                     max_tokens=MAX_TOKENS, **PENALTIES)
+    assert chat.choices[0].token_ids == want["chat"]
+
+
 def test_streamed_pieces_make_the_same_text(server):
     c, tok = server["client"], server["tok"]
     prompt = PROMPTS[1]
@@ -282,6 +304,8 @@ BAD = [
     ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"prompt": "x", "top_k": "5"}, "top_k", "integer"),
     ({"prompt": "x", "min_p": -1}, "min_p", "[0, 1]"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty", "[-2, 2]"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown fields"),
     ({"prompt": "x", "n": 0}, "n", "integer >= 1"),
     ({"prompt": ["a", "b"], "n": 40}, "n", "at most 64"),

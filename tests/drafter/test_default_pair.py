@@ -28,15 +28,21 @@ def test_shipped_checkpoints_load_with_the_recipe_configs(default_pair):
 def test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor(default_pair):
     params, tcfg, dcfg = default_pair
     prompts = [p["tokens"] for p in load_prompts() if p["length"] == 128][:4]
-    speculative = Engine(params, default_step_config(tcfg, dcfg, num_slots=4)).generate(
-        prompts, 32)
-    plain = Engine(params, default_step_config(tcfg, None, num_slots=4),
-                   speculative=False).generate(prompts, 32)
+    engines = (Engine(params, default_step_config(tcfg, dcfg, num_slots=4)),
+               Engine(params, default_step_config(tcfg, None, num_slots=4), speculative=False))
+    speculative, plain = (e.generate(prompts, 32) for e in engines)
     assert [r.tokens for r in speculative] == [r.tokens for r in plain]
     al = float(np.mean([a for r in speculative for a in r.acceptance]))
     # Measured 3.0 on these prompts (CPU, f32 params, fp8 target KV); a broken
     # drafter path (context, positions, masks) falls towards 1.
     assert al > 2.5, f"acceptance length {al:.2f} fell below the floor"
+    # Penalized, with drafts accepted: a verify position counts the drafts before it.
+    penalized_spec, penalized_plain = (e.generate(prompts, 32, presence_penalty=0.4,
+                                                  frequency_penalty=0.3) for e in engines)
+    assert [r.tokens for r in penalized_spec] == [r.tokens for r in penalized_plain]
+    assert [r.tokens for r in penalized_spec] != [r.tokens for r in speculative]
+    al = float(np.mean([a for r in penalized_spec for a in r.acceptance]))
+    assert al > 1.5, f"penalized acceptance length {al:.2f}: drafts were hardly accepted"
 
 
 def small_stdlib(tmp_path, text: str, *, files: int) -> Path:

@@ -78,7 +78,10 @@ def test_duplicate_ids_and_bad_sampling_fields_are_named(pair):
                           (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
                           (dict(top_p=float("nan")), "top_p"), (dict(top_k=-2), "top_k"),
                           (dict(top_k=2.0), "top_k"), (dict(min_p=-0.1), "min_p"),
-                          (dict(min_p=True), "min_p")]:
+                          (dict(min_p=True), "min_p"),
+                          (dict(presence_penalty=2.5), "presence_penalty"),
+                          (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+                          (dict(frequency_penalty=True), "frequency_penalty")]:
         with pytest.raises(RequestError, match=match):
             engine.make_request("b", [1, 2], **fields)
 
@@ -206,6 +209,39 @@ def test_logprobs_are_the_targets_own_for_every_kept_token(pair):
         engine.make_request("bad", prompts[0], SamplingParams(4, logprobs=21))
 
 
+def test_penalties_score_each_token_against_the_tokens_generated_before_it(pair):
+    """Presence and frequency penalties: every generated token is the most likely one of
+    the target's logits (a dense f32 forward over prompt + output) less its penalties for
+    the tokens generated before it; a request without them beside gets what it gets
+    alone; they change what the pair generates. (Speculative equals plain under them,
+    with drafts accepted: tests/drafter/test_default_pair.py.)"""
+    from models.qwen3 import dense_forward
+    params, cfg, _ = pair
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5]]
+    asked = [SamplingParams(14, presence_penalty=1.5, frequency_penalty=0.5),
+             SamplingParams(14, frequency_penalty=-0.4, presence_penalty=0.3)]
+    engine = Engine(params, cfg)
+    alone = engine.generate(prompts[:1], 14)[0]
+    for i, (prompt, p) in enumerate(zip(prompts, asked)):
+        engine.submit(engine.make_request(f"pen{i}", prompt, p))
+    engine.submit(engine.make_request("plain", prompts[0], SamplingParams(14)))
+    out = {r.request_id: r for r in engine.run()}
+    assert out["plain"].tokens == alone.tokens
+    assert out["pen0"].tokens != alone.tokens   # a presence penalty of 1.5 changes the output
+    assert_all_free(engine)
+    for i, (prompt, p) in enumerate(zip(prompts, asked)):
+        tokens = out[f"pen{i}"].tokens
+        with jax.default_matmul_precision("highest"):   # an f32 reference on GPUs too
+            logits, _ = dense_forward(params["target"], cfg.target,
+                                      np.asarray([prompt + tokens], np.int32))
+        logits = np.asarray(logits[0], np.float64)
+        for j, token in enumerate(tokens):
+            seen = np.bincount(tokens[:j], minlength=logits.shape[-1])
+            score = (logits[len(prompt) - 1 + j] - p.frequency_penalty * seen
+                     - p.presence_penalty * (seen > 0))
+            assert score[token] >= score.max() - 1e-4, (j, token, int(score.argmax()))
+
+
 def test_lookahead_off_gives_the_same_tokens(pair):
     params, speculative_cfg, _ = pair
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -302,6 +338,21 @@ def test_warmup_with_logprobs_compiles_the_steps_that_return_them(caplog):
     assert not compiled, compiled
     assert [len(x.top) for x in got["asks-too"].logprobs] == [0] * 6
     assert got["not"].logprobs is None
+
+
+def test_warmup_with_penalties_compiles_the_penalized_steps(caplog):
+    """warmup(penalized=True) also compiles each penalized call: a penalized request, alone
+    and beside one that is not, compiles no step (the previous tests' config)."""
+    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=152)
+    engine = Engine(params, cfg)
+    engine.warmup(20, penalized=True)
+    with compiled_in(caplog, "step") as compiled:
+        engine.add_request("pen", [1, 2, 3], 6, presence_penalty=0.5)
+        engine.run()
+        engine.add_request("pen-too", [4, 5, 6, 7], 6, frequency_penalty=-1.0)
+        engine.add_request("not", [8, 9], 6)
+        engine.run()
+    assert not compiled, compiled
 
 
 def test_a_warm_engine_compiles_nothing_more(pair, caplog):
