@@ -54,8 +54,9 @@ def build_parser():
                      help="compile before the ready line: what a first request needs "
                           "(first), or every step for every prompt length up to "
                           "--max-seq-len, greedy and sampled, with and without log-"
-                          "probabilities and penalties (all: no request then waits on a compile; the "
-                          "compilation cache keeps them for restarts)")
+                          "probabilities and logit adjustments (penalties, logit bias) "
+                          "(all: no request then waits on a compile; the compilation "
+                          "cache keeps them for restarts)")
     srv.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                      help="per-step token budget: decode rows (a verify block each) plus "
                           "prefill chunks; a larger one puts more prompts' chunks into a step "

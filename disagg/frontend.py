@@ -199,9 +199,9 @@ def make_engine(mode: str, pair: ModelPair, *, move_path: str = "coalesced",
 def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) -> float:
     """Compile what a first request needs (prefill of one and of several prompts,
     decode), and with `every_length` every step call for every prompt length up to
-    max_seq_len, greedy and sampled, with and without log-probabilities and penalties
-    (`Engine.warmup`:
-    no request of a new length then waits on a compile). Returns the seconds it took."""
+    max_seq_len, greedy and sampled, with and without log-probabilities and logit
+    adjustments (penalties, logit bias) (`Engine.warmup`: no request of a new length then
+    waits on a compile). Returns the seconds it took."""
     start = time.perf_counter()
     prompt = tokenizer.encode("def main():") or [0]
     for batch in (1, 2):
@@ -211,8 +211,9 @@ def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) 
     if every_length:
         if log:
             log(f"compiling: every step for rows of up to {engine.spec.max_seq_len:,} tokens, "
-                f"greedy and sampled, with and without log-probabilities and penalties ...")
-        engine.warmup(sampled=True, logprobs=True, penalized=True)
+                f"greedy and sampled, with and without log-probabilities and logit "
+                f"adjustments ...")
+        engine.warmup(sampled=True, logprobs=True, adjusted=True)
     return time.perf_counter() - start
 
 

@@ -11,25 +11,26 @@ JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "top_k": int >= -1, "min_p": [0, 1], "presence_penalty": [-2, 2],
              "frequency_penalty": [-2, 2], "seed": int, "stop": str | [str, ...],
              "stop_token_ids": [int, ...], "ignore_eos": bool, "logprobs": int in
-             [0, 20] | null (each token's log-probability and this many alternatives)}
+             [0, 20] | null (each token's log-probability and this many alternatives),
+             "logit_bias": {"token id": number in [-100, 100], ...} (OpenAI's form; at
+             most 64)}
 completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batch),
              "n": int >= 1 (choices per prompt; at most MAX_CHOICES in all; sample j
              of a prompt draws with seed + j), "max_tokens": int >= 1,
              "temperature": number >= 0, "top_p", "presence_penalty",
-             "frequency_penalty", "seed": int, "stop": str | [str, ...],
+             "frequency_penalty", "logit_bias", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "stop_token_ids",
              "ignore_eos"}; OpenAI fields this server does not implement are accepted
-             only at their neutral value (best_of = 1, echo = false, logit_bias = null,
-             ...).
+             only at their neutral value (best_of = 1, echo = false, suffix = null).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
 chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
              "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
              int >= 1 (one of them; default as for a completion), "n", "temperature",
-             "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed",
-             "stop", "stream", "stream_options",
+             "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "logit_bias", "seed", "stop", "stream", "stream_options",
              "stop_token_ids", "ignore_eos" as for a completion, "logprobs": bool,
              "top_logprobs": int in [0, 20] (with "logprobs": true)};
              neutral-only OpenAI fields as for a completion, plus tools = null,
@@ -48,15 +49,14 @@ from drafter.tokenizer import ChatTemplateError
 # the default, as in OpenAI's API.
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs", *SAMPLING_FIELDS}
+                "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", *SAMPLING_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
 NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "echo": ((False, None), "the prompt is not echoed; prepend it yourself"),
-           "logit_bias": ((None,), "logit bias is not implemented"),
            "suffix": ((None, ""), "suffixes are not implemented"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "seed", "stop", "stream",
-                     "stream_options", "stop_token_ids", "ignore_eos", "logprobs",
+                     "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
                      *SAMPLING_FIELDS, *NEUTRAL}
 CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "echo", "suffix")},
                 "tools": ((None,), "tool calls are not implemented"),
@@ -65,7 +65,7 @@ CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "ech
                                     "structured output is not implemented")}
 CHAT_FIELDS = {"model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
                "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
-               "logprobs", "top_logprobs", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
+               "logprobs", "top_logprobs", "logit_bias", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
 CHAT_ROLES = ("system", "user", "assistant")
 MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 MAX_STOP_STRINGS = 16
@@ -98,6 +98,18 @@ def _stop_strings(rid: str, stop) -> tuple[str, ...]:
         raise RequestError(f"request {rid!r}: a stop string of {longest} characters; give "
                            f"at most {MAX_STOP_CHARS} each", "stop")
     return tuple(stops)
+
+
+def _logit_bias(rid: str, bias) -> tuple:
+    """OpenAI's {"token id": bias} as (id, bias) pairs (JSON keys are strings: a key must
+    spell a token id in decimal); SamplingParams checks ids and values."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or not all(k.isdecimal() and k.isascii() for k in bias):
+        raise RequestError(f"request {rid!r}: \"logit_bias\" must map token ids (as "
+                           f"decimal strings, e.g. {{\"50\": -100}}) to biases, got "
+                           f"{bias!r}"[:300], "logit_bias")
+    return tuple((int(k), v) for k, v in bias.items())
 
 
 def check_fields(rid: str, obj, allowed: set) -> None:
@@ -149,6 +161,7 @@ def _make(rid: str, prompt, obj: dict, engine, max_tokens_field: str, default_ma
                             seed=obj.get("seed", 0), stop_token_ids=tuple(stops),
                             ignore_eos=obj.get("ignore_eos", False),
                             logprobs=obj.get("logprobs"),
+                            logit_bias=_logit_bias(rid, obj.get("logit_bias")),
                             **{name: obj[name] for name in SAMPLING_FIELDS
                                if obj.get(name) is not None})
     for name in ("max_new_tokens", "temperature", "seed", "ignore_eos"):

@@ -161,7 +161,7 @@ class InProcessSource:
 
     def warmup(self, max_len: int | None = None, min_len: int = 0, *,
                sampled: bool = False, logprobs: bool = False,
-               penalized: bool = False) -> None:
+               adjusted: bool = False) -> None:
         """`Engine.warmup` on every context worker's engine. Before any request: a
         threaded worker's thread touches its engine only once it has one."""
         if any(ctx.busy for ctx in self.contexts) or (self.threaded and not self._work.empty()):
@@ -169,7 +169,7 @@ class InProcessSource:
                                "submitting any")
         for ctx in self.contexts:
             ctx.engine.warmup(max_len, min_len, sampled=sampled, logprobs=logprobs,
-                              penalized=penalized)
+                              adjusted=adjusted)
 
     def close(self, timeout: float = 10.0) -> None:
         if self.threaded:

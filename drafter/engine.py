@@ -299,14 +299,14 @@ class Engine:
         return [results[r.request_id] for r in requests]
 
     def warmup(self, max_len: int | None = None, min_len: int = 0, *,
-               sampled: bool = False, logprobs: bool = False, penalized: bool = False) -> int:
+               sampled: bool = False, logprobs: bool = False, adjusted: bool = False) -> int:
         """Compile every call a step of this engine's role makes (decode of 1 and of
         `decode_steps` steps, unless it exports; prefill of one prompt and of a full
         step's rows, unless its KV comes from a source; of none: resets alone) at every
         table width that rows of `min_len` to `max_len` tokens (default 0 to
         max_seq_len) use; greedy, and with `sampled` also sampling; with `logprobs` each
-        of those also returning log-probabilities, and with `penalized` each of those
-        also penalized (presence / frequency penalties); the exports (a
+        of those also returning log-probabilities, and with `adjusted` each of those
+        also adjusting logits (presence / frequency penalties, logit bias); the exports (a
         context worker) or imports and redrafts (a worker fed by a KV source) of
         prompts of those lengths; and the same for an in-process KV source's context
         engines. Runs calls whose rows all pad, which change nothing. Returns the
@@ -316,7 +316,7 @@ class Engine:
         # before anything here compiles.
         if (warm_source := getattr(self.kv_source, "warmup", None)) is not None:
             warm_source(max_len, min_len, sampled=sampled, logprobs=logprobs,
-                        penalized=penalized)
+                        adjusted=adjusted)
         block = self.cfg.block_size
         widths = sorted({self._table_width(n + 2 * block) for n in
                          range(min_len, max_len + 1, self.spec.page_size)})
@@ -327,7 +327,7 @@ class Engine:
                               if self.kv_source is None else {0})
         decode_steps = [] if self.export else sorted({1, self.decode_steps})
         self.executor.warm(widths, decode_steps=decode_steps, prefill_rows=prefill_rows,
-                           sampled=sampled, logprobs=logprobs, penalized=penalized)
+                           sampled=sampled, logprobs=logprobs, adjusted=adjusted)
         lengths = range(max(min_len, 1), max_len + 1)
         if self.scheduler.export or self.kv_source is not None:   # one per page bucket
             self.executor.warm_transfers(lengths, exports=self.scheduler.export,

@@ -21,6 +21,7 @@ from drafter.kv_io import (KVPayload, call_groups, export_payloads, pack_import_
 from drafter.mixed_step import StepBatch, first_logprobs_bits, pack_batch, unpack_outputs
 from drafter.programs import (Copies, export_step_for, import_step_for, packed_step_for,
                               redraft_step_for, traced_on_mesh)
+from drafter.request import MAX_LOGIT_BIAS
 from drafter.scheduler import StepPlan
 from drafter.steps import StepConfig, init_step_state
 from models.layers import step_params
@@ -60,6 +61,8 @@ class Executor:
         self.min_ps = np.zeros(slots, np.float32)
         self.presence_penalties = np.zeros(slots, np.float32)
         self.frequency_penalties = np.zeros(slots, np.float32)
+        self.bias_ids = np.zeros((slots, MAX_LOGIT_BIAS), np.int32)
+        self.bias_values = np.zeros((slots, MAX_LOGIT_BIAS), np.float32)
         self.wants_logprobs = np.zeros(slots, bool)
         self.len_bound = np.zeros(slots, np.int64)  # upper bound of each slot's length
         self.bytes_imported = 0
@@ -103,6 +106,11 @@ class Executor:
         self.min_ps[slot] = params.min_p
         self.presence_penalties[slot] = params.presence_penalty
         self.frequency_penalties[slot] = params.frequency_penalty
+        n = len(params.logit_bias)
+        self.bias_ids[slot], self.bias_values[slot] = 0, 0.0
+        if n:
+            ids, values = zip(*params.logit_bias)
+            self.bias_ids[slot, :n], self.bias_values[slot, :n] = ids, values
         self.wants_logprobs[slot] = params.logprobs is not None
 
     # ------------------------------------------------------------ steps
@@ -139,8 +147,7 @@ class Executor:
             self.len_bound[seq.slot] += k * block
         greedy, truncated = self._sampling(sampled)
         logprobs = bool(self.wants_logprobs[sampled].any())
-        penalized = bool(np.any((self.presence_penalties[sampled] != 0)
-                                | (self.frequency_penalties[sampled] != 0)))
+        adjusted = self._adjusts(sampled)
         width = self.table_width(max_len)
         # Prefill chunks and decode rows of one plan go out as two calls: one
         # program holding both compiles ~2x longer per variant and multiplies
@@ -149,7 +156,7 @@ class Executor:
         if plan.prefill or not plan.decode:
             outputs.append((self._call(batch, table_width=width, decode=False, greedy=greedy,
                                        truncated=truncated, logprobs=logprobs,
-                                       penalized=penalized),
+                                       adjusted=adjusted),
                             dict(decode_steps=1, num_prefill=prefill_rows,
                                  logprobs=logprobs)))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
@@ -157,7 +164,7 @@ class Executor:
             outputs.append((self._call(dataclasses.replace(batch, **self._no_prefill()),
                                        table_width=width, decode=True, greedy=greedy,
                                        truncated=truncated, decode_steps=k, logprobs=logprobs,
-                                       penalized=penalized),
+                                       adjusted=adjusted),
                             dict(decode_steps=k, num_prefill=0, logprobs=logprobs)))
         return outputs
 
@@ -171,9 +178,16 @@ class Executor:
         return False, bool(np.any((self.top_ks[hot] > 0) | (self.top_ps[hot] < 1)
                                   | (self.min_ps[hot] > 0)))
 
+    def _adjusts(self, slots) -> bool:
+        """A call over `slots` adjusts logits if one of them has penalties or a logit bias
+        (drafter/sampling.py, `adjust`: a program of its own)."""
+        return bool(np.any((self.presence_penalties[slots] != 0)
+                           | (self.frequency_penalties[slots] != 0)
+                           | (self.bias_values[slots] != 0).any(axis=1)))
+
     def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
                   num_prefill: int = 0, greedy: bool = True, truncated: bool = False,
-                  logprobs: bool = False, penalized: bool = False) -> None:
+                  logprobs: bool = False, adjusted: bool = False) -> None:
         """Calls whose rows all pad (compile that variant, every copy of it; change
         nothing): a decode call of `decode_steps` steps, or a prefill call of
         `num_prefill` rows (0: a call that only empties slots)."""
@@ -181,43 +195,48 @@ class Executor:
             self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
                        decode=decode, greedy=greedy, truncated=truncated,
                        decode_steps=decode_steps if decode else 1, logprobs=logprobs,
-                       penalized=penalized)
+                       adjusted=adjusted)
 
     def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool,
-             logprobs: bool = False, penalized: bool = False) -> None:
+             logprobs: bool = False, adjusted: bool = False) -> None:
         """`run_empty` for every variant: each width, decode of each of `decode_steps`,
         prefill of each of `prefill_rows`; greedy, and with `sampled` also sampling, with
         and without truncation; each of those also returning log-probabilities with
-        `logprobs`, and also penalized with `penalized`."""
+        `logprobs`, and each of those also adjusting logits (penalties, logit bias) with
+        `adjusted`."""
         variants = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
         variants = [(*v, lp) for v in variants for lp in ((False, True) if logprobs
                                                           else (False,))]
-        variants = [(*v, pen) for v in variants for pen in ((False, True) if penalized
+        variants = [(*v, pen) for v in variants for pen in ((False, True) if adjusted
                                                             else (False,))]
         for width in widths:
             for greedy, truncated, lp, pen in variants:
                 for k in decode_steps:
                     self.run_empty(table_width=width, decode_steps=k, greedy=greedy,
-                                   truncated=truncated, logprobs=lp, penalized=pen)
+                                   truncated=truncated, logprobs=lp, adjusted=pen)
                 for rows in prefill_rows:
                     self.run_empty(table_width=width, decode=False, num_prefill=rows,
                                    greedy=greedy, truncated=truncated, logprobs=lp,
-                                   penalized=pen)
+                                   adjusted=pen)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
-              penalized: bool = False):
+              adjusted: bool = False):
         """One jitted step on a packed batch. The batch goes as a host array, transferred
         by the call itself: a `device_put` of its own costs more host time than the
         call's transfer, and a call must always take it in one form (a host array and a
-        device array of it compile apart)."""
+        device array of it compile apart). Only a call that adjusts logits carries the
+        slots' logit bias."""
         self.calls["decode" if decode else "prefill"] += 1
+        if adjusted:
+            batch = dataclasses.replace(batch, bias_ids=self.bias_ids,
+                                        bias_values=self.bias_values)
         self.state, out = self._step_fn(
             self.params, self.state, pack_batch(batch),
             num_prefill=batch.prefill_slots.shape[0],
             table_width=table_width, decode=decode, speculative=self.speculative,
             greedy=greedy, truncated=truncated, decode_steps=decode_steps, logprobs=logprobs,
-            penalized=penalized)
+            adjusted=adjusted)
         return out
 
     def _step_fn(self, params, state, batch, **static):
@@ -248,7 +267,9 @@ class Executor:
             temperatures=self.temperatures, seeds=self.seeds, top_ks=self.top_ks,
             top_ps=self.top_ps, min_ps=self.min_ps,
             presence_penalties=self.presence_penalties,
-            frequency_penalties=self.frequency_penalties)
+            frequency_penalties=self.frequency_penalties,
+            bias_ids=np.zeros((spec.num_slots + 1, 0), np.int32),
+            bias_values=np.zeros((spec.num_slots + 1, 0), np.float32))
 
     def _no_slots(self):
         return np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)

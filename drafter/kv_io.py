@@ -352,7 +352,7 @@ def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
 class KVSource(Protocol):
     """Where a generation engine's admitted requests get their KV. A source whose
     senders' steps run in this process may also have `warmup(max_len, min_len, *,
-    sampled, logprobs, penalized)`, which `Engine.warmup` calls to compile those steps too."""
+    sampled, logprobs, adjusted)`, which `Engine.warmup` calls to compile those steps too."""
 
     def fetch(self, request: Request) -> None:
         """Start producing `request`'s KV (it is admitted here: room is reserved)."""

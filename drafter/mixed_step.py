@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from drafter.request import MAX_LOGIT_BIAS
 from drafter.sampling import LOGPROB_WIDTH, Sampler
 from drafter.steps import (StepState, StepConfig, _at_precision, decode_rows, empty_slots,
                            plain_decode_rows, prefill_rows)
@@ -39,7 +40,8 @@ class StepBatch:
       decode_slots: i32[num_slots]; rows to decode (dummy slot pads).
       temperatures: f32[num_slots + 1]; seeds: u32[num_slots + 1]; top_ks:
         i32[num_slots + 1]; top_ps, min_ps, presence_penalties, frequency_penalties:
-        f32[num_slots + 1]; per slot (Sampler).
+        f32[num_slots + 1]; bias_ids: i32[num_slots + 1, M], bias_values: f32[num_slots +
+        1, M] (M = MAX_LOGIT_BIAS in a step that adjusts, else 0); per slot (Sampler).
     """
 
     reset_slots: jax.Array
@@ -55,14 +57,17 @@ class StepBatch:
     min_ps: jax.Array
     presence_penalties: jax.Array
     frequency_penalties: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
 
     def truncation(self, ids):
         """(top_ks, top_ps, min_ps) of slots `ids` (Sampler.per_row)."""
         return self.top_ks[ids], self.top_ps[ids], self.min_ps[ids]
 
-    def penalties(self, ids):
-        """(presence, frequency) penalties of slots `ids` (Sampler.per_row)."""
-        return self.presence_penalties[ids], self.frequency_penalties[ids]
+    def adjustment(self, ids):
+        """(presence, frequency, bias ids, bias values) of slots `ids` (Sampler.per_row)."""
+        return (self.presence_penalties[ids], self.frequency_penalties[ids],
+                self.bias_ids[ids], self.bias_values[ids])
 
 
 @flax.struct.dataclass
@@ -90,15 +95,15 @@ class StepOutputs:
 def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                table_width: int, decode: bool, speculative: bool, greedy: bool,
                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
-               penalized: bool = False) -> tuple[StepState, StepOutputs]:
+               adjusted: bool = False) -> tuple[StepState, StepOutputs]:
     """Run one `StepBatch`. `decode` False skips decoding (no running rows);
     P = 0 prefill rows skips prefill; `decode_steps` decode steps run back to
     back on the device (one host round trip for several steps). Static:
     `table_width` (pages every row's table holds, prefill and decode alike: one
     width keeps compiles few), `decode`, `speculative`, `greedy`, `truncated` (sampled
     rows are truncated by their top_ks / top_ps / min_ps: `Sampler`), `decode_steps`,
-    `logprobs` (every emitted token's log-probabilities: `StepOutputs`), `penalized`
-    (rows are penalized by their presence / frequency penalties: `Sampler`)."""
+    `logprobs` (every emitted token's log-probabilities: `StepOutputs`), `adjusted`
+    (rows' logits are adjusted by their penalties and logit bias: `Sampler`)."""
     state = empty_slots(cfg, state, batch.reset_slots)
     kv = state.kv
     num_slots, block = batch.decode_slots.shape[0], cfg.block_size
@@ -112,7 +117,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                                   kv.target_lens[ids] + batch.prefill_lens, greedy=greedy,
                                   stream=_PREFILL_STREAM,
                                   truncation=batch.truncation(ids) if truncated else None,
-                                  penalties=batch.penalties(ids) if penalized else None)
+                                  adjustment=batch.adjustment(ids) if adjusted else None)
         state, first, prefill_ok, *got = prefill_rows(
             params, state, ids, batch.prefill_tokens, batch.prefill_lens, batch.prefill_last,
             sampler, cfg=cfg, table_width=table_width, logprobs=logprobs)
@@ -126,7 +131,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
         def one_step(state, _):
             return _decode_once(params, state, batch, cfg=cfg, table_width=table_width,
                                 speculative=speculative, greedy=greedy, truncated=truncated,
-                                logprobs=logprobs, penalized=penalized)
+                                logprobs=logprobs, adjusted=adjusted)
 
         if decode_steps == 1:  # no loop around the common case
             state, outs = one_step(state, None)
@@ -139,14 +144,14 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
 
 
 def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculative, greedy,
-                 truncated, logprobs, penalized):
+                 truncated, logprobs, adjusted):
     """One decode step of the batch's rows: (state, (tokens [S, block], num_out [S], ok [S],
     logprobs [S, block, W]))."""
     ids = batch.decode_slots
     sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
                               state.kv.target_lens[ids], greedy=greedy, stream=_DECODE_STREAM,
                               truncation=batch.truncation(ids) if truncated else None,
-                              penalties=batch.penalties(ids) if penalized else None)
+                              adjustment=batch.adjustment(ids) if adjusted else None)
     no_logprobs = jnp.zeros((ids.shape[0], cfg.block_size, 0), jnp.float32)
     if speculative:
         state, out_tokens, num_out, ok, *got = decode_rows(
@@ -167,7 +172,9 @@ def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculati
 #
 #   batch   [reset S | decode S | prefill slots P | lens P | last P | tokens P*T |
 #            temperature bits S+1 | seeds S+1 | top_k S+1 | top_p bits S+1 |
-#            min_p bits S+1 | presence penalty bits S+1 | frequency penalty bits S+1]
+#            min_p bits S+1 | presence penalty bits S+1 | frequency penalty bits S+1 |
+#            bias ids (S+1) x M | bias value bits (S+1) x M]
+#            (M = MAX_LOGIT_BIAS in a step that adjusts logits, else 0)
 #   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
 #            prefill P x 2: first, ok | logprob bits: K x S x block x W, then P x W]
 #            (W = LOGPROB_WIDTH in a step that returns log-probabilities, else 0)
@@ -181,17 +188,19 @@ def pack_batch(batch: StepBatch) -> np.ndarray:
              np.asarray(batch.top_ps, np.float32).view(np.int32),
              np.asarray(batch.min_ps, np.float32).view(np.int32),
              np.asarray(batch.presence_penalties, np.float32).view(np.int32),
-             np.asarray(batch.frequency_penalties, np.float32).view(np.int32)]
+             np.asarray(batch.frequency_penalties, np.float32).view(np.int32),
+             batch.bias_ids, np.asarray(batch.bias_values, np.float32).view(np.int32)]
     return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
 
 
-def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int) -> StepBatch:
+def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int,
+                 bias_width: int) -> StepBatch:
     """Inverse of `pack_batch`, inside jit."""
     sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill * chunk,
-             *[num_slots + 1] * 7]
+             *[num_slots + 1] * 7, *[(num_slots + 1) * bias_width] * 2]
     cuts = np.cumsum(sizes)[:-1].tolist()
     (reset, decode, slots, lens, last, tokens, temps, seeds, top_ks, top_ps, min_ps, presence,
-     frequency) = jnp.split(packed, cuts)
+     frequency, bias_ids, bias_values) = jnp.split(packed, cuts)
     as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     return StepBatch(reset_slots=reset, prefill_slots=slots,
                      prefill_tokens=tokens.reshape(num_prefill, chunk), prefill_lens=lens,
@@ -199,7 +208,9 @@ def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int) -> Ste
                      temperatures=as_f32(temps),
                      seeds=jax.lax.bitcast_convert_type(seeds, jnp.uint32),
                      top_ks=top_ks, top_ps=as_f32(top_ps), min_ps=as_f32(min_ps),
-                     presence_penalties=as_f32(presence), frequency_penalties=as_f32(frequency))
+                     presence_penalties=as_f32(presence), frequency_penalties=as_f32(frequency),
+                     bias_ids=bias_ids.reshape(num_slots + 1, bias_width),
+                     bias_values=as_f32(bias_values).reshape(num_slots + 1, bias_width))
 
 
 def pack_outputs(out: StepOutputs):
@@ -248,12 +259,13 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
 def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
                 table_width: int, decode: bool, speculative: bool, greedy: bool,
                 truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
-                penalized: bool = False):
+                adjusted: bool = False):
     """`mixed_step` on a packed batch, returning packed outputs."""
     batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_prefill=num_prefill,
-                         chunk=cfg.spec.max_step_tokens)
+                         chunk=cfg.spec.max_step_tokens,
+                         bias_width=MAX_LOGIT_BIAS if adjusted else 0)
     state, out = mixed_step(params, state, batch, cfg=cfg, table_width=table_width,
                             decode=decode, speculative=speculative, greedy=greedy,
                             truncated=truncated, decode_steps=decode_steps,
-                            logprobs=logprobs, penalized=penalized)
+                            logprobs=logprobs, adjusted=adjusted)
     return state, pack_outputs(out)

@@ -30,7 +30,7 @@ def packed_step_for(cfg: StepConfig, kind: str = "decode", copy: int = 0):
     return jax.jit(functools.partial(packed_step, cfg=cfg),
                    static_argnames=("num_prefill", "table_width", "decode", "speculative",
                                     "greedy", "truncated", "decode_steps", "logprobs",
-                                   "penalized"),
+                                   "adjusted"),
                    donate_argnums=1,
                    compiler_options=cfg.compiler_options_for(kind))
 

@@ -15,6 +15,8 @@ import numpy as np
 # The most likely tokens a request may ask for beside each generated token (vLLM's
 # default limit); the step returns this many for every token (drafter/sampling.py).
 MAX_LOGPROBS = 20
+# Logit bias entries a request may give (each step carries every slot's, padded to this).
+MAX_LOGIT_BIAS = 64
 
 
 class RequestError(ValueError):
@@ -59,7 +61,11 @@ class SamplingParams:
       frequency_penalty: subtracted from a token's logit once for each time the request
         has generated it (-2 to 2; 0 = none). The two apply before temperature and
         truncation, to greedy requests too; the first token has nothing before it
-        (drafter/sampling.py, `penalize`).
+        (drafter/sampling.py, `adjust`).
+      logit_bias: (token id, bias) pairs added to those tokens' logits before every
+        draw, greedy included (bias in [-100, 100]; -100 all but bans a token, 100
+        all but forces it); at most MAX_LOGIT_BIAS of them, ids distinct. A dict
+        {id: bias} is taken as its items.
       seed: the request's PRNG seed (its draws do not depend on its batch).
       stop_token_ids: generation ends after any of these (kept in the output).
       ignore_eos: keep going past the model's end-of-sequence token.
@@ -79,6 +85,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self):
+        # One form for every caller (a dict, or lists from JSON): pairs in a tuple. Values
+        # are not converted; `validate` checks them.
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        if isinstance(bias, (list, tuple, type({}.items()))):
+            bias = tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in bias)
+        object.__setattr__(self, "logit_bias", bias)
 
     def validate(self, request_id: str, vocab_size: int) -> None:
         where = f"request {request_id!r}"
@@ -113,11 +130,35 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"{where}: ignore_eos must be true or false, got "
                                f"{self.ignore_eos!r}", "ignore_eos")
+        self._validate_logit_bias(where, vocab_size)
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"{where}: logprobs must be an integer in [0, {MAX_LOGPROBS}] "
                                f"(the most likely tokens returned beside each token), or "
                                f"null for none, got {self.logprobs!r}", "logprobs")
+
+    def _validate_logit_bias(self, where: str, vocab_size: int) -> None:
+        bias = self.logit_bias
+        form = "(token id, bias) pairs, or {token id: bias}"
+        if not isinstance(bias, tuple) or not all(isinstance(p, tuple) and len(p) == 2
+                                                  for p in bias):
+            raise RequestError(f"{where}: logit_bias must be {form}, got {bias!r}",
+                               "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"{where}: logit_bias has {len(bias)} entries; give at most "
+                               f"{MAX_LOGIT_BIAS}", "logit_bias")
+        ids = [t for t, _ in bias]
+        bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"{where}: logit_bias ids {bad[:5]!r} are not token ids in "
+                               f"[0, {vocab_size})", "logit_bias")
+        if len(set(ids)) != len(ids):
+            raise RequestError(f"{where}: logit_bias gives a token id twice; give each once",
+                               "logit_bias")
+        bad = [v for _, v in bias if not _is_number(v) or not -100 <= v <= 100]
+        if bad:
+            raise RequestError(f"{where}: logit_bias values {bad[:5]!r} must be numbers in "
+                               f"[-100, 100]", "logit_bias")
 
 
 @dataclasses.dataclass(frozen=True)

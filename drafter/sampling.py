@@ -9,12 +9,12 @@ under truncation. Truncating is a static choice of the step (`Sampler.truncated`
 program of its own): its sort over the vocabulary runs only in steps where some row
 asks for it, and no step branches on the device.
 
-Presence and frequency penalties (OpenAI's) lower the logits of tokens the request has
-generated: logit - frequency x count - presence x (count > 0), before temperature and
-truncation, greedy rows too (`penalize`). In a verify block, position j counts the
-drafts before it as generated, so a row that accepts them scores every position as
-plain decoding would, and speculation stays lossless. Penalizing is a static choice too
-(`Sampler.penalized`).
+Before temperature and truncation, greedy rows too, a row's logits are adjusted
+(`adjust`, OpenAI's definitions): its logit bias is added, and the tokens it has
+generated lose frequency x count + presence x (count > 0). In a verify block, position
+j counts the drafts before it as generated, so a row that accepts them scores every
+position as plain decoding would, and speculation stays lossless. Adjusting is a static
+choice too (`Sampler.adjusted`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from drafter.request import MAX_LOGPROBS
+from drafter.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
 @flax.struct.dataclass
@@ -40,11 +40,13 @@ class Sampler:
       min_ps: f32[B], keep the tokens at least min_p x the most likely one's
         probability (0 = every token).
       greedy: static; every row is greedy (skips the softmax over the vocabulary).
-      presence_penalties, frequency_penalties: f32[B] (`penalize`).
+      presence_penalties, frequency_penalties: f32[B]; bias_ids: i32[B, MAX_LOGIT_BIAS],
+        bias_values: f32[B, MAX_LOGIT_BIAS] (each row's logit bias; unused entries 0, 0.0)
+        (`adjust`).
       truncated: static; rows are truncated by their top_ks, top_ps and min_ps (without
         it the three are ignored).
-      penalized: static; rows are penalized by their presence and frequency penalties
-        (without it the two are ignored).
+      adjusted: static; rows' logits are adjusted by their penalties and logit bias
+        (without it those are ignored).
     """
 
     temperatures: jax.Array
@@ -54,41 +56,48 @@ class Sampler:
     min_ps: jax.Array
     presence_penalties: jax.Array
     frequency_penalties: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
     greedy: bool = flax.struct.field(pytree_node=False, default=True)
     truncated: bool = flax.struct.field(pytree_node=False, default=False)
-    penalized: bool = flax.struct.field(pytree_node=False, default=False)
+    adjusted: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def uniform(cls, batch: int, temperature: float, key) -> "Sampler":
         """Every row at one temperature, keys split from one key, nothing truncated."""
         return cls(jnp.full((batch,), temperature, jnp.float32), jax.random.split(key, batch),
-                   *_untruncated(batch), *_unpenalized(batch), greedy=temperature == 0.0)
+                   *_untruncated(batch), *_unadjusted(batch), greedy=temperature == 0.0)
 
     @classmethod
     def per_row(cls, temperatures, seeds, positions, *, greedy: bool, stream: int,
-                truncation=None, penalties=None) -> "Sampler":
+                truncation=None, adjustment=None) -> "Sampler":
         """Row keys folded from (seed, position, stream): a request draws the same
         numbers whatever else shares its batch. truncation: (top_ks, top_ps, min_ps)
-        per row to truncate by, or None (the step does not truncate); penalties:
-        (presence, frequency) per row, or None (the step does not penalize)."""
+        per row to truncate by, or None (the step does not truncate); adjustment:
+        (presence, frequency, bias_ids, bias_values) per row, or None (the step does not
+        adjust)."""
         temperatures = temperatures.astype(jnp.float32)
         batch = seeds.shape[0]
         truncated = truncation is not None and not greedy
         top_ks, top_ps, min_ps = truncation if truncated else _untruncated(batch)
         truncation = (top_ks.astype(jnp.int32), top_ps.astype(jnp.float32),
                       min_ps.astype(jnp.float32))
-        penalized = penalties is not None
-        penalties = tuple(x.astype(jnp.float32) for x in penalties) if penalized \
-            else _unpenalized(batch)
+        adjusted = adjustment is not None
+        if adjusted:
+            presence, frequency, bias_ids, bias_values = adjustment
+            adjustment = (presence.astype(jnp.float32), frequency.astype(jnp.float32),
+                          bias_ids.astype(jnp.int32), bias_values.astype(jnp.float32))
+        else:
+            adjustment = _unadjusted(batch)
         if greedy:  # no draws: skip deriving keys
             return cls(temperatures, jax.random.split(jax.random.key(0), batch), *truncation,
-                       *penalties, penalized=penalized)
+                       *adjustment, adjusted=adjusted)
 
         def key(seed, position):
             k = jax.random.fold_in(jax.random.key(0), seed)
             return jax.random.fold_in(jax.random.fold_in(k, position), stream)
-        return cls(temperatures, jax.vmap(key)(seeds, positions), *truncation, *penalties,
-                   greedy=False, truncated=truncated, penalized=penalized)
+        return cls(temperatures, jax.vmap(key)(seeds, positions), *truncation, *adjustment,
+                   greedy=False, truncated=truncated, adjusted=adjusted)
 
 
 def _untruncated(batch: int):
@@ -96,8 +105,10 @@ def _untruncated(batch: int):
             jnp.zeros((batch,), jnp.float32))
 
 
-def _unpenalized(batch: int):
-    return jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32)
+def _unadjusted(batch: int):
+    return (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32),
+            jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32),
+            jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32))
 
 
 def penalty(counts, presence, frequency):
@@ -107,16 +118,21 @@ def penalty(counts, presence, frequency):
     return frequency * counts.astype(jnp.float32) + jnp.where(counts > 0, presence, 0.0)
 
 
-def penalize(logits, counts, drafts, sampler: Sampler):
-    """Logits f32[B, b, V] less each row's penalties, if the sampler penalizes.
+def adjust(logits, counts, drafts, sampler: Sampler):
+    """Logits f32[B, b, V] with each row's logit bias added and its penalties subtracted,
+    if the sampler adjusts.
 
     counts: i32[B, V], each token's occurrences among the row's generated tokens before
     position 0; drafts: i32[B, b - 1], the tokens at positions 1..b-1: position j counts
     drafts[:, :j] too (what it would have seen had they been generated).
     """
-    if not sampler.penalized:
+    if not sampler.adjusted:
         return logits
     rows, block, _ = logits.shape
+    # Unused bias entries add 0.0 to token 0: x + 0.0 is x, whatever else adds to it.
+    logits = logits.at[jnp.arange(rows)[:, None, None], jnp.arange(block)[None, :, None],
+                       sampler.bias_ids[:, None, :]].add(
+        jnp.broadcast_to(sampler.bias_values[:, None, :], (rows, block, MAX_LOGIT_BIAS)))
     before = (jnp.arange(block - 1)[None] < jnp.arange(block)[:, None]).astype(jnp.int32)
     position_counts = jnp.broadcast_to(counts[:, None], logits.shape).at[
         jnp.arange(rows)[:, None, None], jnp.arange(block)[None, :, None],
@@ -125,10 +141,14 @@ def penalize(logits, counts, drafts, sampler: Sampler):
                             sampler.frequency_penalties[:, None, None])
 
 
-def penalize_reference(logits, counts, drafts, presence, frequency):
-    """`penalize` one position at a time, counting in numpy (for tests)."""
+def adjust_reference(logits, counts, drafts, presence, frequency, bias=None):
+    """`adjust` one position at a time, counting in numpy (for tests). bias: per row a
+    {token id: bias} dict, or None."""
     logits, counts, drafts = (np.asarray(x) for x in (logits, counts, drafts))
     out = np.array(logits, np.float32)
+    for r, row_bias in enumerate(bias or [{}] * logits.shape[0]):
+        for token, value in row_bias.items():
+            out[r, :, token] += np.float32(value)
     for r in range(logits.shape[0]):
         seen = np.array(counts[r])
         for j in range(logits.shape[1]):

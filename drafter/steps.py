@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import DFlashConfig, draft_block, write_context
-from drafter.sampling import Sampler, accept, emitted_tokens, penalize, sample, token_logprobs
+from drafter.sampling import Sampler, accept, adjust, emitted_tokens, sample, token_logprobs
 from models.attention import resolve_impl
 from models.qwen3 import Qwen3Config, forward
 from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
@@ -62,7 +62,7 @@ class StepState:
         finished request in a step dispatched ahead never grows state.
       output_counts: i32[num_slots + 1, vocab], how often each token occurs among the
         slot's generated tokens (its first token included). Kept for the rows of steps
-        that penalize (`Sampler.penalized`: a penalized request's every call is one) and
+        that adjust logits (`Sampler.adjusted`: a penalized request's every call is one) and
         set by every import; other rows' counts are stale, and nothing reads them.
     """
 
@@ -247,7 +247,10 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
                               num_tokens)
     kv = kv.replace(pools=pools)
     last = jnp.take_along_axis(logits, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)
-    first = sample(last[:, 0], sampler)
+    # Nothing generated yet: the first token's adjustment is its logit bias alone.
+    nothing = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
+    first = sample(adjust(last, jnp.zeros(last.shape[::2], jnp.int32), nothing,
+                          sampler)[:, 0], sampler)
     done = is_last & active & ok
     anchors = state.anchors.at[slot_ids].set(jnp.where(done, first, state.anchors[slot_ids]))
     drafts = state.drafts
@@ -257,7 +260,7 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
     kv = retire_window_pages(spec, kv, slot_ids)
     running = state.running.at[slot_ids].set(done | state.running[slot_ids])
     counts = state.output_counts
-    if sampler.penalized:
+    if sampler.adjusted:
         counts = first_counts(counts, slot_ids, first, done)
     out = (StepState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running),
                      output_counts=counts), first, ok)
@@ -301,7 +304,7 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    p, verify_len, feature_layers=cfg.draft.target_layer_ids,
                                    impl=cfg.impl, scan_unroll=cfg.scan_unroll)
-    scored = penalize(logits, state.output_counts[slot_ids], tokens[:, 1:], sampler)
+    scored = adjust(logits, state.output_counts[slot_ids], tokens[:, 1:], sampler)
     accepted, bonus = accept(scored, tokens[:, 1:], sampler)
     num_out = jnp.where(live, accepted + 1, 0).astype(jnp.int32)
     pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, p, num_out)
@@ -313,7 +316,7 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
             jnp.where(live, new_len, kv.draft_ctx_lens[slot_ids])))
     out_tokens = emitted_tokens(tokens, accepted, bonus)
     counts = state.output_counts
-    if sampler.penalized:
+    if sampler.adjusted:
         kept = (jnp.arange(block)[None] < num_out[:, None]).astype(jnp.int32)
         counts = counts.at[slot_ids[:, None], out_tokens].add(kept)
     drafts = _draft(params, cfg, kv, tables, bonus, new_len, live)
@@ -347,10 +350,10 @@ def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
                                live.astype(jnp.int32), impl=cfg.impl,
                                scan_unroll=cfg.scan_unroll)
     no_drafts = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
-    token = sample(penalize(logits[:, :1], state.output_counts[slot_ids], no_drafts,
+    token = sample(adjust(logits[:, :1], state.output_counts[slot_ids], no_drafts,
                             sampler)[:, 0], sampler)
     counts = state.output_counts
-    if sampler.penalized:
+    if sampler.adjusted:
         counts = counts.at[slot_ids, token].add(live.astype(jnp.int32))
     kv = retire_window_pages(spec, kv.replace(pools=pools), rows)
     anchors = state.anchors.at[slot_ids].set(jnp.where(live, token, state.anchors[slot_ids]))

@@ -334,16 +334,18 @@ def test_logprobs_travel_with_the_kv_and_equal_aggregated(pair):
     assert_pair_free(engine)
 
 
-def test_penalized_requests_equal_aggregated(pair):
-    """The import counts a request's first token (the context's) as generated, so its
-    penalized decode steps give the aggregated tokens (shared mode; the same import
-    serves private mode and the two-process pair)."""
+def test_adjusted_logits_equal_aggregated(pair):
+    """The context's prefill biases the first token, and the import counts it as
+    generated, so penalized and biased requests give the aggregated tokens (shared mode;
+    the same import serves private mode and the two-process pair)."""
     params, cfg = pair
-    penalized = SamplingParams(MAX_NEW, presence_penalty=1.5, frequency_penalty=0.5)
-    want = Engine(params, cfg).generate(PROMPTS[:2], params=penalized)
+    asked = [SamplingParams(MAX_NEW, presence_penalty=1.5, frequency_penalty=0.5),
+             SamplingParams(MAX_NEW, logit_bias={7: 100})]
+    want = serve_each(Engine(params, cfg), asked)
     engine = split_engine(params, cfg)
-    got = engine.generate(PROMPTS[:2], params=penalized)
-    assert [r.tokens for r in got] == [r.tokens for r in want]
+    got = serve_each(engine, asked)
+    assert {k: r.tokens for k, r in got.items()} == {k: r.tokens for k, r in want.items()}
+    assert got["r1"].tokens == [7] * MAX_NEW
     assert_pair_free(engine)
 
 

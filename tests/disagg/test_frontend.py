@@ -108,6 +108,9 @@ def test_json_lines_share_the_schema_stop_strings_included():
     req, _ = parse_line({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1},
                         4, _Engine(), ByteTokenizer())
     assert (req.params.presence_penalty, req.params.frequency_penalty) == (0.5, -1)
+    req, _ = parse_line({"prompt": "x", "logit_bias": {"7": -100, "12": 2.5}}, 4, _Engine(),
+                        ByteTokenizer())
+    assert req.params.logit_bias == ((7, -100), (12, 2.5))
     req, _ = parse_line({"prompt": "x", "top_p": None, "top_k": None}, 5, _Engine(),
                         ByteTokenizer())   # null: the default, as in OpenAI's API
     assert (req.params.top_p, req.params.top_k, req.params.min_p) == (1.0, 0, 0.0)
@@ -233,7 +236,7 @@ def test_layer_loop_flag_reaches_the_served_steps():
 
 def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
     """`serve --warmup all` makes warm_up run Engine.warmup(sampled=True, logprobs=True,
-    penalized=True) after the first-request compiles (what that compiles: tests/drafter/test_engine.py::
+    adjusted=True) after the first-request compiles (what that compiles: tests/drafter/test_engine.py::
     test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range)."""
     import types
 
@@ -250,7 +253,7 @@ def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
     said = []
     warm_up(engine, ByteTokenizer(), said.append, every_length=True)
     assert calls == [("generate", 1), ("generate", 2),
-                     ("warmup", {"sampled": True, "logprobs": True, "penalized": True})]
+                     ("warmup", {"sampled": True, "logprobs": True, "adjusted": True})]
     assert any("every step for rows of up to 9,216 tokens" in s for s in said)
     calls.clear()
     warm_up(engine, ByteTokenizer(), said.append)

@@ -241,6 +241,23 @@ def test_penalties_reach_the_engine_through_the_client(server):
     assert chat.choices[0].token_ids == want["chat"]
 
 
+def test_logit_bias_reaches_the_engine_through_the_client(server):
+    """OpenAI's logit_bias ({"token id": bias}): 100 forces a token from the first one on,
+    completion and chat; -100 keeps the greedy output's first token out."""
+    c, name = server["client"], server["name"]
+    forced = ord("x")   # the embedded pair's byte-level ids
+    out = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                               temperature=0, logit_bias={str(forced): 100})
+    assert out.choices[0].token_ids == [forced] * MAX_TOKENS
+    chat = c.chat.completions.create(model=name, messages=CHATS["add"][0], temperature=0,
+                                     max_tokens=MAX_TOKENS, logit_bias={str(forced): 100})
+    assert chat.choices[0].token_ids == [forced] * MAX_TOKENS
+    banned = server["greedy"][PROMPTS[0]][0]
+    out = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                               temperature=0, logit_bias={str(banned): -100})
+    assert banned not in out.choices[0].token_ids
+
+
 def test_streamed_pieces_make_the_same_text(server):
     c, tok = server["client"], server["tok"]
     prompt = PROMPTS[1]
@@ -306,6 +323,10 @@ BAD = [
     ({"prompt": "x", "min_p": -1}, "min_p", "[0, 1]"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
     ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty", "[-2, 2]"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "decimal strings"),
+    ({"prompt": "x", "logit_bias": [[5, 1]]}, "logit_bias", "decimal strings"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias", "not token ids"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown fields"),
     ({"prompt": "x", "n": 0}, "n", "integer >= 1"),
     ({"prompt": ["a", "b"], "n": 40}, "n", "at most 64"),

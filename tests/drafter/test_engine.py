@@ -81,7 +81,12 @@ def test_duplicate_ids_and_bad_sampling_fields_are_named(pair):
                           (dict(min_p=True), "min_p"),
                           (dict(presence_penalty=2.5), "presence_penalty"),
                           (dict(frequency_penalty=float("nan")), "frequency_penalty"),
-                          (dict(frequency_penalty=True), "frequency_penalty")]:
+                          (dict(frequency_penalty=True), "frequency_penalty"),
+                          (dict(logit_bias={99: 1.0}), "logit_bias"),
+                          (dict(logit_bias={3: 101}), "logit_bias"),
+                          (dict(logit_bias=((3, 1.0), (3, 2.0))), "logit_bias"),
+                          (dict(logit_bias={i: 1.0 for i in range(65)}), "logit_bias"),
+                          (dict(logit_bias="3:1"), "logit_bias")]:
         with pytest.raises(RequestError, match=match):
             engine.make_request("b", [1, 2], **fields)
 
@@ -210,16 +215,17 @@ def test_logprobs_are_the_targets_own_for_every_kept_token(pair):
 
 
 def test_penalties_score_each_token_against_the_tokens_generated_before_it(pair):
-    """Presence and frequency penalties: every generated token is the most likely one of
-    the target's logits (a dense f32 forward over prompt + output) less its penalties for
-    the tokens generated before it; a request without them beside gets what it gets
+    """Presence and frequency penalties, with a logit bias: every generated token is the
+    most likely one of the target's logits (a dense f32 forward over prompt + output)
+    plus its bias, less its penalties for the tokens generated before it; a request without them beside gets what it gets
     alone; they change what the pair generates. (Speculative equals plain under them,
     with drafts accepted: tests/drafter/test_default_pair.py.)"""
     from models.qwen3 import dense_forward
     params, cfg, _ = pair
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5]]
     asked = [SamplingParams(14, presence_penalty=1.5, frequency_penalty=0.5),
-             SamplingParams(14, frequency_penalty=-0.4, presence_penalty=0.3)]
+             SamplingParams(14, frequency_penalty=-0.4, presence_penalty=0.3,
+                            logit_bias={41: -0.8, 5: 0.6, 0: 0.2})]
     engine = Engine(params, cfg)
     alone = engine.generate(prompts[:1], 14)[0]
     for i, (prompt, p) in enumerate(zip(prompts, asked)):
@@ -237,9 +243,30 @@ def test_penalties_score_each_token_against_the_tokens_generated_before_it(pair)
         logits = np.asarray(logits[0], np.float64)
         for j, token in enumerate(tokens):
             seen = np.bincount(tokens[:j], minlength=logits.shape[-1])
-            score = (logits[len(prompt) - 1 + j] - p.frequency_penalty * seen
-                     - p.presence_penalty * (seen > 0))
+            score = logits[len(prompt) - 1 + j].copy()
+            for token_id, bias in p.logit_bias:
+                score[token_id] += bias
+            score -= p.frequency_penalty * seen + p.presence_penalty * (seen > 0)
             assert score[token] >= score.max() - 1e-4, (j, token, int(score.argmax()))
+
+
+def test_logit_bias_forces_and_bans_tokens_from_the_first_one_on(pair):
+    """A bias of 100 makes every token (the prefill's first included) that one; -100 keeps
+    a token out; a request without a bias beside them gets what it gets alone."""
+    params, cfg, _ = pair
+    engine = Engine(params, cfg)
+    prompt = [1, 2, 3, 4]
+    alone = engine.generate([prompt], 10)[0].tokens
+    banned = alone[0]
+    engine.submit(engine.make_request("forced", prompt, SamplingParams(10, logit_bias={7: 100})))
+    engine.submit(engine.make_request("banned", prompt,
+                                      SamplingParams(10, logit_bias={banned: -100.0})))
+    engine.submit(engine.make_request("plain", prompt, SamplingParams(10)))
+    got = {r.request_id: r.tokens for r in engine.run()}
+    assert got["forced"] == [7] * 10
+    assert banned not in got["banned"] and len(got["banned"]) == 10
+    assert got["plain"] == alone
+    assert_all_free(engine)
 
 
 def test_lookahead_off_gives_the_same_tokens(pair):
@@ -341,11 +368,11 @@ def test_warmup_with_logprobs_compiles_the_steps_that_return_them(caplog):
 
 
 def test_warmup_with_penalties_compiles_the_penalized_steps(caplog):
-    """warmup(penalized=True) also compiles each penalized call: a penalized request, alone
+    """warmup(adjusted=True) also compiles each adjusted call: a adjusted request, alone
     and beside one that is not, compiles no step (the previous tests' config)."""
     params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=152)
     engine = Engine(params, cfg)
-    engine.warmup(20, penalized=True)
+    engine.warmup(20, adjusted=True)
     with compiled_in(caplog, "step") as compiled:
         engine.add_request("pen", [1, 2, 3], 6, presence_penalty=0.5)
         engine.run()

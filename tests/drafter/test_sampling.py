@@ -1,13 +1,14 @@
 """Sampling: the truncation against a numpy reference, and lossless rejection sampling
 under it (the tokens a row emits are distributed as its truncated target distribution);
-penalties against counting position by position."""
+logit bias and penalties against counting position by position."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from drafter.sampling import (Sampler, accept, penalize, penalize_reference, sample, truncate,
+from drafter.request import MAX_LOGIT_BIAS
+from drafter.sampling import (Sampler, accept, adjust, adjust_reference, sample, truncate,
                               truncate_row)
 
 
@@ -48,7 +49,9 @@ def sampler(batch, *, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0, key=0):
                    jax.random.split(jax.random.key(key), batch),
                    jnp.full((batch,), top_k, jnp.int32), jnp.full((batch,), top_p, jnp.float32),
                    jnp.full((batch,), min_p, jnp.float32), jnp.zeros((batch,), jnp.float32),
-                   jnp.zeros((batch,), jnp.float32), greedy=False, truncated=True)
+                   jnp.zeros((batch,), jnp.float32),
+                   jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32),
+                   jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32), greedy=False, truncated=True)
 
 
 def truncated_probs(logits, **kw):
@@ -133,11 +136,21 @@ def test_token_logprobs_equal_a_float64_log_softmax(vocab):
         assert [t for t, _ in kept.top] == order.tolist()   # the padding is not returned
 
 
+def with_bias(s, bias):
+    """Sampler `s` with per-row {token: bias} dicts as its padded bias arrays."""
+    ids = np.zeros((len(bias), MAX_LOGIT_BIAS), np.int32)
+    values = np.zeros((len(bias), MAX_LOGIT_BIAS), np.float32)
+    for r, row in enumerate(bias):
+        ids[r, :len(row)], values[r, :len(row)] = list(row), list(row.values())
+    return s.replace(bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values))
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_penalties_count_the_drafts_before_each_position(seed):
-    """Position j of a verify block is penalized for the row's generated tokens and the
-    drafts before j (repeated drafts count twice); rows differ in their penalties,
-    negative ones included; a step that does not penalize leaves the logits alone."""
+def test_adjusting_adds_the_bias_and_counts_the_drafts_before_each_position(seed):
+    """Position j of a verify block gets the row's logit bias (token 0 included: unused
+    entries also name it) and is penalized for the row's generated tokens and the drafts
+    before j (repeated drafts count twice); rows differ, negative penalties and biases
+    included; a step that does not adjust leaves the logits alone."""
     rng = np.random.default_rng(seed)
     rows, block, vocab = 3, 5, 9   # a small vocabulary: drafts repeat and hit counts
     logits = rng.normal(size=(rows, block, vocab)).astype(np.float32)
@@ -145,34 +158,36 @@ def test_penalties_count_the_drafts_before_each_position(seed):
     drafts = rng.integers(0, vocab, size=(rows, block - 1))
     presence = np.array([0.0, 1.5, -0.7], np.float32)
     frequency = np.array([0.8, 0.0, -2.0], np.float32)
-    s = sampler(rows).replace(presence_penalties=jnp.asarray(presence),
-                              frequency_penalties=jnp.asarray(frequency), penalized=True)
-    got = np.asarray(penalize(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                              jnp.asarray(drafts, jnp.int32), s))
-    want = penalize_reference(logits, counts, drafts, presence, frequency)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    assert not np.allclose(got[1:], logits[1:])   # the test's penalties change logits
+    bias = [{}, {0: 3.5, 4: -100.0}, {int(rng.integers(vocab)): 0.25}]
+    s = with_bias(sampler(rows), bias).replace(
+        presence_penalties=jnp.asarray(presence), frequency_penalties=jnp.asarray(frequency),
+        adjusted=True)
+    got = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
+                            jnp.asarray(drafts, jnp.int32), s))
+    want = adjust_reference(logits, counts, drafts, presence, frequency, bias)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert not np.allclose(got[1:], logits[1:])   # the test's adjustments change logits
     np.testing.assert_array_equal(
-        np.asarray(penalize(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                            jnp.asarray(drafts, jnp.int32), s.replace(penalized=False))),
+        np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
+                          jnp.asarray(drafts, jnp.int32), s.replace(adjusted=False))),
         logits)
 
 
 def test_a_verify_position_scores_as_the_plain_step_after_its_drafts():
-    """Bit for bit: position j of a block penalized with its drafts equals a one-position
+    """Bit for bit: position j of a block adjusted with its drafts equals a one-position
     block whose counts already hold those drafts (what plain decoding computes)."""
     rng = np.random.default_rng(0)
     block, vocab = 6, 13
     logits = rng.normal(size=(1, block, vocab)).astype(np.float32)
     counts = rng.integers(0, 2, size=(1, vocab))
     drafts = np.array([[3, 3, 7, 0, 3]])
-    s = sampler(1).replace(presence_penalties=jnp.full((1,), 0.37, jnp.float32),
-                           frequency_penalties=jnp.full((1,), 1.13, jnp.float32),
-                           penalized=True)
-    block_scores = np.asarray(penalize(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                                       jnp.asarray(drafts, jnp.int32), s))
+    s = with_bias(sampler(1), [{3: 0.7, 0: -1.3}]).replace(
+        presence_penalties=jnp.full((1,), 0.37, jnp.float32),
+        frequency_penalties=jnp.full((1,), 1.13, jnp.float32), adjusted=True)
+    block_scores = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
+                                     jnp.asarray(drafts, jnp.int32), s))
     for j in range(block):
         seen = counts + np.bincount(drafts[0, :j], minlength=vocab)[None]
-        one = penalize(jnp.asarray(logits[:, j:j + 1]), jnp.asarray(seen, jnp.int32),
-                       jnp.zeros((1, 0), jnp.int32), s)
+        one = adjust(jnp.asarray(logits[:, j:j + 1]), jnp.asarray(seen, jnp.int32),
+                     jnp.zeros((1, 0), jnp.int32), s)
         np.testing.assert_array_equal(np.asarray(one)[:, 0], block_scores[:, j])
