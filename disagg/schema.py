@@ -22,7 +22,8 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "stop_token_ids",
              "ignore_eos"}; OpenAI fields this server does not implement are accepted
-             only at their neutral value (best_of = 1, echo = false, suffix = null).
+             only at their neutral value (best_of = 1, echo = false, suffix = null,
+             repetition_penalty = 1).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
@@ -54,6 +55,9 @@ JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed
 NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "echo": ((False, None), "the prompt is not echoed; prepend it yourself"),
            "suffix": ((None, ""), "suffixes are not implemented"),
+           # vLLM's extension, which also counts the prompt's tokens
+           "repetition_penalty": ((1, 1.0, None), "only presence_penalty and "
+                                  "frequency_penalty are implemented"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "seed", "stop", "stream",
                      "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",

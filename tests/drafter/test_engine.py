@@ -367,9 +367,10 @@ def test_warmup_with_logprobs_compiles_the_steps_that_return_them(caplog):
     assert got["not"].logprobs is None
 
 
-def test_warmup_with_penalties_compiles_the_penalized_steps(caplog):
-    """warmup(adjusted=True) also compiles each adjusted call: a adjusted request, alone
-    and beside one that is not, compiles no step (the previous tests' config)."""
+def test_warmup_adjusted_compiles_the_steps_that_adjust_logits(caplog):
+    """warmup(adjusted=True) also compiles each call that adjusts logits: penalized and
+    biased requests, alone and beside one that is neither, compile no step (the previous
+    tests' config)."""
     params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=152)
     engine = Engine(params, cfg)
     engine.warmup(20, adjusted=True)
@@ -377,6 +378,7 @@ def test_warmup_with_penalties_compiles_the_penalized_steps(caplog):
         engine.add_request("pen", [1, 2, 3], 6, presence_penalty=0.5)
         engine.run()
         engine.add_request("pen-too", [4, 5, 6, 7], 6, frequency_penalty=-1.0)
+        engine.add_request("biased", [2, 4], 6, logit_bias={3: 5.0})
         engine.add_request("not", [8, 9], 6)
         engine.run()
     assert not compiled, compiled
