@@ -216,3 +216,24 @@ def test_a_stray_peer_is_dropped_alone_and_the_context_serves_on(stray):
         server.stop()
         thread.join(10)
         server.listener.close()
+
+
+def test_every_sampling_field_crosses_the_wire_and_a_bad_one_is_refused_by_name():
+    """A request's parameters reach the other process as JSON and come back equal
+    (penalties, logit bias pairs, truncation, stops, log-probabilities); a peer's bad
+    value is refused naming the field, as the front ends refuse it."""
+    import json
+
+    from disagg.wire import request_from_wire, request_to_wire
+    from drafter.request import Request, RequestError
+    params = SamplingParams(9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1,
+                            presence_penalty=-0.5, frequency_penalty=1.25, seed=3,
+                            stop_token_ids=(4, 6), ignore_eos=True, logprobs=2,
+                            logit_bias={7: -100, 0: 2.5})
+    request = Request.make("r", [1, 2, 3], params, vocab_size=64)
+    message = json.loads(json.dumps(request_to_wire(request)))
+    assert request_from_wire(message, vocab_size=64) == request
+    message["params"]["logit_bias"] = [[7, 1.0], [7, 2.0]]
+    with pytest.raises(RequestError, match="twice") as e:
+        request_from_wire(message, vocab_size=64)
+    assert e.value.field == "logit_bias"
