@@ -395,7 +395,8 @@ def test_a_warm_engine_compiles_nothing_more(pair, caplog):
 
 def test_several_decode_steps_per_call_give_the_same_tokens(pair):
     """Steady decoding runs k steps per call; stops and max_new_tokens that fall
-    inside a call cut there, and acceptance counts only kept tokens."""
+    inside a call cut there, and acceptance counts only kept tokens; penalized requests
+    too."""
     params, speculative_cfg, _ = pair
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
     one = Engine(params, speculative_cfg).generate(prompts, 13)
@@ -407,6 +408,10 @@ def test_several_decode_steps_per_call_give_the_same_tokens(pair):
     cut = engine.generate([prompts[1]], params=SamplingParams(13, stop_token_ids=(stop,)))[0]
     assert cut.tokens == one[1].tokens[:one[1].tokens.index(stop) + 1]
     assert sum(cut.acceptance) + 1 == len(cut.tokens)
+    # penalties count every token of the call's earlier steps (the GPU runs 8 a call)
+    penalized = SamplingParams(13, presence_penalty=1.5, frequency_penalty=0.5)
+    assert [r.tokens for r in engine.generate(prompts, params=penalized)] == \
+        [r.tokens for r in Engine(params, speculative_cfg).generate(prompts, params=penalized)]
     assert_all_free(engine)
 
 
