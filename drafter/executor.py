@@ -207,17 +207,17 @@ class Executor:
         variants = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
         variants = [(*v, lp) for v in variants for lp in ((False, True) if logprobs
                                                           else (False,))]
-        variants = [(*v, pen) for v in variants for pen in ((False, True) if adjusted
+        variants = [(*v, adj) for v in variants for adj in ((False, True) if adjusted
                                                             else (False,))]
         for width in widths:
-            for greedy, truncated, lp, pen in variants:
+            for greedy, truncated, lp, adj in variants:
                 for k in decode_steps:
                     self.run_empty(table_width=width, decode_steps=k, greedy=greedy,
-                                   truncated=truncated, logprobs=lp, adjusted=pen)
+                                   truncated=truncated, logprobs=lp, adjusted=adj)
                 for rows in prefill_rows:
                     self.run_empty(table_width=width, decode=False, num_prefill=rows,
                                    greedy=greedy, truncated=truncated, logprobs=lp,
-                                   adjusted=pen)
+                                   adjusted=adj)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
