@@ -157,7 +157,8 @@ def step_state(kv):
     n = kv.target_lens.shape[0]
     return StepState(kv=kv, anchors=jnp.zeros((n,), jnp.int32),
                      drafts=jnp.zeros((n, 1), jnp.int32), running=jnp.zeros((n,), bool),
-                     output_counts=jnp.zeros((n, 1), jnp.int32))
+                     output_counts=jnp.zeros((n, 1), jnp.int32),
+                     prompt_seen=jnp.zeros((n, 1), bool))
 
 
 def link_rates(nbytes: int, src_sharding, dst_sharding, two_devices: bool) -> dict:

@@ -9,7 +9,7 @@ own spelling) and the fix.
 JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
              "top_k": int >= -1, "min_p": [0, 1], "presence_penalty": [-2, 2],
-             "frequency_penalty": [-2, 2], "seed": int, "stop": str | [str, ...],
+             "frequency_penalty": [-2, 2], "repetition_penalty": (0, 100], "seed": int, "stop": str | [str, ...],
              "stop_token_ids": [int, ...], "ignore_eos": bool, "logprobs": int in
              [0, 20] | null (each token's log-probability and this many alternatives),
              "logit_bias": {"token id": number in [-100, 100], ...} (OpenAI's form; at
@@ -20,10 +20,9 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              "temperature": number >= 0, "top_p", "presence_penalty",
              "frequency_penalty", "logit_bias", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
-             int in [0, 20] | null, extensions "top_k", "min_p", "stop_token_ids",
-             "ignore_eos"}; OpenAI fields this server does not implement are accepted
-             only at their neutral value (best_of = 1, echo = false, suffix = null,
-             repetition_penalty = 1).
+             int in [0, 20] | null, extensions "top_k", "min_p", "repetition_penalty",
+             "stop_token_ids", "ignore_eos"}; OpenAI fields this server does not implement are accepted
+             only at their neutral value (best_of = 1, echo = false, suffix = null).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
@@ -31,7 +30,7 @@ chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant"
              "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
              int >= 1 (one of them; default as for a completion), "n", "temperature",
              "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "logit_bias", "seed", "stop", "stream", "stream_options",
+             "repetition_penalty", "logit_bias", "seed", "stop", "stream", "stream_options",
              "stop_token_ids", "ignore_eos" as for a completion, "logprobs": bool,
              "top_logprobs": int in [0, 20] (with "logprobs": true)};
              neutral-only OpenAI fields as for a completion, plus tools = null,
@@ -48,16 +47,14 @@ from drafter.tokenizer import ChatTemplateError
 
 # Sampling fields every form takes as they are (SamplingParams checks them); null means
 # the default, as in OpenAI's API.
-SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
                 "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", *SAMPLING_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
 NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "echo": ((False, None), "the prompt is not echoed; prepend it yourself"),
            "suffix": ((None, ""), "suffixes are not implemented"),
-           # vLLM's extension, which also counts the prompt's tokens
-           "repetition_penalty": ((1, 1.0, None), "only presence_penalty and "
-                                  "frequency_penalty are implemented"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "seed", "stop", "stream",
                      "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",

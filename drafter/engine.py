@@ -306,7 +306,8 @@ class Engine:
         table width that rows of `min_len` to `max_len` tokens (default 0 to
         max_seq_len) use; greedy, and with `sampled` also sampling; with `logprobs` each
         of those also returning log-probabilities, and with `adjusted` each of those
-        also adjusting logits (presence / frequency penalties, logit bias); the exports (a
+        also adjusting logits (penalties, logit bias; and the prompt marks a repetition
+        penalty makes); the exports (a
         context worker) or imports and redrafts (a worker fed by a KV source) of
         prompts of those lengths; and the same for an in-process KV source's context
         engines. Runs calls whose rows all pad, which change nothing. Returns the
@@ -328,6 +329,8 @@ class Engine:
         decode_steps = [] if self.export else sorted({1, self.decode_steps})
         self.executor.warm(widths, decode_steps=decode_steps, prefill_rows=prefill_rows,
                            sampled=sampled, logprobs=logprobs, adjusted=adjusted)
+        if adjusted:   # repetition penalties mark prompts as requests take their slots
+            self.executor.warm_marks(max_len)
         lengths = range(max(min_len, 1), max_len + 1)
         if self.scheduler.export or self.kv_source is not None:   # one per page bucket
             self.executor.warm_transfers(lengths, exports=self.scheduler.export,
@@ -390,7 +393,7 @@ class Engine:
                                       f"{request.request_id!r}: KV import refused: {problem}")
             else:
                 accepted.append((k, seq, payload))
-        done = self.executor.import_payloads([(seq.slot, payload, seq.request.params)
+        done = self.executor.import_payloads([(seq.slot, payload, seq.request)
                                               for _, seq, payload in accepted], reset_slots)
         for (k, _, payload), ok in zip(accepted, done):
             out[k] = (ok, payload.first_token, payload.origin, payload.first_logprobs)

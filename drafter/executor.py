@@ -19,10 +19,11 @@ import numpy as np
 from drafter.kv_io import (KVPayload, call_groups, export_payloads, pack_import_index,
                            padded_rows, receiver_shardings, sent_pool_ids, transfer_shapes)
 from drafter.mixed_step import StepBatch, first_logprobs_bits, pack_batch, unpack_outputs
-from drafter.programs import (Copies, export_step_for, import_step_for, packed_step_for,
-                              redraft_step_for, traced_on_mesh)
+from drafter.programs import (Copies, export_step_for, import_step_for, mark_step_for,
+                              packed_step_for, redraft_step_for, traced_on_mesh)
 from drafter.request import MAX_LOGIT_BIAS
 from drafter.scheduler import StepPlan
+from drafter.seen import pack_prompt, prompt_bucket
 from drafter.steps import StepConfig, init_step_state
 from models.layers import step_params
 from unified_kv import BAD_PAGE_INDEX, bucket_width, init_state
@@ -52,6 +53,7 @@ class Executor:
         self._imports = Copies(on_mesh(import_step_for(cfg, c)) for c in copies)
         self._exports = Copies(on_mesh(export_step_for(cfg, c)) for c in copies)
         self._redraft = on_mesh(redraft_step_for(cfg))
+        self._mark = on_mesh(mark_step_for(cfg))
         self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
         slots = cfg.spec.num_slots + 1
         self.temperatures = np.zeros(slots, np.float32)
@@ -61,6 +63,7 @@ class Executor:
         self.min_ps = np.zeros(slots, np.float32)
         self.presence_penalties = np.zeros(slots, np.float32)
         self.frequency_penalties = np.zeros(slots, np.float32)
+        self.repetition_penalties = np.ones(slots, np.float32)
         self.bias_ids = np.zeros((slots, MAX_LOGIT_BIAS), np.int32)
         self.bias_values = np.zeros((slots, MAX_LOGIT_BIAS), np.float32)
         self.wants_logprobs = np.zeros(slots, bool)
@@ -92,7 +95,8 @@ class Executor:
         return state.replace(anchors=jax.device_put(state.anchors, replicated),
                              drafts=jax.device_put(state.drafts, replicated),
                              running=jax.device_put(state.running, replicated),
-                             output_counts=jax.device_put(state.output_counts, replicated))
+                             output_counts=jax.device_put(state.output_counts, replicated),
+                             prompt_seen=jax.device_put(state.prompt_seen, replicated))
 
     def table_width(self, max_len: int) -> int:
         pages = -(-max_len // self.spec.page_size)
@@ -106,6 +110,7 @@ class Executor:
         self.min_ps[slot] = params.min_p
         self.presence_penalties[slot] = params.presence_penalty
         self.frequency_penalties[slot] = params.frequency_penalty
+        self.repetition_penalties[slot] = params.repetition_penalty
         n = len(params.logit_bias)
         self.bias_ids[slot], self.bias_values[slot] = 0, 0.0
         if n:
@@ -129,6 +134,7 @@ class Executor:
             seq, slot = chunk.seq, chunk.seq.slot
             if chunk.start == 0:
                 self.set_sampling(slot, seq.request.params)
+                self.mark_prompt(slot, seq.request)
             piece = seq.request.prompt[chunk.start:chunk.start + chunk.num_tokens]
             batch.prefill_slots[i] = slot
             batch.prefill_tokens[i, :len(piece)] = piece
@@ -168,6 +174,24 @@ class Executor:
                             dict(decode_steps=k, num_prefill=0, logprobs=logprobs)))
         return outputs
 
+    def mark_prompt(self, slot: int, request) -> None:
+        """Dispatch the mark of `request`'s prompt in `slot` if it has a repetition
+        penalty (drafter/seen.py): as it takes the slot, before any call draws for it."""
+        if request.params.repetition_penalty != 1:
+            self._mark_call(pack_prompt(slot, request.prompt, prompt_bucket(len(request.prompt))))
+
+    def warm_marks(self, max_len: int) -> None:
+        """Compile the mark call of every prompt bucket up to `max_len` tokens (calls on
+        the dummy slot, which change nothing read)."""
+        bucket = prompt_bucket(1)
+        while bucket <= prompt_bucket(max_len):
+            self._mark_call(pack_prompt(self.spec.dummy_slot, [], bucket))
+            bucket *= 2
+
+    def _mark_call(self, index) -> None:
+        self.calls["mark"] += 1
+        self.state = self._mark(self.state, index)
+
     def _sampling(self, slots) -> tuple[bool, bool]:
         """(greedy, truncated) for a call over `slots`: greedy unless one of them samples;
         truncated if one that samples truncates (drafter/sampling.py: each is a program
@@ -183,6 +207,7 @@ class Executor:
         (drafter/sampling.py, `adjust`: a program of its own)."""
         return bool(np.any((self.presence_penalties[slots] != 0)
                            | (self.frequency_penalties[slots] != 0)
+                           | (self.repetition_penalties[slots] != 1)
                            | (self.bias_values[slots] != 0).any(axis=1)))
 
     def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
@@ -268,6 +293,7 @@ class Executor:
             top_ps=self.top_ps, min_ps=self.min_ps,
             presence_penalties=self.presence_penalties,
             frequency_penalties=self.frequency_penalties,
+            repetition_penalties=self.repetition_penalties,
             bias_ids=np.zeros((spec.num_slots + 1, 0), np.int32),
             bias_values=np.zeros((spec.num_slots + 1, 0), np.float32))
 
@@ -306,15 +332,17 @@ class Executor:
         `reset_slots` before it imports), then, in private mode, one `redraft_step` for
         them all (in shared mode each arrives with its sender's draft block).
 
-        arrivals: (slot, payload, SamplingParams) per request. Returns per request its
-        ok (bool[] on the device), in order.
+        arrivals: (slot, payload, Request) per request (its sampling parameters, and its
+        prompt for a repetition penalty's marks). Returns per request its ok (bool[] on
+        the device), in order.
         """
         resets = self._no_slots()
         resets[:len(reset_slots)] = reset_slots
         for slot in reset_slots:
             self.len_bound[slot] = 0
-        for slot, payload, params in arrivals:
-            self.set_sampling(slot, params)
+        for slot, payload, request in arrivals:
+            self.set_sampling(slot, request.params)
+            self.mark_prompt(slot, request)
             self.len_bound[slot] = payload.target_len
             self.bytes_imported += payload.nbytes
         out = [None] * len(arrivals)

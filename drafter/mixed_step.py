@@ -39,8 +39,8 @@ class StepBatch:
         (0 = padding); prefill_last: bool[P], the chunk ends its prompt. P may be 0.
       decode_slots: i32[num_slots]; rows to decode (dummy slot pads).
       temperatures: f32[num_slots + 1]; seeds: u32[num_slots + 1]; top_ks:
-        i32[num_slots + 1]; top_ps, min_ps, presence_penalties, frequency_penalties:
-        f32[num_slots + 1]; bias_ids: i32[num_slots + 1, M], bias_values: f32[num_slots +
+        i32[num_slots + 1]; top_ps, min_ps, presence_penalties, frequency_penalties,
+        repetition_penalties: f32[num_slots + 1]; bias_ids: i32[num_slots + 1, M], bias_values: f32[num_slots +
         1, M] (M = MAX_LOGIT_BIAS in a step that adjusts, else 0); per slot (Sampler).
     """
 
@@ -57,6 +57,7 @@ class StepBatch:
     min_ps: jax.Array
     presence_penalties: jax.Array
     frequency_penalties: jax.Array
+    repetition_penalties: jax.Array
     bias_ids: jax.Array
     bias_values: jax.Array
 
@@ -65,9 +66,10 @@ class StepBatch:
         return self.top_ks[ids], self.top_ps[ids], self.min_ps[ids]
 
     def adjustment(self, ids):
-        """(presence, frequency, bias ids, bias values) of slots `ids` (Sampler.per_row)."""
+        """(presence, frequency, repetition, bias ids, bias values) of slots `ids`
+        (Sampler.per_row)."""
         return (self.presence_penalties[ids], self.frequency_penalties[ids],
-                self.bias_ids[ids], self.bias_values[ids])
+                self.repetition_penalties[ids], self.bias_ids[ids], self.bias_values[ids])
 
 
 @flax.struct.dataclass
@@ -172,7 +174,7 @@ def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculati
 #
 #   batch   [reset S | decode S | prefill slots P | lens P | last P | tokens P*T |
 #            temperature bits S+1 | seeds S+1 | top_k S+1 | top_p bits S+1 |
-#            min_p bits S+1 | presence penalty bits S+1 | frequency penalty bits S+1 |
+#            min_p bits S+1 | presence, frequency, repetition penalty bits S+1 each |
 #            bias ids (S+1) x M | bias value bits (S+1) x M]
 #            (M = MAX_LOGIT_BIAS in a step that adjusts logits, else 0)
 #   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
@@ -189,6 +191,7 @@ def pack_batch(batch: StepBatch) -> np.ndarray:
              np.asarray(batch.min_ps, np.float32).view(np.int32),
              np.asarray(batch.presence_penalties, np.float32).view(np.int32),
              np.asarray(batch.frequency_penalties, np.float32).view(np.int32),
+             np.asarray(batch.repetition_penalties, np.float32).view(np.int32),
              batch.bias_ids, np.asarray(batch.bias_values, np.float32).view(np.int32)]
     return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
 
@@ -197,10 +200,10 @@ def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int,
                  bias_width: int) -> StepBatch:
     """Inverse of `pack_batch`, inside jit."""
     sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill * chunk,
-             *[num_slots + 1] * 7, *[(num_slots + 1) * bias_width] * 2]
+             *[num_slots + 1] * 8, *[(num_slots + 1) * bias_width] * 2]
     cuts = np.cumsum(sizes)[:-1].tolist()
     (reset, decode, slots, lens, last, tokens, temps, seeds, top_ks, top_ps, min_ps, presence,
-     frequency, bias_ids, bias_values) = jnp.split(packed, cuts)
+     frequency, repetition, bias_ids, bias_values) = jnp.split(packed, cuts)
     as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     return StepBatch(reset_slots=reset, prefill_slots=slots,
                      prefill_tokens=tokens.reshape(num_prefill, chunk), prefill_lens=lens,
@@ -209,6 +212,7 @@ def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int,
                      seeds=jax.lax.bitcast_convert_type(seeds, jnp.uint32),
                      top_ks=top_ks, top_ps=as_f32(top_ps), min_ps=as_f32(min_ps),
                      presence_penalties=as_f32(presence), frequency_penalties=as_f32(frequency),
+                     repetition_penalties=as_f32(repetition),
                      bias_ids=bias_ids.reshape(num_slots + 1, bias_width),
                      bias_values=as_f32(bias_values).reshape(num_slots + 1, bias_width))
 

@@ -5,6 +5,7 @@ executor of it, and their copies (`StepConfig.graph_copies`).
     import_step_for(cfg, copy)         arrived KV into empty slots       (state donated)
     export_step_for(cfg, copy)         a slot's live pages into buffers
     redraft_step_for(cfg)              a fresh draft block for imported rows (private mode)
+    mark_step_for(cfg)                 a prompt's tokens, for its repetition penalty
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 
 from drafter.kv_io import export_step, import_step, redraft_step
 from drafter.mixed_step import packed_step
+from drafter.seen import mark_prompt_step
 from drafter.steps import StepConfig
 
 
@@ -54,6 +56,14 @@ def redraft_step_for(cfg: StepConfig):
     """Private mode's redraft of arrived rows: part of a step's imports, so of their kind."""
     return jax.jit(functools.partial(redraft_step, cfg=cfg), static_argnames=("table_width",),
                    donate_argnums=1, compiler_options=cfg.compiler_options_for("import"))
+
+
+@functools.lru_cache(maxsize=64)
+def mark_step_for(cfg: StepConfig):
+    """`mark_prompt_step`, as a request with a repetition penalty takes its slot (beside
+    its first prefill chunk or its import, so of the prefill's kind)."""
+    return jax.jit(mark_prompt_step, donate_argnums=0,
+                   compiler_options=cfg.compiler_options_for("prefill"))
 
 
 class Copies:

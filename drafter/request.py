@@ -62,6 +62,9 @@ class SamplingParams:
         has generated it (-2 to 2; 0 = none). The two apply before temperature and
         truncation, to greedy requests too; the first token has nothing before it
         (drafter/sampling.py, `adjust`).
+      repetition_penalty: vLLM's (and HF's): the logit of every token in the prompt or
+        generated so far is divided by it where positive, multiplied where not (> 0,
+        at most 100; 1 = none), after the logit bias and before the other two.
       logit_bias: (token id, bias) pairs added to those tokens' logits before every
         draw, greedy included (bias in [-100, 100]; -100 all but bans a token, 100
         all but forces it); at most MAX_LOGIT_BIAS of them, ids distinct. A dict
@@ -81,6 +84,7 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -120,6 +124,10 @@ class SamplingParams:
             if not _is_number(value) or not -2 <= value <= 2:
                 raise RequestError(f"{where}: {name} must be a number in [-2, 2] (0 = none), "
                                    f"got {value!r}", name)
+        r = self.repetition_penalty
+        if not _is_number(r) or not 0 < r <= 100:
+            raise RequestError(f"{where}: repetition_penalty must be a number in (0, 100] "
+                               f"(1 = none), got {r!r}", "repetition_penalty")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise RequestError(f"{where}: seed must be an integer in [0, 2**32), got "
                                f"{self.seed!r}", "seed")

@@ -10,9 +10,11 @@ program of its own): its sort over the vocabulary runs only in steps where some 
 asks for it, and no step branches on the device.
 
 Before temperature and truncation, greedy rows too, a row's logits are adjusted
-(`adjust`, OpenAI's definitions): its logit bias is added, and the tokens it has
-generated lose frequency x count + presence x (count > 0). In a verify block, position
-j counts the drafts before it as generated, so a row that accepts them scores every
+(`adjust`): its logit bias is added (OpenAI's), the tokens in its prompt or generated
+so far are divided by its repetition penalty where positive and multiplied where not
+(vLLM's, HF's), and the tokens it has generated lose frequency x count + presence x
+(count > 0) (OpenAI's). In a verify block, position j counts the drafts before it as
+generated, so a row that accepts them scores every
 position as plain decoding would, and speculation stays lossless. Adjusting is a static
 choice too (`Sampler.adjusted`).
 """
@@ -40,7 +42,8 @@ class Sampler:
       min_ps: f32[B], keep the tokens at least min_p x the most likely one's
         probability (0 = every token).
       greedy: static; every row is greedy (skips the softmax over the vocabulary).
-      presence_penalties, frequency_penalties: f32[B]; bias_ids: i32[B, MAX_LOGIT_BIAS],
+      presence_penalties, frequency_penalties, repetition_penalties: f32[B]; bias_ids:
+        i32[B, MAX_LOGIT_BIAS],
         bias_values: f32[B, MAX_LOGIT_BIAS] (each row's logit bias; unused entries 0, 0.0)
         (`adjust`).
       truncated: static; rows are truncated by their top_ks, top_ps and min_ps (without
@@ -56,6 +59,7 @@ class Sampler:
     min_ps: jax.Array
     presence_penalties: jax.Array
     frequency_penalties: jax.Array
+    repetition_penalties: jax.Array
     bias_ids: jax.Array
     bias_values: jax.Array
     greedy: bool = flax.struct.field(pytree_node=False, default=True)
@@ -74,8 +78,8 @@ class Sampler:
         """Row keys folded from (seed, position, stream): a request draws the same
         numbers whatever else shares its batch. truncation: (top_ks, top_ps, min_ps)
         per row to truncate by, or None (the step does not truncate); adjustment:
-        (presence, frequency, bias_ids, bias_values) per row, or None (the step does not
-        adjust)."""
+        (presence, frequency, repetition, bias_ids, bias_values) per row, or None (the
+        step does not adjust)."""
         temperatures = temperatures.astype(jnp.float32)
         batch = seeds.shape[0]
         truncated = truncation is not None and not greedy
@@ -84,8 +88,8 @@ class Sampler:
                       min_ps.astype(jnp.float32))
         adjusted = adjustment is not None
         if adjusted:
-            presence, frequency, bias_ids, bias_values = adjustment
-            adjustment = (presence.astype(jnp.float32), frequency.astype(jnp.float32),
+            *penalties, bias_ids, bias_values = adjustment
+            adjustment = (*(x.astype(jnp.float32) for x in penalties),
                           bias_ids.astype(jnp.int32), bias_values.astype(jnp.float32))
         else:
             adjustment = _unadjusted(batch)
@@ -107,7 +111,7 @@ def _untruncated(batch: int):
 
 def _unadjusted(batch: int):
     return (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32),
-            jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32),
+            jnp.ones((batch,), jnp.float32), jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32),
             jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32))
 
 
@@ -118,13 +122,21 @@ def penalty(counts, presence, frequency):
     return frequency * counts.astype(jnp.float32) + jnp.where(counts > 0, presence, 0.0)
 
 
-def adjust(logits, counts, drafts, sampler: Sampler):
-    """Logits f32[B, b, V] with each row's logit bias added and its penalties subtracted,
+def repeated(logits, seen, repetition):
+    """Logits of `seen` tokens divided by the repetition penalty where positive and
+    multiplied where not; one expression for every caller, as `penalty`."""
+    return jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition),
+                     logits)
+
+
+def adjust(logits, counts, prompt_seen, drafts, sampler: Sampler):
+    """Logits f32[B, b, V] with each row's logit bias added and its penalties applied,
     if the sampler adjusts.
 
     counts: i32[B, V], each token's occurrences among the row's generated tokens before
-    position 0; drafts: i32[B, b - 1], the tokens at positions 1..b-1: position j counts
-    drafts[:, :j] too (what it would have seen had they been generated).
+    position 0; prompt_seen: bool[B, V], the tokens its prompt holds; drafts: i32[B, b -
+    1], the tokens at positions 1..b-1: position j counts drafts[:, :j] too (what it
+    would have seen had they been generated).
     """
     if not sampler.adjusted:
         return logits
@@ -137,13 +149,17 @@ def adjust(logits, counts, drafts, sampler: Sampler):
     position_counts = jnp.broadcast_to(counts[:, None], logits.shape).at[
         jnp.arange(rows)[:, None, None], jnp.arange(block)[None, :, None],
         drafts[:, None, :]].add(jnp.broadcast_to(before, (rows, *before.shape)))
+    logits = repeated(logits, prompt_seen[:, None] | (position_counts > 0),
+                      sampler.repetition_penalties[:, None, None])
     return logits - penalty(position_counts, sampler.presence_penalties[:, None, None],
                             sampler.frequency_penalties[:, None, None])
 
 
-def adjust_reference(logits, counts, drafts, presence, frequency, bias=None):
+def adjust_reference(logits, counts, drafts, presence, frequency, bias=None, prompts=None,
+                     repetition=None):
     """`adjust` one position at a time, counting in numpy (for tests). bias: per row a
-    {token id: bias} dict, or None."""
+    {token id: bias} dict, or None; prompts: per row its prompt's token ids, with
+    `repetition` per row, or None."""
     logits, counts, drafts = (np.asarray(x) for x in (logits, counts, drafts))
     out = np.array(logits, np.float32)
     for r, row_bias in enumerate(bias or [{}] * logits.shape[0]):
@@ -154,6 +170,11 @@ def adjust_reference(logits, counts, drafts, presence, frequency, bias=None):
         for j in range(logits.shape[1]):
             if j:
                 seen[drafts[r, j - 1]] += 1
+            if prompts is not None:
+                hit = seen > 0
+                hit[list(prompts[r])] = True
+                rep, row = np.float32(repetition[r]), out[r, j]
+                out[r, j] = np.where(hit, np.where(row > 0, row / rep, row * rep), row)
             out[r, j] -= (np.float32(frequency[r]) * seen.astype(np.float32)
                           + np.where(seen > 0, np.float32(presence[r]), np.float32(0)))
     return out

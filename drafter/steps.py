@@ -64,6 +64,9 @@ class StepState:
         slot's generated tokens (its first token included). Kept for the rows of steps
         that adjust logits (`Sampler.adjusted`: a penalized request's every call is one) and
         set by every import; other rows' counts are stale, and nothing reads them.
+      prompt_seen: bool[num_slots + 1, vocab], the tokens each slot's prompt holds, for
+        a repetition penalty (set by `drafter/seen.py`'s call as such a request takes its
+        slot; other rows' are stale, and nothing reads them).
     """
 
     kv: KVState
@@ -71,6 +74,7 @@ class StepState:
     drafts: jax.Array
     running: jax.Array
     output_counts: jax.Array
+    prompt_seen: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +198,8 @@ def init_step_state(cfg: StepConfig, kv: KVState) -> StepState:
     return StepState(kv=kv, anchors=jnp.zeros((slots,), jnp.int32),
                      drafts=jnp.zeros((slots, max(cfg.block_size - 1, 1)), jnp.int32),
                      running=jnp.zeros((slots,), bool),
-                     output_counts=jnp.zeros((slots, cfg.target.vocab_size), jnp.int32))
+                     output_counts=jnp.zeros((slots, cfg.target.vocab_size), jnp.int32),
+                     prompt_seen=jnp.zeros((slots, cfg.target.vocab_size), bool))
 
 
 def first_counts(counts, slot_ids, first, done):
@@ -247,10 +252,10 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
                               num_tokens)
     kv = kv.replace(pools=pools)
     last = jnp.take_along_axis(logits, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)
-    # Nothing generated yet: the first token's adjustment is its logit bias alone.
+    # Nothing generated yet: the first token sees its logit bias and its prompt.
     nothing = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
-    first = sample(adjust(last, jnp.zeros(last.shape[::2], jnp.int32), nothing,
-                          sampler)[:, 0], sampler)
+    first = sample(adjust(last, jnp.zeros(last.shape[::2], jnp.int32),
+                          state.prompt_seen[slot_ids], nothing, sampler)[:, 0], sampler)
     done = is_last & active & ok
     anchors = state.anchors.at[slot_ids].set(jnp.where(done, first, state.anchors[slot_ids]))
     drafts = state.drafts
@@ -262,8 +267,8 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
     counts = state.output_counts
     if sampler.adjusted:
         counts = first_counts(counts, slot_ids, first, done)
-    out = (StepState(kv=kv, anchors=anchors, drafts=drafts, running=_idle_dummy(cfg, running),
-                     output_counts=counts), first, ok)
+    out = (state.replace(kv=kv, anchors=anchors, drafts=drafts,
+                         running=_idle_dummy(cfg, running), output_counts=counts), first, ok)
     return out + (token_logprobs(last[:, 0], first),) if logprobs else out
 
 
@@ -304,7 +309,8 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
     logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
                                    p, verify_len, feature_layers=cfg.draft.target_layer_ids,
                                    impl=cfg.impl, scan_unroll=cfg.scan_unroll)
-    scored = adjust(logits, state.output_counts[slot_ids], tokens[:, 1:], sampler)
+    scored = adjust(logits, state.output_counts[slot_ids], state.prompt_seen[slot_ids],
+                    tokens[:, 1:], sampler)
     accepted, bonus = accept(scored, tokens[:, 1:], sampler)
     num_out = jnp.where(live, accepted + 1, 0).astype(jnp.int32)
     pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, p, num_out)
@@ -350,8 +356,8 @@ def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
                                live.astype(jnp.int32), impl=cfg.impl,
                                scan_unroll=cfg.scan_unroll)
     no_drafts = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
-    token = sample(adjust(logits[:, :1], state.output_counts[slot_ids], no_drafts,
-                            sampler)[:, 0], sampler)
+    token = sample(adjust(logits[:, :1], state.output_counts[slot_ids],
+                          state.prompt_seen[slot_ids], no_drafts, sampler)[:, 0], sampler)
     counts = state.output_counts
     if sampler.adjusted:
         counts = counts.at[slot_ids, token].add(live.astype(jnp.int32))

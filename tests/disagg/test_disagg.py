@@ -335,12 +335,14 @@ def test_logprobs_travel_with_the_kv_and_equal_aggregated(pair):
 
 
 def test_adjusted_logits_equal_aggregated(pair):
-    """The context's prefill biases the first token, and the import counts it as
-    generated, so penalized and biased requests give the aggregated tokens (shared mode;
-    the same import serves private mode and the two-process pair)."""
+    """The context's prefill biases the first token, the import counts it as generated,
+    and both workers mark a repetition penalty's prompt, so penalized and biased requests
+    give the aggregated tokens (shared mode; the same import serves private mode and the
+    two-process pair)."""
     params, cfg = pair
     asked = [SamplingParams(MAX_NEW, presence_penalty=1.5, frequency_penalty=0.5),
-             SamplingParams(MAX_NEW, logit_bias={7: 100})]
+             SamplingParams(MAX_NEW, logit_bias={7: 100}),
+             SamplingParams(MAX_NEW, repetition_penalty=1.5)]
     want = serve_each(Engine(params, cfg), asked)
     engine = split_engine(params, cfg)
     got = serve_each(engine, asked)

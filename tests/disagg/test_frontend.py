@@ -105,9 +105,10 @@ def test_json_lines_share_the_schema_stop_strings_included():
     req, _ = parse_line({"prompt": "x", "temperature": 0.7, "top_p": 0.9, "top_k": 40,
                          "min_p": 0.05}, 4, _Engine(), ByteTokenizer())
     assert (req.params.top_p, req.params.top_k, req.params.min_p) == (0.9, 40, 0.05)
-    req, _ = parse_line({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1},
-                        4, _Engine(), ByteTokenizer())
-    assert (req.params.presence_penalty, req.params.frequency_penalty) == (0.5, -1)
+    req, _ = parse_line({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1,
+                         "repetition_penalty": 1.2}, 4, _Engine(), ByteTokenizer())
+    assert (req.params.presence_penalty, req.params.frequency_penalty,
+            req.params.repetition_penalty) == (0.5, -1, 1.2)
     req, _ = parse_line({"prompt": "x", "logit_bias": {"7": -100, "12": 2.5}}, 4, _Engine(),
                         ByteTokenizer())
     assert req.params.logit_bias == ((7, -100), (12, 2.5))

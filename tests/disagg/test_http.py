@@ -324,7 +324,7 @@ BAD = [
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
     ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty", "[-2, 2]"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "decimal strings"),
-    ({"prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty", "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "(0, 100]"),
     ({"prompt": "x", "logit_bias": [[5, 1]]}, "logit_bias", "decimal strings"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias", "not token ids"),

@@ -227,7 +227,8 @@ def test_every_sampling_field_crosses_the_wire_and_a_bad_one_is_refused_by_name(
     from disagg.wire import request_from_wire, request_to_wire
     from drafter.request import Request, RequestError
     params = SamplingParams(9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1,
-                            presence_penalty=-0.5, frequency_penalty=1.25, seed=3,
+                            presence_penalty=-0.5, frequency_penalty=1.25,
+                            repetition_penalty=1.3, seed=3,
                             stop_token_ids=(4, 6), ignore_eos=True, logprobs=2,
                             logit_bias={7: -100, 0: 2.5})
     request = Request.make("r", [1, 2, 3], params, vocab_size=64)

@@ -38,7 +38,8 @@ def test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor(defaul
     assert al > 2.5, f"acceptance length {al:.2f} fell below the floor"
     # Penalized, with drafts accepted: a verify position counts the drafts before it.
     penalized_spec, penalized_plain = (e.generate(prompts, 32, presence_penalty=0.4,
-                                                  frequency_penalty=0.3) for e in engines)
+                                                  frequency_penalty=0.3,
+                                                  repetition_penalty=1.1) for e in engines)
     assert [r.tokens for r in penalized_spec] == [r.tokens for r in penalized_plain]
     assert [r.tokens for r in penalized_spec] != [r.tokens for r in speculative]
     al = float(np.mean([a for r in penalized_spec for a in r.acceptance]))

@@ -82,6 +82,7 @@ def test_duplicate_ids_and_bad_sampling_fields_are_named(pair):
                           (dict(presence_penalty=2.5), "presence_penalty"),
                           (dict(frequency_penalty=float("nan")), "frequency_penalty"),
                           (dict(frequency_penalty=True), "frequency_penalty"),
+                          (dict(repetition_penalty=0.0), "repetition_penalty"),
                           (dict(logit_bias={99: 1.0}), "logit_bias"),
                           (dict(logit_bias={3: 101}), "logit_bias"),
                           (dict(logit_bias=((3, 1.0), (3, 2.0))), "logit_bias"),
@@ -215,9 +216,10 @@ def test_logprobs_are_the_targets_own_for_every_kept_token(pair):
 
 
 def test_penalties_score_each_token_against_the_tokens_generated_before_it(pair):
-    """Presence and frequency penalties, with a logit bias: every generated token is the
-    most likely one of the target's logits (a dense f32 forward over prompt + output)
-    plus its bias, less its penalties for the tokens generated before it; a request without them beside gets what it gets
+    """Presence and frequency penalties, with a logit bias and a repetition penalty: every
+    generated token is the most likely one of the target's logits (a dense f32 forward
+    over prompt + output) plus its bias, its repetition penalty applied for the prompt's
+    tokens and those generated before it, less its other penalties for the latter; a request without them beside gets what it gets
     alone; they change what the pair generates. (Speculative equals plain under them,
     with drafts accepted: tests/drafter/test_default_pair.py.)"""
     from models.qwen3 import dense_forward
@@ -225,7 +227,7 @@ def test_penalties_score_each_token_against_the_tokens_generated_before_it(pair)
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5]]
     asked = [SamplingParams(14, presence_penalty=1.5, frequency_penalty=0.5),
              SamplingParams(14, frequency_penalty=-0.4, presence_penalty=0.3,
-                            logit_bias={41: -0.8, 5: 0.6, 0: 0.2})]
+                            logit_bias={41: -0.8, 5: 0.6, 0: 0.2}, repetition_penalty=1.4)]
     engine = Engine(params, cfg)
     alone = engine.generate(prompts[:1], 14)[0]
     for i, (prompt, p) in enumerate(zip(prompts, asked)):
@@ -246,6 +248,9 @@ def test_penalties_score_each_token_against_the_tokens_generated_before_it(pair)
             score = logits[len(prompt) - 1 + j].copy()
             for token_id, bias in p.logit_bias:
                 score[token_id] += bias
+            hit = (seen > 0) | np.isin(np.arange(len(seen)), prompt)
+            r = p.repetition_penalty
+            score = np.where(hit, np.where(score > 0, score / r, score * r), score)
             score -= p.frequency_penalty * seen + p.presence_penalty * (seen > 0)
             assert score[token] >= score.max() - 1e-4, (j, token, int(score.argmax()))
 
@@ -368,9 +373,9 @@ def test_warmup_with_logprobs_compiles_the_steps_that_return_them(caplog):
 
 
 def test_warmup_adjusted_compiles_the_steps_that_adjust_logits(caplog):
-    """warmup(adjusted=True) also compiles each call that adjusts logits: penalized and
-    biased requests, alone and beside one that is neither, compile no step (the previous
-    tests' config)."""
+    """warmup(adjusted=True) also compiles each call that adjusts logits and the prompt
+    marks of a repetition penalty: penalized and biased requests, alone and beside one
+    that is neither, compile no step (the previous tests' config)."""
     params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=152)
     engine = Engine(params, cfg)
     engine.warmup(20, adjusted=True)
@@ -379,6 +384,7 @@ def test_warmup_adjusted_compiles_the_steps_that_adjust_logits(caplog):
         engine.run()
         engine.add_request("pen-too", [4, 5, 6, 7], 6, frequency_penalty=-1.0)
         engine.add_request("biased", [2, 4], 6, logit_bias={3: 5.0})
+        engine.add_request("repeats", [5, 6, 5] * 7, 6, repetition_penalty=1.2)
         engine.add_request("not", [8, 9], 6)
         engine.run()
     assert not compiled, compiled

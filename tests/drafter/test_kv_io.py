@@ -300,7 +300,7 @@ def test_a_failed_import_leaves_its_slot_not_running_until_the_reset_returns_its
         export.payload.checksums) + np.uint32(1))
     receiver = Engine(params, cfg)
     slot = 1
-    [ok] = receiver.executor.import_payloads([(slot, bad, export.request.params)])
+    [ok] = receiver.executor.import_payloads([(slot, bad, export.request)])
     state = receiver.state
     assert not bool(ok) and not bool(state.running[slot])
     usable = [p.num_usable_pages for p in cfg.spec.pools]

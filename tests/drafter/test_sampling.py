@@ -49,7 +49,7 @@ def sampler(batch, *, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0, key=0):
                    jax.random.split(jax.random.key(key), batch),
                    jnp.full((batch,), top_k, jnp.int32), jnp.full((batch,), top_p, jnp.float32),
                    jnp.full((batch,), min_p, jnp.float32), jnp.zeros((batch,), jnp.float32),
-                   jnp.zeros((batch,), jnp.float32),
+                   jnp.zeros((batch,), jnp.float32), jnp.ones((batch,), jnp.float32),
                    jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32),
                    jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32), greedy=False, truncated=True)
 
@@ -149,8 +149,9 @@ def with_bias(s, bias):
 def test_adjusting_adds_the_bias_and_counts_the_drafts_before_each_position(seed):
     """Position j of a verify block gets the row's logit bias (token 0 included: unused
     entries also name it) and is penalized for the row's generated tokens and the drafts
-    before j (repeated drafts count twice); rows differ, negative penalties and biases
-    included; a step that does not adjust leaves the logits alone."""
+    before j (repeated drafts count twice), its repetition penalty also for its prompt's
+    tokens; rows differ, negative penalties and biases included; a step that does not
+    adjust leaves the logits alone."""
     rng = np.random.default_rng(seed)
     rows, block, vocab = 3, 5, 9   # a small vocabulary: drafts repeat and hit counts
     logits = rng.normal(size=(rows, block, vocab)).astype(np.float32)
@@ -158,18 +159,25 @@ def test_adjusting_adds_the_bias_and_counts_the_drafts_before_each_position(seed
     drafts = rng.integers(0, vocab, size=(rows, block - 1))
     presence = np.array([0.0, 1.5, -0.7], np.float32)
     frequency = np.array([0.8, 0.0, -2.0], np.float32)
+    repetition = np.array([1.3, 1.0, 0.8], np.float32)
+    prompts = [rng.integers(0, vocab, 3).tolist() for _ in range(rows)]
+    prompt_seen = np.zeros((rows, vocab), bool)
+    for r, prompt in enumerate(prompts):
+        prompt_seen[r, prompt] = True
     bias = [{}, {0: 3.5, 4: -100.0}, {int(rng.integers(vocab)): 0.25}]
     s = with_bias(sampler(rows), bias).replace(
         presence_penalties=jnp.asarray(presence), frequency_penalties=jnp.asarray(frequency),
-        adjusted=True)
+        repetition_penalties=jnp.asarray(repetition), adjusted=True)
     got = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                            jnp.asarray(drafts, jnp.int32), s))
-    want = adjust_reference(logits, counts, drafts, presence, frequency, bias)
+                            jnp.asarray(prompt_seen), jnp.asarray(drafts, jnp.int32), s))
+    want = adjust_reference(logits, counts, drafts, presence, frequency, bias, prompts,
+                            repetition)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     assert not np.allclose(got[1:], logits[1:])   # the test's adjustments change logits
     np.testing.assert_array_equal(
         np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                          jnp.asarray(drafts, jnp.int32), s.replace(adjusted=False))),
+                          jnp.asarray(prompt_seen), jnp.asarray(drafts, jnp.int32),
+                          s.replace(adjusted=False))),
         logits)
 
 
@@ -183,11 +191,13 @@ def test_a_verify_position_scores_as_the_plain_step_after_its_drafts():
     drafts = np.array([[3, 3, 7, 0, 3]])
     s = with_bias(sampler(1), [{3: 0.7, 0: -1.3}]).replace(
         presence_penalties=jnp.full((1,), 0.37, jnp.float32),
-        frequency_penalties=jnp.full((1,), 1.13, jnp.float32), adjusted=True)
+        frequency_penalties=jnp.full((1,), 1.13, jnp.float32),
+        repetition_penalties=jnp.full((1,), 1.21, jnp.float32), adjusted=True)
+    prompt_seen = jnp.zeros((1, vocab), bool).at[0, jnp.array([5, 7])].set(True)
     block_scores = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                                     jnp.asarray(drafts, jnp.int32), s))
+                                     prompt_seen, jnp.asarray(drafts, jnp.int32), s))
     for j in range(block):
         seen = counts + np.bincount(drafts[0, :j], minlength=vocab)[None]
         one = adjust(jnp.asarray(logits[:, j:j + 1]), jnp.asarray(seen, jnp.int32),
-                     jnp.zeros((1, 0), jnp.int32), s)
+                     prompt_seen, jnp.zeros((1, 0), jnp.int32), s)
         np.testing.assert_array_equal(np.asarray(one)[:, 0], block_scores[:, j])
