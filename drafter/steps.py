@@ -62,8 +62,8 @@ class StepState:
         finished request in a step dispatched ahead never grows state.
       output_counts: i32[num_slots + 1, vocab], how often each token occurs among the
         slot's generated tokens (its first token included). Kept for the rows of steps
-        that adjust logits (`Sampler.adjusted`: a penalized request's every call is one) and
-        set by every import; other rows' counts are stale, and nothing reads them.
+        that adjust logits (`Sampler.adjusted`: a penalized request's every call is one)
+        and set by every import; other rows' counts are stale, and nothing reads them.
       prompt_seen: bool[num_slots + 1, vocab], the tokens each slot's prompt holds, for
         a repetition penalty (set by `drafter/seen.py`'s call as such a request takes its
         slot; other rows' are stale, and nothing reads them).

@@ -193,7 +193,7 @@ def test_warmup_compiles_every_transfer_of_its_lengths_and_changes_nothing(caplo
     # a config no other test compiles (compiled_in sees only this test's compiles)
     params, cfg, _ = tiny_pair(num_slots=3, max_seq_len=152, block_size=3)
     cfg = dataclasses.replace(cfg, graph_copies=graph_copies)
-    lengths = (5, 30, 70)   # 1, 4 and 16 full-pool pages: three buckets
+    lengths = (5, 20, 40)   # 1, 3 and 5 full-pool pages: buckets of 1, 4 and 8
     prompts = {f"r{i}": [(3 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate(lengths)}
     sender = Engine(params, cfg, export=True, speculative=False)
     receiver = Engine(params, cfg, kv_source=OneShot({}))
