@@ -155,6 +155,21 @@ def adjust(logits, counts, prompt_seen, drafts, sampler: Sampler):
                             sampler.frequency_penalties[:, None, None])
 
 
+def adjusted_drafts(logits, counts, prompt_seen, sampler: Sampler):
+    """A draft block chosen as the adjusted target would choose it: draft i is the most
+    likely token of draft position i's logits adjusted (`adjust`) with the drafts before
+    it counted as generated. Drafts are proposals, so this changes acceptance, never
+    output. logits f32[B, K, V]; counts i32[B, V] (the anchor counted). -> i32[B, K]."""
+    rows = jnp.arange(logits.shape[0])
+    nothing = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    drafts = []
+    for i in range(logits.shape[1]):   # K <= 15: each choice counts for the next
+        scored = adjust(logits[:, i:i + 1], counts, prompt_seen, nothing, sampler)[:, 0]
+        drafts.append(jnp.argmax(scored, axis=-1).astype(jnp.int32))
+        counts = counts.at[rows, drafts[-1]].add(1)
+    return jnp.stack(drafts, axis=1)
+
+
 def adjust_reference(logits, counts, drafts, presence, frequency, bias=None, prompts=None,
                      repetition=None):
     """`adjust` one position at a time, counting in numpy (for tests). bias: per row a

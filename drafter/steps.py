@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import DFlashConfig, draft_block, write_context
-from drafter.sampling import Sampler, accept, adjust, emitted_tokens, sample, token_logprobs
+from drafter.sampling import (Sampler, accept, adjust, adjusted_drafts, emitted_tokens, sample,
+                              token_logprobs)
 from models.attention import resolve_impl
 from models.qwen3 import Qwen3Config, forward
 from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
@@ -215,10 +216,13 @@ def empty_slots(cfg: StepConfig, state: StepState, slot_ids) -> StepState:
                          running=state.running.at[slot_ids].set(False))
 
 
-def _draft(params, cfg, kv, tables, anchors, ctx_lens, active):
-    drafts, _ = draft_block(params["draft"], cfg.draft, params["target"], cfg.target, cfg.spec,
-                            kv.pools, tables, anchors, ctx_lens, active, impl=cfg.impl)
-    return drafts
+def _draft(params, cfg, kv, tables, anchors, ctx_lens, active, adjustment=None):
+    """The draft block after each anchor; with `adjustment` (counts, prompt_seen,
+    sampler of the rows) chosen as the adjusted target would (`adjusted_drafts`)."""
+    drafts, logits = draft_block(params["draft"], cfg.draft, params["target"], cfg.target,
+                                 cfg.spec, kv.pools, tables, anchors, ctx_lens, active,
+                                 impl=cfg.impl)
+    return drafts if adjustment is None else adjusted_drafts(logits, *adjustment)
 
 
 def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last,
@@ -258,15 +262,16 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
                           state.prompt_seen[slot_ids], nothing, sampler)[:, 0], sampler)
     done = is_last & active & ok
     anchors = state.anchors.at[slot_ids].set(jnp.where(done, first, state.anchors[slot_ids]))
+    counts, adjustment = state.output_counts, None
+    if sampler.adjusted:
+        counts = first_counts(counts, slot_ids, first, done)
+        adjustment = (counts[slot_ids], state.prompt_seen[slot_ids], sampler)
     drafts = state.drafts
     if cfg.draft is not None:
-        new = _draft(params, cfg, kv, tables, first, ends, done)
+        new = _draft(params, cfg, kv, tables, first, ends, done, adjustment)
         drafts = drafts.at[slot_ids].set(jnp.where(done[:, None], new, drafts[slot_ids]))
     kv = retire_window_pages(spec, kv, slot_ids)
     running = state.running.at[slot_ids].set(done | state.running[slot_ids])
-    counts = state.output_counts
-    if sampler.adjusted:
-        counts = first_counts(counts, slot_ids, first, done)
     out = (state.replace(kv=kv, anchors=anchors, drafts=drafts,
                          running=_idle_dummy(cfg, running), output_counts=counts), first, ok)
     return out + (token_logprobs(last[:, 0], first),) if logprobs else out
@@ -321,11 +326,12 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
         draft_ctx_lens=kv.draft_ctx_lens.at[slot_ids].set(
             jnp.where(live, new_len, kv.draft_ctx_lens[slot_ids])))
     out_tokens = emitted_tokens(tokens, accepted, bonus)
-    counts = state.output_counts
+    counts, adjustment = state.output_counts, None
     if sampler.adjusted:
         kept = (jnp.arange(block)[None] < num_out[:, None]).astype(jnp.int32)
         counts = counts.at[slot_ids[:, None], out_tokens].add(kept)
-    drafts = _draft(params, cfg, kv, tables, bonus, new_len, live)
+        adjustment = (counts[slot_ids], state.prompt_seen[slot_ids], sampler)
+    drafts = _draft(params, cfg, kv, tables, bonus, new_len, live, adjustment)
     kv = retire_window_pages(spec, kv, jnp.where(active, slot_ids, spec.dummy_slot))
     state = state.replace(
         kv=kv,

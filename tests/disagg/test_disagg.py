@@ -347,6 +347,9 @@ def test_adjusted_logits_equal_aggregated(pair):
     engine = split_engine(params, cfg)
     got = serve_each(engine, asked)
     assert {k: r.tokens for k, r in got.items()} == {k: r.tokens for k, r in want.items()}
+    # drafted as the adjusted target chooses, on both sides alike: acceptance equal too
+    assert {k: r.acceptance for k, r in got.items()} == \
+        {k: r.acceptance for k, r in want.items()}
     assert got["r1"].tokens == [7] * MAX_NEW
     assert_pair_free(engine)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from drafter.request import MAX_LOGIT_BIAS
-from drafter.sampling import (Sampler, accept, adjust, adjust_reference, sample, truncate,
-                              truncate_row)
+from drafter.sampling import (Sampler, accept, adjust, adjust_reference, adjusted_drafts,
+                              sample, truncate, truncate_row)
 
 
 def reference_kept(logits, top_k, top_p, min_p):
@@ -201,3 +201,38 @@ def test_a_verify_position_scores_as_the_plain_step_after_its_drafts():
         one = adjust(jnp.asarray(logits[:, j:j + 1]), jnp.asarray(seen, jnp.int32),
                      prompt_seen, jnp.zeros((1, 0), jnp.int32), s)
         np.testing.assert_array_equal(np.asarray(one)[:, 0], block_scores[:, j])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_adjusted_drafts_are_the_adjusted_argmax_with_earlier_drafts_counted(seed):
+    """Draft i is the most likely token of its position's adjusted logits, the drafts
+    before it counted as generated (so a penalty can move draft i off draft i-1's token),
+    and a row with nothing to adjust drafts its plain argmax."""
+    rng = np.random.default_rng(seed)
+    rows, k, vocab = 3, 4, 9
+    logits = rng.normal(size=(rows, k, vocab)).astype(np.float32)
+    logits[:, :, 2] += 3.0   # one token leads at every position: penalties move drafts off it
+    counts = rng.integers(0, 2, size=(rows, vocab))
+    prompts = [[1, 2], [5], [0, 3]]
+    prompt_seen = np.zeros((rows, vocab), bool)
+    for r, prompt in enumerate(prompts):
+        prompt_seen[r, prompt] = True
+    presence, frequency = np.array([0.0, 2.0, 1.0], np.float32), np.array([0.0, 1.5, 0.0],
+                                                                          np.float32)
+    repetition = np.array([1.0, 1.2, 2.0], np.float32)
+    bias = [{}, {7: 0.5}, {4: -100.0}]
+    s = with_bias(sampler(rows), bias).replace(
+        presence_penalties=jnp.asarray(presence), frequency_penalties=jnp.asarray(frequency),
+        repetition_penalties=jnp.asarray(repetition), adjusted=True)
+    got = np.asarray(adjusted_drafts(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
+                                     jnp.asarray(prompt_seen), s))
+    for r in range(rows):
+        seen = counts[r].copy()
+        for i in range(k):
+            row = adjust_reference(logits[r:r + 1, i:i + 1], seen[None], np.zeros((1, 0), int),
+                                   presence[r:r + 1], frequency[r:r + 1], bias[r:r + 1],
+                                   prompts[r:r + 1], repetition[r:r + 1])[0, 0]
+            assert got[r, i] == int(np.argmax(row)), (r, i)
+            seen[got[r, i]] += 1
+    np.testing.assert_array_equal(got[0], logits[0].argmax(-1))   # nothing to adjust
+    assert (got[1] != 2).any()   # the penalties moved a draft off the leading token
