@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.request import Request
-from drafter.steps import (StepConfig, StepState, _at_precision, empty_slots, first_counts,
-                           redraft_rows)
+from drafter.sampling import first_counts
+from drafter.steps import StepConfig, StepState, _at_precision, empty_slots, redraft_rows
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
                         live_logical_pages, pow2_at_least)
 

@@ -129,6 +129,13 @@ def repeated(logits, seen, repetition):
                      logits)
 
 
+def first_counts(counts, slot_ids, first, done):
+    """Output counts (i32[slots, V]) with the rows of `slot_ids` that are `done` restarted
+    at their first token."""
+    fresh = jax.nn.one_hot(first, counts.shape[1], dtype=counts.dtype)
+    return counts.at[slot_ids].set(jnp.where(done[:, None], fresh, counts[slot_ids]))
+
+
 def adjust(logits, counts, prompt_seen, drafts, sampler: Sampler):
     """Logits f32[B, b, V] with each row's logit bias added and its penalties applied,
     if the sampler adjusts.

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import DFlashConfig, draft_block, write_context
-from drafter.sampling import (Sampler, accept, adjust, adjusted_drafts, emitted_tokens, sample,
-                              token_logprobs)
+from drafter.sampling import (Sampler, accept, adjust, adjusted_drafts, emitted_tokens,
+                              first_counts, sample, token_logprobs)
 from models.attention import resolve_impl
 from models.qwen3 import Qwen3Config, forward
 from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
@@ -201,13 +201,6 @@ def init_step_state(cfg: StepConfig, kv: KVState) -> StepState:
                      running=jnp.zeros((slots,), bool),
                      output_counts=jnp.zeros((slots, cfg.target.vocab_size), jnp.int32),
                      prompt_seen=jnp.zeros((slots, cfg.target.vocab_size), bool))
-
-
-def first_counts(counts, slot_ids, first, done):
-    """`StepState.output_counts` with the rows of `slot_ids` that are `done` restarted
-    at their first token."""
-    fresh = jax.nn.one_hot(first, counts.shape[1], dtype=counts.dtype)
-    return counts.at[slot_ids].set(jnp.where(done[:, None], fresh, counts[slot_ids]))
 
 
 def empty_slots(cfg: StepConfig, state: StepState, slot_ids) -> StepState:
