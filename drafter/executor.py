@@ -134,7 +134,7 @@ class Executor:
             seq, slot = chunk.seq, chunk.seq.slot
             if chunk.start == 0:
                 self.set_sampling(slot, seq.request.params)
-                self.mark_prompt(slot, seq.request)
+                self._mark_prompt(slot, seq.request)
             piece = seq.request.prompt[chunk.start:chunk.start + chunk.num_tokens]
             batch.prefill_slots[i] = slot
             batch.prefill_tokens[i, :len(piece)] = piece
@@ -174,7 +174,7 @@ class Executor:
                             dict(decode_steps=k, num_prefill=0, logprobs=logprobs)))
         return outputs
 
-    def mark_prompt(self, slot: int, request) -> None:
+    def _mark_prompt(self, slot: int, request) -> None:
         """Dispatch the mark of `request`'s prompt in `slot` if it has a repetition
         penalty (drafter/seen.py): as it takes the slot, before any call draws for it."""
         if request.params.repetition_penalty != 1:
@@ -342,7 +342,7 @@ class Executor:
             self.len_bound[slot] = 0
         for slot, payload, request in arrivals:
             self.set_sampling(slot, request.params)
-            self.mark_prompt(slot, request)
+            self._mark_prompt(slot, request)
             self.len_bound[slot] = payload.target_len
             self.bytes_imported += payload.nbytes
         out = [None] * len(arrivals)
