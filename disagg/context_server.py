@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from disagg.control import ControlChannel, Listener, PeerClosed
-from disagg.handshake import check_pair, hello, read_hello
+from disagg.handshake import check_eos_ids, check_pair, eos_ids_of, hello, read_hello
 from disagg.kv_format import PairMismatch
 from disagg.sources import ContextWorker
 from disagg.transfer import TransferError
@@ -194,8 +194,10 @@ class ContextServer:
     def _greet(self, peer: _Peer, message: dict) -> None:
         theirs = read_hello(message, "generation")
         mine = (self.worker.kv_format, self.weights)
-        peer.send(hello("context", *mine, self.transfer.address()), self.timeout)
+        peer.send(hello("context", *mine, self.transfer.address(),
+                        eos_token_ids=self.worker.eos_token_ids), self.timeout)
         check_pair(mine, theirs)
+        check_eos_ids(self.worker.eos_token_ids, eos_ids_of(message))
         peer.keepalive_s = min(max(_seconds(message, "keepalive_s", self.timeout / 4), 0.05),
                                self.timeout)
         peer.offer_s = min(max(_seconds(message, "transfer_timeout_s", self.timeout), 0.0),

@@ -1,8 +1,11 @@
 """The handshake of two worker processes: KV format and model identity.
 
-    generation ── hello {role, kv_format, weights, transfer address, keepalive_s} ─> context
-    generation <── hello {role, kv_format, weights, transfer address} ───────────── context
-    both check the pair: check_kv_formats (disagg.kv_format), then check_weights
+    generation ── hello {role, kv_format, weights, eos_token_ids, transfer address,
+                         keepalive_s} ──> context
+    generation <── hello {role, kv_format, weights, eos_token_ids, transfer address} ── context
+    both check the pair: check_kv_formats (disagg.kv_format), check_weights, then
+    check_eos_ids (the context draws each first token, which a request's min_tokens
+    keeps off the end-of-sequence ids: both must know the same ones)
 
 Both sides check what they received, so a bad pair fails on both at once,
 naming both sides' values and the fix. A context that will not serve the
@@ -72,11 +75,31 @@ def check_pair(context: tuple[KVFormat, Weights], generation: tuple[KVFormat, We
     check_weights(context[1], generation[1], generation[0].mode)
 
 
-def hello(role: str, kv_format: KVFormat, weights: Weights, transfer_address: str,
-          **extra) -> dict:
+def hello(role: str, kv_format: KVFormat, weights: Weights, transfer_address: str, *,
+          eos_token_ids=(), **extra) -> dict:
     return {"op": "hello", "role": role, "kv_format": kv_format_to_wire(kv_format),
-            "weights": dataclasses.asdict(weights), "transfer_address": transfer_address,
-            **extra}
+            "weights": dataclasses.asdict(weights), "eos_token_ids": sorted(eos_token_ids),
+            "transfer_address": transfer_address, **extra}
+
+
+def eos_ids_of(message: dict) -> tuple[int, ...]:
+    """The end-of-sequence ids a peer's hello names (none if it names none)."""
+    ids = message.get("eos_token_ids") or []
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise TransferError(f"the peer's hello has eos_token_ids={ids!r}; it must be a list "
+                            f"of token ids: run the same version on both")
+    return tuple(sorted(ids))
+
+
+def check_eos_ids(context, generation) -> None:
+    """PairMismatch naming both unless the workers end requests at the same EOS ids."""
+    context, generation = tuple(sorted(context)), tuple(sorted(generation))
+    if context != generation:
+        raise PairMismatch(
+            f"end-of-sequence mismatch: the context worker's ids are {list(context)}, the "
+            f"generation worker's {list(generation)} (a request's min_tokens keeps its "
+            f"first token, drawn by the context, off the generation side's); load the same "
+            f"tokenizer (the same --pair) on both")
 
 
 def read_hello(message: dict, role: str) -> tuple[KVFormat, Weights]:

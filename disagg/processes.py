@@ -75,6 +75,14 @@ class PairSource:
         target = Path(self.pair_dir) / "target" if self.pair_dir else None
         return checkpoint_tokenizer(target, model_vocab_size, flag="--pair")
 
+    def eos_token_ids(self, model_vocab_size: int) -> tuple[int, ...]:
+        """The tokenizer's end-of-sequence ids; none for a pair without a tokenizer (a
+        context worker takes token ids only; the handshake still compares the ids with
+        its peer's)."""
+        if self.pair_dir and not (Path(self.pair_dir) / "target" / "tokenizer.json").exists():
+            return ()
+        return tuple(self.tokenizer(model_vocab_size).eos_token_ids)
+
     def cli_args(self) -> list[str]:
         args = ["--num-slots", str(self.num_slots), "--max-seq-len", str(self.max_seq_len)]
         if self.kv_memory_mib is not None:
@@ -196,8 +204,10 @@ def run(args) -> None:
     mesh = local_mesh(args.tp)
     if args.role == "context":
         try:
+            eos = source.eos_token_ids(cfg.target.vocab_size)
             server = ContextServer(ContextWorker(params, cfg, mesh=mesh, mode=mode,
-                                                 batch_invariant=args.batch_invariant),
+                                                 batch_invariant=args.batch_invariant,
+                                                 eos_token_ids=eos),
                                    address=args.address, transfer_host=args.transfer_host,
                                    timeout=args.timeout, idle_timeout=args.idle_timeout)
         except OSError as e:   # in use, or not an address of this host
@@ -213,7 +223,7 @@ def run(args) -> None:
     try:
         remote = RemoteSource(args.address, KVFormat.of(cfg.spec, mode), mesh=mesh,
                               weights=Weights.of(params), transfer_host=args.transfer_host,
-                              timeout=args.timeout)
+                              timeout=args.timeout, eos_token_ids=tokenizer.eos_token_ids)
     except (TransferError, PairMismatch) as e:   # each names the peer and the fix
         raise SystemExit(f"serve-remote --role generation: {e}") from None
     engine = Engine(params, cfg, mesh=mesh, kv_source=remote, mode=mode,

@@ -58,7 +58,7 @@ import time
 import jax
 
 from disagg.control import ControlChannel, PeerClosed
-from disagg.handshake import Weights, check_pair, hello, read_hello
+from disagg.handshake import Weights, check_eos_ids, check_pair, eos_ids_of, hello, read_hello
 from disagg.kv_format import KVFormat, PairMismatch, check_kv_formats
 from disagg.sources import received
 from disagg.transfer import TransferError, TransferTimeout, move_payload
@@ -92,6 +92,7 @@ class RemoteSource:
       kv_format: this generation worker's KV format (checked at every handshake).
       weights: fingerprints of this worker's weights (`Weights.of(params)`); the
         context's must match as the KV format's mode needs (disagg.handshake).
+      eos_token_ids: this worker's end-of-sequence ids; the context's must be the same.
       mesh: the generation engine's mesh; KV is pulled onto its first device
         and resharded onto it.
       timeout: seconds any single wait (connect, send, a reply, the peer's
@@ -102,14 +103,14 @@ class RemoteSource:
 
     def __init__(self, address: str, kv_format: KVFormat, *, weights: Weights, mesh=None,
                  transfer_host: str = "127.0.0.1", timeout: float = 30.0,
-                 transfer_timeout: float | None = None):
+                 transfer_timeout: float | None = None, eos_token_ids=()):
         for name, value in (("timeout", timeout), ("transfer_timeout", transfer_timeout)):
             if value is not None and not 0 < value < float("inf"):
                 raise ValueError(f"RemoteSource {name}={value!r}: give a finite number of "
                                  f"seconds above 0")
         self.address, self.kv_format, self.mesh, self.timeout = address, kv_format, mesh, timeout
         self.transfer_timeout = transfer_timeout or 4 * timeout
-        self.weights = weights
+        self.weights, self.eos_token_ids = weights, tuple(eos_token_ids)
         self.pull_device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         self.transfer = start_transfer_server(transfer_host)
         self.bytes_pulled, self.pull_seconds = 0, 0.0
@@ -137,10 +138,12 @@ class RemoteSource:
         try:
             channel.send(hello("generation", self.kv_format, self.weights,
                                self.transfer.address(), keepalive_s=self.timeout / 4,
-                               transfer_timeout_s=self.transfer_timeout),
+                               transfer_timeout_s=self.transfer_timeout,
+                               eos_token_ids=self.eos_token_ids),
                          self.timeout)
             reply = channel.recv(self.timeout)
             check_pair(read_hello(reply, "context"), (self.kv_format, self.weights))
+            check_eos_ids(eos_ids_of(reply), self.eos_token_ids)
         except BaseException:
             channel.close()
             raise

@@ -10,7 +10,8 @@ JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
              "top_k": int >= -1, "min_p": [0, 1], "presence_penalty": [-2, 2],
              "frequency_penalty": [-2, 2], "repetition_penalty": (0, 100], "seed": int, "stop": str | [str, ...],
-             "stop_token_ids": [int, ...], "ignore_eos": bool, "logprobs": int in
+             "stop_token_ids": [int, ...], "ignore_eos": bool, "min_tokens": int in
+             [0, max_new_tokens] (vLLM's: no stop before it), "logprobs": int in
              [0, 20] | null (each token's log-probability and this many alternatives),
              "logit_bias": {"token id": number in [-100, 100], ...} (OpenAI's form; at
              most 64)}
@@ -21,7 +22,7 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              "frequency_penalty", "logit_bias", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "repetition_penalty",
-             "stop_token_ids", "ignore_eos"}; OpenAI fields this server does not implement are accepted
+             "min_tokens", "stop_token_ids", "ignore_eos"}; OpenAI fields this server does not implement are accepted
              only at their neutral value (best_of = 1, echo = false, suffix = null).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
@@ -30,8 +31,9 @@ chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant"
              "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
              int >= 1 (one of them; default as for a completion), "n", "temperature",
              "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias", "seed", "stop", "stream", "stream_options",
-             "stop_token_ids", "ignore_eos" as for a completion, "logprobs": bool,
+             "repetition_penalty", "min_tokens", "logit_bias", "seed", "stop", "stream",
+             "stream_options", "stop_token_ids", "ignore_eos" as for a completion,
+             "logprobs": bool,
              "top_logprobs": int in [0, 20] (with "logprobs": true)};
              neutral-only OpenAI fields as for a completion, plus tools = null,
              tool_choice = "none", response_format = {"type": "text"}. The prompt is
@@ -48,7 +50,7 @@ from drafter.tokenizer import ChatTemplateError
 # Sampling fields every form takes as they are (SamplingParams checks them); null means
 # the default, as in OpenAI's API.
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty")
+                   "repetition_penalty", "min_tokens")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
                 "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", *SAMPLING_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).

@@ -42,11 +42,14 @@ class ContextWorker:
 
     def __init__(self, params, cfg: StepConfig, *, mesh=None, mode: str = "shared",
                  max_num_batched_tokens: int | None = None, batch_invariant: bool = False,
-                 name: str = "a context worker"):
+                 name: str = "a context worker", eos_token_ids=()):
+        # The EOS ids a request's min_tokens bans from its first token, drawn here: the
+        # generation side's ids.
         self.engine = Engine(params, cfg, mesh=mesh, export=True, mode=mode,
                              speculative=False, max_num_batched_tokens=max_num_batched_tokens,
-                             batch_invariant=batch_invariant)
+                             batch_invariant=batch_invariant, eos_token_ids=eos_token_ids)
         self.kv_format = KVFormat.of(cfg.spec, mode)
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.mesh, self.mode, self.name = mesh, mode, name
         self.num_prefilled = 0
 
@@ -282,7 +285,8 @@ def disaggregated_engine(params, cfg: StepConfig, *, mode: str = "shared", conte
     `max_num_batched_tokens` and `batch_invariant` apply to every engine (Engine's)."""
     contexts = [ContextWorker(params, cfg, mesh=m, mode=mode, name=f"context worker {k}",
                               max_num_batched_tokens=max_num_batched_tokens,
-                              batch_invariant=batch_invariant)
+                              batch_invariant=batch_invariant,
+                              eos_token_ids=engine_kwargs.get("eos_token_ids", ()))
                 for k, m in enumerate(context_meshes)]
     source = InProcessSource(contexts, mesh=mesh, kv_format=KVFormat.of(cfg.spec, mode),
                              move_path=move_path, threaded=threaded, head_slices=head_slices)

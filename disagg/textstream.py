@@ -7,7 +7,9 @@ Rules:
     a tail that could be the start of a stop string;
   * a stop string ends the request at its first occurrence; the text ends
     just before it (the stop string is not returned, as in OpenAI's API) and
-    the tokens end with the first token that completes it;
+    the tokens end with the first token that completes it. With min_tokens, only
+    an occurrence that ends past the text of the first min_tokens tokens counts
+    (vLLM's rule: stops take effect after min_tokens);
   * tokens are decoded together from the first generated one (never piece by
     piece: a multi-byte character or a merged word may span two steps); the
     prefix rule needs a tokenizer whose decoding of more tokens extends that
@@ -22,12 +24,14 @@ REPLACEMENT = "\ufffd"
 class TextStream:
     """Feed committed tokens; get the newly final text and whether a stop string ended it."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
         self.tokens: list[int] = []
         self.text = ""           # the text released so far
         self.stopped = False     # a stop string was found (no more tokens are taken)
+        self._floor = 0          # a stop must end past this many characters
 
     def feed(self, new_tokens) -> str:
         """Take newly committed tokens; returns the text they make final."""
@@ -35,6 +39,8 @@ class TextStream:
             return ""
         before = len(self.tokens)
         self.tokens.extend(int(t) for t in new_tokens)
+        if before < self.min_tokens <= len(self.tokens):
+            self._floor = len(self.tokenizer.decode(self.tokens[:self.min_tokens]))
         decoded = self.tokenizer.decode(self.tokens)
         cut = self._first_stop(decoded)
         if cut is not None:
@@ -58,10 +64,15 @@ class TextStream:
         self.text = upto
         return piece
 
-    def _first_stop(self, decoded: str) -> int | None:
+    def _first_stop(self, decoded: str, count: int | None = None) -> int | None:
+        """Where the first stop string that counts starts in `decoded`, the text of the
+        first `count` tokens (all of them by default)."""
+        if (len(self.tokens) if count is None else count) < self.min_tokens:
+            return None
         # Earlier text was searched already; a stop may straddle the old end.
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
-        hits = [i for s in self.stop if (i := decoded.find(s, start)) >= 0]
+        hits = [i for s in self.stop
+                if (i := decoded.find(s, max(start, self._floor - len(s) + 1))) >= 0]
         return min(hits) if hits else None
 
     def _stop_prefix_len(self, text: str) -> int:
@@ -77,6 +88,6 @@ class TextStream:
     def _trim_tokens(self, before: int) -> None:
         """Keep tokens up to the first one whose text contains a stop string."""
         for k in range(before + 1, len(self.tokens) + 1):
-            if self._first_stop(self.tokenizer.decode(self.tokens[:k])) is not None:
+            if self._first_stop(self.tokenizer.decode(self.tokens[:k]), k) is not None:
                 del self.tokens[k:]
                 return

@@ -102,7 +102,8 @@ class Engine:
                                    decode_steps=self.decode_steps)
         # a step exports at most its prefill rows; imports are grouped as many
         self.executor = Executor(params, cfg, mesh=mesh, speculative=self.speculative,
-                                 mode=mode, transfer_rows=self.scheduler.max_prefill_rows)
+                                 mode=mode, transfer_rows=self.scheduler.max_prefill_rows,
+                                 eos_token_ids=eos_token_ids)
         self._inflight: deque = deque()  # dispatched steps not yet read, oldest first
         self._exports: list[Export] = []
         self.arrivals = Arrivals(self.scheduler)

@@ -21,9 +21,9 @@ from drafter.kv_io import (KVPayload, call_groups, export_payloads, pack_import_
 from drafter.mixed_step import StepBatch, first_logprobs_bits, pack_batch, unpack_outputs
 from drafter.programs import (Copies, export_step_for, import_step_for, mark_step_for,
                               packed_step_for, redraft_step_for, traced_on_mesh)
-from drafter.request import MAX_LOGIT_BIAS
 from drafter.scheduler import StepPlan
 from drafter.seen import pack_prompt, prompt_bucket
+from drafter.slot_sampling import SlotSampling
 from drafter.steps import StepConfig, init_step_state
 from models.layers import step_params
 from unified_kv import BAD_PAGE_INDEX, bucket_width, init_state
@@ -33,10 +33,11 @@ class Executor:
     """Args: params, cfg, mesh (None: the default device), speculative, mode
     ("shared" / "private": which pools an export sends and an import expects),
     transfer_rows (requests of one page bucket an export or import call takes; a call
-    runs 1 row or this many)."""
+    runs 1 row or this many), eos_token_ids (the model's end-of-sequence ids: a request's
+    min_tokens bans them)."""
 
     def __init__(self, params, cfg: StepConfig, *, mesh, speculative: bool, mode: str,
-                 transfer_rows: int = 1):
+                 transfer_rows: int = 1, eos_token_ids=()):
         self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
         self.transfer_rows = transfer_rows
         self.speculative, self.mode = speculative, mode
@@ -56,17 +57,7 @@ class Executor:
         self._mark = on_mesh(mark_step_for(cfg))
         self._buffer_sharding, self._scalar_sharding = receiver_shardings(mesh)
         slots = cfg.spec.num_slots + 1
-        self.temperatures = np.zeros(slots, np.float32)
-        self.seeds = np.zeros(slots, np.uint32)
-        self.top_ks = np.zeros(slots, np.int32)
-        self.top_ps = np.ones(slots, np.float32)
-        self.min_ps = np.zeros(slots, np.float32)
-        self.presence_penalties = np.zeros(slots, np.float32)
-        self.frequency_penalties = np.zeros(slots, np.float32)
-        self.repetition_penalties = np.ones(slots, np.float32)
-        self.bias_ids = np.zeros((slots, MAX_LOGIT_BIAS), np.int32)
-        self.bias_values = np.zeros((slots, MAX_LOGIT_BIAS), np.float32)
-        self.wants_logprobs = np.zeros(slots, bool)
+        self.sampling = SlotSampling(slots, eos_token_ids)
         self.len_bound = np.zeros(slots, np.int64)  # upper bound of each slot's length
         self.bytes_imported = 0
         # Jitted calls dispatched, by kind (prefill, decode, export, import, redraft): on
@@ -102,22 +93,6 @@ class Executor:
         pages = -(-max_len // self.spec.page_size)
         return bucket_width(pages, self.spec.max_pages_per_seq, block_pages=16)
 
-    def set_sampling(self, slot: int, params) -> None:
-        self.temperatures[slot] = params.temperature
-        self.seeds[slot] = params.seed
-        self.top_ks[slot] = params.top_k
-        self.top_ps[slot] = params.top_p
-        self.min_ps[slot] = params.min_p
-        self.presence_penalties[slot] = params.presence_penalty
-        self.frequency_penalties[slot] = params.frequency_penalty
-        self.repetition_penalties[slot] = params.repetition_penalty
-        n = len(params.logit_bias)
-        self.bias_ids[slot], self.bias_values[slot] = 0, 0.0
-        if n:
-            ids, values = zip(*params.logit_bias)
-            self.bias_ids[slot, :n], self.bias_values[slot, :n] = ids, values
-        self.wants_logprobs[slot] = params.logprobs is not None
-
     # ------------------------------------------------------------ steps
 
     def run(self, plan: StepPlan, *, prefill_rows: int, decode_steps: int) -> list:
@@ -133,7 +108,7 @@ class Executor:
         for i, chunk in enumerate(plan.prefill):
             seq, slot = chunk.seq, chunk.seq.slot
             if chunk.start == 0:
-                self.set_sampling(slot, seq.request.params)
+                self.sampling.set(slot, seq.request)
                 self._mark_prompt(slot, seq.request)
             piece = seq.request.prompt[chunk.start:chunk.start + chunk.num_tokens]
             batch.prefill_slots[i] = slot
@@ -151,26 +126,22 @@ class Executor:
                       default=block)
         for seq in plan.decode:
             self.len_bound[seq.slot] += k * block
-        greedy, truncated = self._sampling(sampled)
-        logprobs = bool(self.wants_logprobs[sampled].any())
-        adjusted = self._adjusts(sampled)
+        variant = self.sampling.variant(sampled)
+        logprobs = variant["logprobs"]
         width = self.table_width(max_len)
         # Prefill chunks and decode rows of one plan go out as two calls: one
         # program holding both compiles ~2x longer per variant and multiplies
         # the variants (prefill row buckets x decode or not).
         outputs = []
         if plan.prefill or not plan.decode:
-            outputs.append((self._call(batch, table_width=width, decode=False, greedy=greedy,
-                                       truncated=truncated, logprobs=logprobs,
-                                       adjusted=adjusted),
+            outputs.append((self._call(batch, table_width=width, decode=False, **variant),
                             dict(decode_steps=1, num_prefill=prefill_rows,
                                  logprobs=logprobs)))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
             outputs.append((self._call(dataclasses.replace(batch, **self._no_prefill()),
-                                       table_width=width, decode=True, greedy=greedy,
-                                       truncated=truncated, decode_steps=k, logprobs=logprobs,
-                                       adjusted=adjusted),
+                                       table_width=width, decode=True, decode_steps=k,
+                                       **variant),
                             dict(decode_steps=k, num_prefill=0, logprobs=logprobs)))
         return outputs
 
@@ -191,24 +162,6 @@ class Executor:
     def _mark_call(self, index) -> None:
         self.calls["mark"] += 1
         self.state = self._mark(self.state, index)
-
-    def _sampling(self, slots) -> tuple[bool, bool]:
-        """(greedy, truncated) for a call over `slots`: greedy unless one of them samples;
-        truncated if one that samples truncates (drafter/sampling.py: each is a program
-        of its own)."""
-        hot = [s for s in slots if self.temperatures[s] > 0]
-        if not hot:
-            return True, False
-        return False, bool(np.any((self.top_ks[hot] > 0) | (self.top_ps[hot] < 1)
-                                  | (self.min_ps[hot] > 0)))
-
-    def _adjusts(self, slots) -> bool:
-        """A call over `slots` adjusts logits if one of them has penalties or a logit bias
-        (drafter/sampling.py, `adjust`: a program of its own)."""
-        return bool(np.any((self.presence_penalties[slots] != 0)
-                           | (self.frequency_penalties[slots] != 0)
-                           | (self.repetition_penalties[slots] != 1)
-                           | (self.bias_values[slots] != 0).any(axis=1)))
 
     def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
                   num_prefill: int = 0, greedy: bool = True, truncated: bool = False,
@@ -254,8 +207,7 @@ class Executor:
         slots' logit bias."""
         self.calls["decode" if decode else "prefill"] += 1
         if adjusted:
-            batch = dataclasses.replace(batch, bias_ids=self.bias_ids,
-                                        bias_values=self.bias_values)
+            batch = dataclasses.replace(batch, **self.sampling.batch_fields(adjusted=True))
         self.state, out = self._step_fn(
             self.params, self.state, pack_batch(batch),
             num_prefill=batch.prefill_slots.shape[0],
@@ -289,13 +241,7 @@ class Executor:
             prefill_lens=np.zeros(num_prefill, np.int32),
             prefill_last=np.zeros(num_prefill, bool),
             decode_slots=np.full(spec.num_slots, dummy, np.int32),
-            temperatures=self.temperatures, seeds=self.seeds, top_ks=self.top_ks,
-            top_ps=self.top_ps, min_ps=self.min_ps,
-            presence_penalties=self.presence_penalties,
-            frequency_penalties=self.frequency_penalties,
-            repetition_penalties=self.repetition_penalties,
-            bias_ids=np.zeros((spec.num_slots + 1, 0), np.int32),
-            bias_values=np.zeros((spec.num_slots + 1, 0), np.float32))
+            **self.sampling.batch_fields(adjusted=False))
 
     def _no_slots(self):
         return np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)
@@ -341,7 +287,7 @@ class Executor:
         for slot in reset_slots:
             self.len_bound[slot] = 0
         for slot, payload, request in arrivals:
-            self.set_sampling(slot, request.params)
+            self.sampling.set(slot, request)
             self._mark_prompt(slot, request)
             self.len_bound[slot] = payload.target_len
             self.bytes_imported += payload.nbytes

@@ -40,8 +40,9 @@ class StepBatch:
       decode_slots: i32[num_slots]; rows to decode (dummy slot pads).
       temperatures: f32[num_slots + 1]; seeds: u32[num_slots + 1]; top_ks:
         i32[num_slots + 1]; top_ps, min_ps, presence_penalties, frequency_penalties,
-        repetition_penalties: f32[num_slots + 1]; bias_ids: i32[num_slots + 1, M], bias_values: f32[num_slots +
-        1, M] (M = MAX_LOGIT_BIAS in a step that adjusts, else 0); per slot (Sampler).
+        repetition_penalties: f32[num_slots + 1]; bias_ids, bias_until: i32[num_slots + 1,
+        M], bias_values: f32[num_slots + 1, M] (M = MAX_LOGIT_BIAS in a step that
+        adjusts, else 0); per slot (Sampler).
     """
 
     reset_slots: jax.Array
@@ -60,16 +61,18 @@ class StepBatch:
     repetition_penalties: jax.Array
     bias_ids: jax.Array
     bias_values: jax.Array
+    bias_until: jax.Array
 
     def truncation(self, ids):
         """(top_ks, top_ps, min_ps) of slots `ids` (Sampler.per_row)."""
         return self.top_ks[ids], self.top_ps[ids], self.min_ps[ids]
 
     def adjustment(self, ids):
-        """(presence, frequency, repetition, bias ids, bias values) of slots `ids`
-        (Sampler.per_row)."""
+        """(presence, frequency, repetition, bias ids, bias values, bias until) of slots
+        `ids` (Sampler.per_row)."""
         return (self.presence_penalties[ids], self.frequency_penalties[ids],
-                self.repetition_penalties[ids], self.bias_ids[ids], self.bias_values[ids])
+                self.repetition_penalties[ids], self.bias_ids[ids], self.bias_values[ids],
+                self.bias_until[ids])
 
 
 @flax.struct.dataclass
@@ -175,7 +178,7 @@ def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculati
 #   batch   [reset S | decode S | prefill slots P | lens P | last P | tokens P*T |
 #            temperature bits S+1 | seeds S+1 | top_k S+1 | top_p bits S+1 |
 #            min_p bits S+1 | presence, frequency, repetition penalty bits S+1 each |
-#            bias ids (S+1) x M | bias value bits (S+1) x M]
+#            bias ids (S+1) x M | bias value bits (S+1) x M | bias until (S+1) x M]
 #            (M = MAX_LOGIT_BIAS in a step that adjusts logits, else 0)
 #   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
 #            prefill P x 2: first, ok | logprob bits: K x S x block x W, then P x W]
@@ -192,7 +195,8 @@ def pack_batch(batch: StepBatch) -> np.ndarray:
              np.asarray(batch.presence_penalties, np.float32).view(np.int32),
              np.asarray(batch.frequency_penalties, np.float32).view(np.int32),
              np.asarray(batch.repetition_penalties, np.float32).view(np.int32),
-             batch.bias_ids, np.asarray(batch.bias_values, np.float32).view(np.int32)]
+             batch.bias_ids, np.asarray(batch.bias_values, np.float32).view(np.int32),
+             batch.bias_until]
     return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
 
 
@@ -200,10 +204,10 @@ def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int,
                  bias_width: int) -> StepBatch:
     """Inverse of `pack_batch`, inside jit."""
     sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill * chunk,
-             *[num_slots + 1] * 8, *[(num_slots + 1) * bias_width] * 2]
+             *[num_slots + 1] * 8, *[(num_slots + 1) * bias_width] * 3]
     cuts = np.cumsum(sizes)[:-1].tolist()
     (reset, decode, slots, lens, last, tokens, temps, seeds, top_ks, top_ps, min_ps, presence,
-     frequency, repetition, bias_ids, bias_values) = jnp.split(packed, cuts)
+     frequency, repetition, bias_ids, bias_values, bias_until) = jnp.split(packed, cuts)
     as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     return StepBatch(reset_slots=reset, prefill_slots=slots,
                      prefill_tokens=tokens.reshape(num_prefill, chunk), prefill_lens=lens,
@@ -214,7 +218,8 @@ def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int,
                      presence_penalties=as_f32(presence), frequency_penalties=as_f32(frequency),
                      repetition_penalties=as_f32(repetition),
                      bias_ids=bias_ids.reshape(num_slots + 1, bias_width),
-                     bias_values=as_f32(bias_values).reshape(num_slots + 1, bias_width))
+                     bias_values=as_f32(bias_values).reshape(num_slots + 1, bias_width),
+                     bias_until=bias_until.reshape(num_slots + 1, bias_width))
 
 
 def pack_outputs(out: StepOutputs):

@@ -72,6 +72,10 @@ class SamplingParams:
       seed: the request's PRNG seed (its draws do not depend on its batch).
       stop_token_ids: generation ends after any of these (kept in the output).
       ignore_eos: keep going past the model's end-of-sequence token.
+      min_tokens: vLLM's: the first min_tokens generated tokens are never a stop id or
+        (unless ignore_eos) an end-of-sequence id, which are banned from those draws
+        (0 <= min_tokens <= max_new_tokens; 0 = none); stop strings end a request
+        only after them. The banned ids share the logit bias's MAX_LOGIT_BIAS entries.
       logprobs: None, or return each generated token's log-probability and those of
         this many most likely tokens at its position (0 to MAX_LOGPROBS), from the
         target's raw logits (before temperature and truncation): `Result.logprobs`.
@@ -88,6 +92,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
 
@@ -138,12 +143,35 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"{where}: ignore_eos must be true or false, got "
                                f"{self.ignore_eos!r}", "ignore_eos")
+        if (not _is_int(self.min_tokens) or not 0 <= self.min_tokens
+                or _is_int(self.max_new_tokens) and self.min_tokens > self.max_new_tokens):
+            raise RequestError(f"{where}: min_tokens must be an integer in [0, max_new_tokens="
+                               f"{self.max_new_tokens}], got {self.min_tokens!r}", "min_tokens")
         self._validate_logit_bias(where, vocab_size)
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"{where}: logprobs must be an integer in [0, {MAX_LOGPROBS}] "
                                f"(the most likely tokens returned beside each token), or "
                                f"null for none, got {self.logprobs!r}", "logprobs")
+
+    def stop_ids(self, eos_token_ids) -> frozenset:
+        """The ids that end this request: its stop ids, and the model's end-of-sequence
+        ids unless it ignores them."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos
+                                                 else frozenset(eos_token_ids))
+
+    def early_bans(self, request_id: str, eos_token_ids) -> tuple[int, ...]:
+        """The ids its first min_tokens tokens may not be (none without min_tokens).
+        RequestError if they and its logit bias overflow MAX_LOGIT_BIAS entries."""
+        if not self.min_tokens:
+            return ()
+        bans = tuple(sorted(self.stop_ids(eos_token_ids)))
+        if len(bans) + len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(
+                f"request {request_id!r}: min_tokens bans its {len(bans)} stop ids (stop_token_ids "
+                f"and the end-of-sequence ids) beside {len(self.logit_bias)} logit_bias entries: "
+                f"at most {MAX_LOGIT_BIAS} in all; give fewer", "min_tokens")
+        return bans
 
     def _validate_logit_bias(self, where: str, vocab_size: int) -> None:
         bias = self.logit_bias

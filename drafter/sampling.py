@@ -10,7 +10,8 @@ program of its own): its sort over the vocabulary runs only in steps where some 
 asks for it, and no step branches on the device.
 
 Before temperature and truncation, greedy rows too, a row's logits are adjusted
-(`adjust`): its logit bias is added (OpenAI's), the tokens in its prompt or generated
+(`adjust`): its logit bias is added (OpenAI's; each entry to the tokens at positions
+below its own bound, which bans a min_tokens request's stop ids early), the tokens in its prompt or generated
 so far are divided by its repetition penalty where positive and multiplied where not
 (vLLM's, HF's), and the tokens it has generated lose frequency x count + presence x
 (count > 0) (OpenAI's). In a verify block, position j counts the drafts before it as
@@ -42,10 +43,10 @@ class Sampler:
       min_ps: f32[B], keep the tokens at least min_p x the most likely one's
         probability (0 = every token).
       greedy: static; every row is greedy (skips the softmax over the vocabulary).
-      presence_penalties, frequency_penalties, repetition_penalties: f32[B]; bias_ids:
-        i32[B, MAX_LOGIT_BIAS],
-        bias_values: f32[B, MAX_LOGIT_BIAS] (each row's logit bias; unused entries 0, 0.0)
-        (`adjust`).
+      presence_penalties, frequency_penalties, repetition_penalties: f32[B]; bias_ids,
+        bias_until: i32[B, MAX_LOGIT_BIAS], bias_values: f32[B, MAX_LOGIT_BIAS] (each
+        row's logit-bias entries: entry e adds bias_values[e] to token bias_ids[e] at
+        token positions below bias_until[e]; unused entries 0, 0.0, 0) (`adjust`).
       truncated: static; rows are truncated by their top_ks, top_ps and min_ps (without
         it the three are ignored).
       adjusted: static; rows' logits are adjusted by their penalties and logit bias
@@ -62,6 +63,7 @@ class Sampler:
     repetition_penalties: jax.Array
     bias_ids: jax.Array
     bias_values: jax.Array
+    bias_until: jax.Array
     greedy: bool = flax.struct.field(pytree_node=False, default=True)
     truncated: bool = flax.struct.field(pytree_node=False, default=False)
     adjusted: bool = flax.struct.field(pytree_node=False, default=False)
@@ -78,8 +80,8 @@ class Sampler:
         """Row keys folded from (seed, position, stream): a request draws the same
         numbers whatever else shares its batch. truncation: (top_ks, top_ps, min_ps)
         per row to truncate by, or None (the step does not truncate); adjustment:
-        (presence, frequency, repetition, bias_ids, bias_values) per row, or None (the
-        step does not adjust)."""
+        (presence, frequency, repetition, bias_ids, bias_values, bias_until) per row, or
+        None (the step does not adjust)."""
         temperatures = temperatures.astype(jnp.float32)
         batch = seeds.shape[0]
         truncated = truncation is not None and not greedy
@@ -88,9 +90,10 @@ class Sampler:
                       min_ps.astype(jnp.float32))
         adjusted = adjustment is not None
         if adjusted:
-            *penalties, bias_ids, bias_values = adjustment
+            *penalties, bias_ids, bias_values, bias_until = adjustment
             adjustment = (*(x.astype(jnp.float32) for x in penalties),
-                          bias_ids.astype(jnp.int32), bias_values.astype(jnp.float32))
+                          bias_ids.astype(jnp.int32), bias_values.astype(jnp.float32),
+                          bias_until.astype(jnp.int32))
         else:
             adjustment = _unadjusted(batch)
         if greedy:  # no draws: skip deriving keys
@@ -112,7 +115,8 @@ def _untruncated(batch: int):
 def _unadjusted(batch: int):
     return (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32),
             jnp.ones((batch,), jnp.float32), jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32),
-            jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32))
+            jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32),
+            jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32))
 
 
 def penalty(counts, presence, frequency):
@@ -136,22 +140,26 @@ def first_counts(counts, slot_ids, first, done):
     return counts.at[slot_ids].set(jnp.where(done[:, None], fresh, counts[slot_ids]))
 
 
-def adjust(logits, counts, prompt_seen, drafts, sampler: Sampler):
+def adjust(logits, counts, prompt_seen, drafts, sampler: Sampler, positions):
     """Logits f32[B, b, V] with each row's logit bias added and its penalties applied,
     if the sampler adjusts.
 
     counts: i32[B, V], each token's occurrences among the row's generated tokens before
     position 0; prompt_seen: bool[B, V], the tokens its prompt holds; drafts: i32[B, b -
     1], the tokens at positions 1..b-1: position j counts drafts[:, :j] too (what it
-    would have seen had they been generated).
+    would have seen had they been generated); positions: i32[B], the token position
+    that position 0's logits draw (position j draws positions + j).
     """
     if not sampler.adjusted:
         return logits
     rows, block, _ = logits.shape
-    # Unused bias entries add 0.0 to token 0: x + 0.0 is x, whatever else adds to it.
+    # Unused bias entries and entries past their bound add 0.0 (to token 0 for unused
+    # ones): x + 0.0 is x, whatever else adds to it.
+    drawn = positions[:, None, None] + jnp.arange(block)[None, :, None]
     logits = logits.at[jnp.arange(rows)[:, None, None], jnp.arange(block)[None, :, None],
                        sampler.bias_ids[:, None, :]].add(
-        jnp.broadcast_to(sampler.bias_values[:, None, :], (rows, block, MAX_LOGIT_BIAS)))
+        jnp.where(drawn < sampler.bias_until[:, None, :], sampler.bias_values[:, None, :],
+                  0.0))
     before = (jnp.arange(block - 1)[None] < jnp.arange(block)[:, None]).astype(jnp.int32)
     position_counts = jnp.broadcast_to(counts[:, None], logits.shape).at[
         jnp.arange(rows)[:, None, None], jnp.arange(block)[None, :, None],
@@ -162,31 +170,38 @@ def adjust(logits, counts, prompt_seen, drafts, sampler: Sampler):
                             sampler.frequency_penalties[:, None, None])
 
 
-def adjusted_drafts(logits, counts, prompt_seen, sampler: Sampler):
+def adjusted_drafts(logits, counts, prompt_seen, sampler: Sampler, positions):
     """A draft block chosen as the adjusted target would choose it: draft i is the most
     likely token of draft position i's logits adjusted (`adjust`) with the drafts before
     it counted as generated. Drafts are proposals, so this changes acceptance, never
-    output. logits f32[B, K, V]; counts i32[B, V] (the anchor counted). -> i32[B, K]."""
+    output. logits f32[B, K, V]; counts i32[B, V] (the anchor counted); positions i32[B],
+    draft 0's token position. -> i32[B, K]."""
     rows = jnp.arange(logits.shape[0])
     nothing = jnp.zeros((logits.shape[0], 0), jnp.int32)
     drafts = []
     for i in range(logits.shape[1]):   # K <= 15: each choice counts for the next
-        scored = adjust(logits[:, i:i + 1], counts, prompt_seen, nothing, sampler)[:, 0]
+        scored = adjust(logits[:, i:i + 1], counts, prompt_seen, nothing, sampler,
+                        positions + i)[:, 0]
         drafts.append(jnp.argmax(scored, axis=-1).astype(jnp.int32))
         counts = counts.at[rows, drafts[-1]].add(1)
     return jnp.stack(drafts, axis=1)
 
 
 def adjust_reference(logits, counts, drafts, presence, frequency, bias=None, prompts=None,
-                     repetition=None):
+                     repetition=None, bans=None, positions=None):
     """`adjust` one position at a time, counting in numpy (for tests). bias: per row a
     {token id: bias} dict, or None; prompts: per row its prompt's token ids, with
-    `repetition` per row, or None."""
+    `repetition` per row, or None; bans: per row (token ids, bound): those ids are
+    -inf at token positions below the bound, position j drawing positions[row] + j."""
     logits, counts, drafts = (np.asarray(x) for x in (logits, counts, drafts))
     out = np.array(logits, np.float32)
     for r, row_bias in enumerate(bias or [{}] * logits.shape[0]):
         for token, value in row_bias.items():
             out[r, :, token] += np.float32(value)
+    for r, (ids, bound) in enumerate(bans or []):
+        for j in range(logits.shape[1]):
+            if positions[r] + j < bound:
+                out[r, j, list(ids)] = -np.inf
     for r in range(logits.shape[0]):
         seen = np.array(counts[r])
         for j in range(logits.shape[1]):

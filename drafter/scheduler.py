@@ -157,8 +157,8 @@ class Scheduler:
             raise AdmissionError(f"request id {rid!r} is already in flight; ids must be unique")
         self.check_fits(seq.request)
         params = seq.request.params
-        seq.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids)
+        params.early_bans(rid, self.eos_token_ids)   # RequestError if they cannot fit
+        seq.stop_ids = params.stop_ids(self.eos_token_ids)
         self.waiting.append(seq)
 
     def kv_arrived(self, seq: Sequence, payload) -> None:

@@ -215,7 +215,8 @@ def _draft(params, cfg, kv, tables, anchors, ctx_lens, active, adjustment=None):
     drafts, logits = draft_block(params["draft"], cfg.draft, params["target"], cfg.target,
                                  cfg.spec, kv.pools, tables, anchors, ctx_lens, active,
                                  impl=cfg.impl)
-    return drafts if adjustment is None else adjusted_drafts(logits, *adjustment)
+    # The anchor is at position ctx_lens; draft 0 at the one after it.
+    return drafts if adjustment is None else adjusted_drafts(logits, *adjustment, ctx_lens + 1)
 
 
 def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last,
@@ -252,7 +253,7 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
     # Nothing generated yet: the first token sees its logit bias and its prompt.
     nothing = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
     first = sample(adjust(last, jnp.zeros(last.shape[::2], jnp.int32),
-                          state.prompt_seen[slot_ids], nothing, sampler)[:, 0], sampler)
+                          state.prompt_seen[slot_ids], nothing, sampler, ends)[:, 0], sampler)
     done = is_last & active & ok
     anchors = state.anchors.at[slot_ids].set(jnp.where(done, first, state.anchors[slot_ids]))
     counts, adjustment = state.output_counts, None
@@ -308,7 +309,7 @@ def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: St
                                    p, verify_len, feature_layers=cfg.draft.target_layer_ids,
                                    impl=cfg.impl, scan_unroll=cfg.scan_unroll)
     scored = adjust(logits, state.output_counts[slot_ids], state.prompt_seen[slot_ids],
-                    tokens[:, 1:], sampler)
+                    tokens[:, 1:], sampler, p + 1)
     accepted, bonus = accept(scored, tokens[:, 1:], sampler)
     num_out = jnp.where(live, accepted + 1, 0).astype(jnp.int32)
     pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, p, num_out)
@@ -356,7 +357,8 @@ def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
                                scan_unroll=cfg.scan_unroll)
     no_drafts = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
     token = sample(adjust(logits[:, :1], state.output_counts[slot_ids],
-                          state.prompt_seen[slot_ids], no_drafts, sampler)[:, 0], sampler)
+                          state.prompt_seen[slot_ids], no_drafts, sampler, p + 1)[:, 0],
+                   sampler)
     counts = state.output_counts
     if sampler.adjusted:
         counts = counts.at[slot_ids, token].add(live.astype(jnp.int32))

@@ -354,6 +354,27 @@ def test_adjusted_logits_equal_aggregated(pair):
     assert_pair_free(engine)
 
 
+def test_min_tokens_equal_aggregated(pair):
+    """The context draws the first token with the generation side's EOS ids and the
+    request's stop ids banned (min_tokens), the generation side the rest: tokens and
+    acceptance equal aggregated serving's, EOS as a stop after min_tokens included."""
+    params, cfg = pair
+    firsts = [r.tokens[0] for r in Engine(params, cfg).generate(PROMPTS[:3], 1)]
+    eos = (firsts[0],)   # unbanned, request 0 would end at its first token
+    asked = [SamplingParams(MAX_NEW, min_tokens=3),
+             SamplingParams(MAX_NEW, min_tokens=MAX_NEW, stop_token_ids=(firsts[1],)),
+             SamplingParams(MAX_NEW, min_tokens=2, stop_token_ids=(firsts[2],),
+                            presence_penalty=0.5)]
+    want = serve_each(Engine(params, cfg, eos_token_ids=eos), asked)
+    engine = split_engine(params, cfg, eos_token_ids=eos)
+    got = serve_each(engine, asked)
+    assert {k: r.tokens for k, r in got.items()} == {k: r.tokens for k, r in want.items()}
+    assert {k: r.acceptance for k, r in got.items()} == \
+        {k: r.acceptance for k, r in want.items()}
+    assert [got[f"r{i}"].tokens[0] != firsts[i] for i in range(3)] == [True] * 3
+    assert_pair_free(engine)
+
+
 @pytest.mark.parametrize("gen_tp", [2, 1])
 def test_context_tp4_into_generation_tp2_and_tp1(gen_tp, pair, aggregated):
     """kv heads split 4 ways on the context side are resharded on receipt."""

@@ -87,6 +87,29 @@ def test_text_stream_releases_final_text_only(tmp_path, kind):
     assert stream.finish() == ""
 
 
+@pytest.mark.parametrize("feed", [1, 3, 100])
+def test_stop_strings_count_only_after_min_tokens(feed):
+    """With min_tokens, a stop string within the first min_tokens tokens' text does not
+    end the request; one that ends past it does, straddling included, however the
+    tokens are fed."""
+    tok = ByteTokenizer()
+    text = "ab,cd,ef,gh"
+    ids = tok.encode(text)[1:]
+
+    def run(min_tokens, stop=(",",)):
+        stream = TextStream(tok, stop=stop, min_tokens=min_tokens)
+        got = "".join(stream.feed(ids[i:i + feed]) for i in range(0, len(ids), feed))
+        return got + stream.finish(), len(stream.tokens)
+    assert run(0) == ("ab", 3)
+    assert run(3) == ("ab,cd", 6)      # the first "," is token 3: within min_tokens
+    assert run(5) == ("ab,cd", 6)
+    assert run(6) == ("ab,cd,ef", 9)   # the second "," is token 6: within
+    assert run(11) == (text, 11)
+    assert run(5, stop=("d,e",)) == ("ab,c", 7)   # "d,e" ends past token 5's text
+    assert run(6, stop=("d,e",)) == ("ab,c", 7)
+    assert run(7, stop=("d,e",)) == (text, 11)     # it ends within token 7's text
+
+
 class _Engine:
     def make_request(self, rid, prompt, params):
         return Request.make(rid, prompt, params, vocab_size=264, reserved_ids=(258,))

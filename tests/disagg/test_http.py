@@ -313,7 +313,36 @@ def test_concurrent_clients_each_get_their_greedy_output(server):
         assert tokens == server["greedy"][prompt], prompt
 
 
+def test_min_tokens_bans_stop_ids_and_delays_stop_strings_through_the_client(server):
+    """vLLM's min_tokens (extra_body): a stop string within the first min_tokens tokens'
+    text does not end the completion, one after it does, whole and streamed; a stop id
+    is kept out of the first min_tokens tokens."""
+    c, name, tok = server["client"], server["name"], server["tok"]
+    greedy = server["greedy"][PROMPTS[0]]
+    text = tok.decode(greedy)
+    # byte-level, ASCII: token k ends at character k; a character that comes twice
+    stop = next(ch for ch in text if text.count(ch) > 1)
+    first = text.index(stop)
+    ask = dict(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+               stop=[stop])
+    assert c.completions.create(**ask).choices[0].text == text[:first]
+    want = text[:text.index(stop, first + 1)]   # min_tokens first + 1 passes the first
+    late = c.completions.create(**ask, extra_body={"min_tokens": first + 1})
+    assert late.choices[0].text == want
+    streamed = c.completions.create(**ask, stream=True,
+                                    extra_body={"min_tokens": first + 1})
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == want
+    banned = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                  temperature=0, extra_body={"min_tokens": MAX_TOKENS,
+                                                             "stop_token_ids": [greedy[0]]})
+    tokens = banned.choices[0].token_ids
+    assert len(tokens) == MAX_TOKENS and greedy[0] not in tokens
+    assert banned.choices[0].finish_reason == "length"
+
+
 BAD = [
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be"),
+    ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", "max_tokens=3"),
     (b"{not json", None, "not JSON"),
     ({"prompt": "x", "max_tokens": "3"}, "max_tokens", "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens"),

@@ -14,7 +14,7 @@ import pytest
 from disagg.context_server import ContextServer
 from disagg.control import Listener
 from disagg.handshake import ModelMismatch, Weights, check_pair, check_weights, hello, read_hello
-from disagg.kv_format import KVFormat, KVFormatMismatch
+from disagg.kv_format import KVFormat, KVFormatMismatch, PairMismatch
 from disagg.remote import RemoteSource
 from disagg.sources import ContextWorker
 from disagg.transfer import TransferError
@@ -111,6 +111,21 @@ def test_different_weights_are_refused_at_connect_naming_both_fingerprints(pair,
                                                 f"{mine.target}, the generation worker "
                                                 f"{other_target.target}.*same target"):
             check_weights(mine, other_target, mode)
+
+
+def test_different_eos_ids_are_refused_at_connect_naming_both(pair, meshes):
+    """The context draws each first token, which min_tokens keeps off the EOS ids: two
+    workers that know different ones are refused on both sides, naming both."""
+    params, cfg, mine = pair
+    worker = ContextWorker(params, cfg, mesh=meshes[1], eos_token_ids=(5, 3))
+    with context_server(worker, timeout=10.0) as server:
+        with pytest.raises(PairMismatch, match=r"the context worker's ids are \[3, 5\], the "
+                                               r"generation worker's \[\].*same tokenizer"):
+            generation(server.address, pair, meshes[0], timeout=10.0)
+        deadline = time.monotonic() + 1.0
+        while not any("end-of-sequence mismatch" in e for e in server.errors):
+            assert time.monotonic() < deadline, server.errors
+            time.sleep(0.01)
 
 
 def test_target_only_context_serves_private_generation_and_refuses_shared(pair, meshes,

@@ -170,7 +170,7 @@ def test_a_bad_timeout_is_refused_before_connecting():
 
 class OneHandoff:
     """A context worker stand-in: one handoff for `request_id` once `go` is set."""
-    weights, kv_format, busy = WEIGHTS, FORMAT, False
+    weights, kv_format, busy, eos_token_ids = WEIGHTS, FORMAT, False, ()
 
     def __init__(self, request_id: str):
         self.request_id = request_id
@@ -229,7 +229,7 @@ def test_every_sampling_field_crosses_the_wire_and_a_bad_one_is_refused_by_name(
     params = SamplingParams(9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1,
                             presence_penalty=-0.5, frequency_penalty=1.25,
                             repetition_penalty=1.3, seed=3,
-                            stop_token_ids=(4, 6), ignore_eos=True, logprobs=2,
+                            stop_token_ids=(4, 6), ignore_eos=True, min_tokens=2, logprobs=2,
                             logit_bias={7: -100, 0: 2.5})
     request = Request.make("r", [1, 2, 3], params, vocab_size=64)
     message = json.loads(json.dumps(request_to_wire(request)))

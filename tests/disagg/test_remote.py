@@ -110,10 +110,11 @@ def test_two_processes_equal_aggregated_token_for_token_and_step_for_step(contex
 def test_generation_cli_serves_json_lines_through_a_context_process(context, pair, mesh,
                                                                    tmp_path, capsys,
                                                                    monkeypatch, caplog):
-    """Token lines equal aggregated greedy output ended by the tokenizer's
-    end-of-sequence id; a line whose reading raises unexpectedly (a bug) and a
-    request whose submit does are answered by id and logged, and the lines after
-    them are served."""
+    """Token lines equal aggregated greedy output ended by a stop id; a line whose
+    reading raises unexpectedly (a bug) and a request whose submit does are answered by
+    id and logged, and the lines after them are served. A generation worker whose
+    tokenizer names end-of-sequence ids the context does not know (the context draws
+    each first token, which min_tokens keeps off them) exits at connect naming both."""
     import disagg.frontend
     import disagg.serving
     from drafter.corpus import ByteTokenizer
@@ -136,16 +137,22 @@ def test_generation_cli_serves_json_lines_through_a_context_process(context, pai
     real_submit = Engine.submit
     monkeypatch.setattr(Engine, "submit", lambda self, request: (
         real_submit(self, request) if request.request_id != "bang" else 1 / 0))
-    lines = [{"id": "q0", "tokens": prompts[0], "max_new_tokens": 8}, {"id": "boom"},
-             {"id": "bang", "tokens": prompts[0], "max_new_tokens": 8},
-             {"id": "q1", "tokens": prompts[1], "max_new_tokens": 8}]
+    lines = [{"id": "q0", "tokens": prompts[0], "max_new_tokens": 8, "stop_token_ids": [eos]},
+             {"id": "boom"}, {"id": "bang", "tokens": prompts[0], "max_new_tokens": 8},
+             {"id": "q1", "tokens": prompts[1], "max_new_tokens": 8, "stop_token_ids": [eos]}]
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(map(json.dumps, lines)) + "\nnot json\n")
-    main(["serve-remote", "--role", "generation", "--address", context.address,
-          *SOURCE.cli_args(), str(requests)])
+    args = ["serve-remote", "--role", "generation", "--address", context.address,
+            *SOURCE.cli_args(), str(requests)]
+    with pytest.raises(SystemExit, match=r"end-of-sequence mismatch: the context worker's "
+                                         r"ids are \[\], the generation worker's \[%d\]" % eos):
+        main(args)
+    tokenizer.eos_token_ids = ()   # the context's: none
+    capsys.readouterr()
+    main(args)
     out = {o["id"]: o for o in (json.loads(l) for l in
                                 capsys.readouterr().out.strip().splitlines()[-5:])}
-    assert asked == [Path(SOURCE.pair_dir) / "target"]
+    assert asked == [Path(SOURCE.pair_dir) / "target"] * 2
     expected = [r.tokens[:r.tokens.index(eos) + 1] if eos in r.tokens else r.tokens
                 for r in agg]   # the engine keeps the stop id and ends there
     assert [out[f"q{i}"]["tokens"] for i in range(2)] == expected

@@ -1,5 +1,6 @@
 """The engine's request lifecycle: bad input, queueing, stop ids, mixed arrivals, pages."""
 
+import dataclasses
 import functools
 
 import jax
@@ -271,6 +272,71 @@ def test_logit_bias_forces_and_bans_tokens_from_the_first_one_on(pair):
     assert got["forced"] == [7] * 10
     assert banned not in got["banned"] and len(got["banned"]) == 10
     assert got["plain"] == alone
+    assert_all_free(engine)
+
+
+def test_min_tokens_bans_stop_and_eos_ids_from_the_first_tokens_only(pair):
+    """With min_tokens, none of a request's first min_tokens tokens is a stop id or an
+    EOS id (each is the most likely token of the target's logits, a dense f32 forward,
+    less those ids), and the first such id after them ends it; ignore_eos leaves EOS
+    unbanned; speculative equals plain; a request without it beside gets what it gets
+    alone; its pages come back."""
+    from models.qwen3 import dense_forward
+    params, cfg, plain_cfg = pair
+    prompt = [1, 2, 3, 4]
+    alone = Engine(params, cfg).generate([prompt], 16)[0].tokens
+    stop, eos = alone[0], alone[2]   # unbanned, the first token would end it
+    asked = {"min": SamplingParams(16, stop_token_ids=(stop,), min_tokens=6),
+             "min-ignoring-eos": SamplingParams(16, stop_token_ids=(stop,), min_tokens=3,
+                                                ignore_eos=True),
+             "min-all": SamplingParams(16, stop_token_ids=(stop,), min_tokens=16)}
+    got = {}
+    for name, step_cfg in (("spec", cfg), ("plain", plain_cfg)):
+        engine = Engine(params, step_cfg, speculative=step_cfg is cfg, eos_token_ids=(eos,))
+        for rid, p in asked.items():
+            engine.submit(engine.make_request(rid, prompt, p))
+        engine.submit(engine.make_request("plain", prompt, SamplingParams(16, ignore_eos=True)))
+        got[name] = {r.request_id: r for r in engine.run()}
+        assert_all_free(engine)
+    assert {k: r.tokens for k, r in got["spec"].items()} == {
+        k: r.tokens for k, r in got["plain"].items()}
+    out = got["spec"]
+    assert out["plain"].tokens == alone
+    assert len(out["min-all"].tokens) == 16 and out["min-all"].finish_reason == "length"
+    for rid, p in asked.items():
+        tokens, banned = out[rid].tokens, {stop} | (set() if p.ignore_eos else {eos})
+        with jax.default_matmul_precision("highest"):   # an f32 reference on GPUs too
+            logits, _ = dense_forward(params["target"], cfg.target,
+                                      np.asarray([prompt + tokens], np.int32))
+        logits = np.asarray(logits[0], np.float64)
+        for j, token in enumerate(tokens):
+            score = logits[len(prompt) - 1 + j].copy()
+            if j < p.min_tokens:
+                score[list(banned)] = -np.inf
+            assert score[token] >= score.max() - 1e-4, (rid, j, token, int(score.argmax()))
+        ends = [j for j, t in enumerate(tokens) if t in banned | {stop}]
+        assert all(j >= p.min_tokens for j in ends), (rid, tokens)
+        if out[rid].finish_reason == "stop":
+            assert ends == [len(tokens) - 1]
+    assert out["min"].tokens[0] != stop   # the ban changed the first token
+
+
+def test_min_tokens_is_checked(pair):
+    """min_tokens beyond max_new_tokens, and bans that with the logit bias overflow its
+    entries, are refused naming the field."""
+    params, cfg, _ = pair
+    engine = Engine(params, cfg, eos_token_ids=(0,))
+    with pytest.raises(RequestError, match=r"min_tokens must be an integer in \[0, "
+                                           r"max_new_tokens=4\]") as e:
+        engine.make_request("big", [1, 2], SamplingParams(4, min_tokens=5))
+    assert e.value.field == "min_tokens"
+    crowded = SamplingParams(4, min_tokens=2, stop_token_ids=tuple(range(1, 10)),
+                             logit_bias={i: 0.5 for i in (0, *range(10, 64))})
+    with pytest.raises(RequestError, match="min_tokens bans its 10 stop ids .* at most 64"):
+        engine.submit(engine.make_request("crowded", [1, 2], crowded))
+    engine.submit(engine.make_request("fits", [1, 2], dataclasses.replace(
+        crowded, ignore_eos=True)))   # 9 bans + 55 entries
+    assert len(engine.run()[0].tokens) == 4
     assert_all_free(engine)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from drafter.request import MAX_LOGIT_BIAS
+from drafter.slot_sampling import EVERY_POSITION
 from drafter.sampling import (Sampler, accept, adjust, adjust_reference, adjusted_drafts,
                               sample, truncate, truncate_row)
 
@@ -51,7 +52,8 @@ def sampler(batch, *, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0, key=0):
                    jnp.full((batch,), min_p, jnp.float32), jnp.zeros((batch,), jnp.float32),
                    jnp.zeros((batch,), jnp.float32), jnp.ones((batch,), jnp.float32),
                    jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32),
-                   jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32), greedy=False, truncated=True)
+                   jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32),
+                   jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.int32), greedy=False, truncated=True)
 
 
 def truncated_probs(logits, **kw):
@@ -136,13 +138,21 @@ def test_token_logprobs_equal_a_float64_log_softmax(vocab):
         assert [t for t, _ in kept.top] == order.tolist()   # the padding is not returned
 
 
-def with_bias(s, bias):
-    """Sampler `s` with per-row {token: bias} dicts as its padded bias arrays."""
+def with_bias(s, bias, bans=None):
+    """Sampler `s` with per-row {token: bias} dicts, and per row (ids, bound) of tokens
+    banned below a position, as its padded bias entries (drafter/slot_sampling.py's)."""
     ids = np.zeros((len(bias), MAX_LOGIT_BIAS), np.int32)
     values = np.zeros((len(bias), MAX_LOGIT_BIAS), np.float32)
+    until = np.zeros((len(bias), MAX_LOGIT_BIAS), np.int32)
     for r, row in enumerate(bias):
-        ids[r, :len(row)], values[r, :len(row)] = list(row), list(row.values())
-    return s.replace(bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values))
+        entries = [(t, v, EVERY_POSITION) for t, v in row.items()]
+        if bans:
+            entries += [(t, -np.inf, bans[r][1]) for t in bans[r][0]]
+        if entries:
+            n = len(entries)
+            ids[r, :n], values[r, :n], until[r, :n] = zip(*entries)
+    return s.replace(bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values),
+                     bias_until=jnp.asarray(until))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -169,7 +179,8 @@ def test_adjusting_adds_the_bias_and_counts_the_drafts_before_each_position(seed
         presence_penalties=jnp.asarray(presence), frequency_penalties=jnp.asarray(frequency),
         repetition_penalties=jnp.asarray(repetition), adjusted=True)
     got = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                            jnp.asarray(prompt_seen), jnp.asarray(drafts, jnp.int32), s))
+                            jnp.asarray(prompt_seen), jnp.asarray(drafts, jnp.int32), s,
+                            jnp.full((rows,), 7, jnp.int32)))
     want = adjust_reference(logits, counts, drafts, presence, frequency, bias, prompts,
                             repetition)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
@@ -177,30 +188,61 @@ def test_adjusting_adds_the_bias_and_counts_the_drafts_before_each_position(seed
     np.testing.assert_array_equal(
         np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
                           jnp.asarray(prompt_seen), jnp.asarray(drafts, jnp.int32),
-                          s.replace(adjusted=False))),
+                          s.replace(adjusted=False), jnp.zeros((rows,), jnp.int32))),
         logits)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bans_hold_below_their_position_only(seed):
+    """An entry bounded by a position (a min_tokens ban) makes its token -inf at the
+    block positions that draw tokens below it and changes nothing at the others; rows
+    at their own positions, one token both biased and banned, beside unbounded bias."""
+    rng = np.random.default_rng(seed)
+    rows, block, vocab = 3, 6, 11
+    logits = rng.normal(size=(rows, block, vocab)).astype(np.float32)
+    counts = np.zeros((rows, vocab), np.int64)
+    drafts = rng.integers(0, vocab, size=(rows, block - 1))
+    positions = rng.integers(0, 50, size=rows)
+    bias = [{2: 5.0}, {}, {int(rng.integers(vocab)): -1.0}]
+    bans = [((2, 7), positions[0] + int(rng.integers(0, block + 1))),
+            ((0,), positions[1] + 1), ((1, 4, 9), positions[2])]   # row 2: over already
+    s = with_bias(sampler(rows), bias, bans).replace(adjusted=True)
+    zeros = np.zeros(rows, np.float32)
+    got = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
+                            jnp.zeros((rows, vocab), bool), jnp.asarray(drafts, jnp.int32), s,
+                            jnp.asarray(positions, jnp.int32)))
+    want = adjust_reference(logits, counts, drafts, zeros, zeros, bias, bans=bans,
+                            positions=positions)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=1e-5)
+    assert np.isinf(got[1, 0, 0]) and np.isfinite(got[1, 1:, 0]).all()
+    assert np.isfinite(got[2]).all()
 
 
 def test_a_verify_position_scores_as_the_plain_step_after_its_drafts():
     """Bit for bit: position j of a block adjusted with its drafts equals a one-position
-    block whose counts already hold those drafts (what plain decoding computes)."""
+    block at its position whose counts already hold those drafts (what plain decoding
+    computes), a ban ending mid-block included."""
     rng = np.random.default_rng(0)
-    block, vocab = 6, 13
+    block, vocab, start = 6, 13, 40
     logits = rng.normal(size=(1, block, vocab)).astype(np.float32)
     counts = rng.integers(0, 2, size=(1, vocab))
     drafts = np.array([[3, 3, 7, 0, 3]])
-    s = with_bias(sampler(1), [{3: 0.7, 0: -1.3}]).replace(
+    s = with_bias(sampler(1), [{3: 0.7, 0: -1.3}], bans=[((3, 9), start + 3)]).replace(
         presence_penalties=jnp.full((1,), 0.37, jnp.float32),
         frequency_penalties=jnp.full((1,), 1.13, jnp.float32),
         repetition_penalties=jnp.full((1,), 1.21, jnp.float32), adjusted=True)
     prompt_seen = jnp.zeros((1, vocab), bool).at[0, jnp.array([5, 7])].set(True)
     block_scores = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                                     prompt_seen, jnp.asarray(drafts, jnp.int32), s))
+                                     prompt_seen, jnp.asarray(drafts, jnp.int32), s,
+                                     jnp.full((1,), start, jnp.int32)))
     for j in range(block):
         seen = counts + np.bincount(drafts[0, :j], minlength=vocab)[None]
         one = adjust(jnp.asarray(logits[:, j:j + 1]), jnp.asarray(seen, jnp.int32),
-                     prompt_seen, jnp.zeros((1, 0), jnp.int32), s)
+                     prompt_seen, jnp.zeros((1, 0), jnp.int32), s,
+                     jnp.full((1,), start + j, jnp.int32))
         np.testing.assert_array_equal(np.asarray(one)[:, 0], block_scores[:, j])
+    assert np.isinf(block_scores[0, :3, 9]).all() and np.isfinite(block_scores[0, 3:, 9]).all()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -221,18 +263,22 @@ def test_adjusted_drafts_are_the_adjusted_argmax_with_earlier_drafts_counted(see
                                                                           np.float32)
     repetition = np.array([1.0, 1.2, 2.0], np.float32)
     bias = [{}, {7: 0.5}, {4: -100.0}]
-    s = with_bias(sampler(rows), bias).replace(
+    bans = [((), 0), ((), 0), ((2,), 12)]   # row 2: its leading token banned at 10 and 11
+    positions = np.array([5, 8, 10])
+    s = with_bias(sampler(rows), bias, bans).replace(
         presence_penalties=jnp.asarray(presence), frequency_penalties=jnp.asarray(frequency),
         repetition_penalties=jnp.asarray(repetition), adjusted=True)
     got = np.asarray(adjusted_drafts(jnp.asarray(logits), jnp.asarray(counts, jnp.int32),
-                                     jnp.asarray(prompt_seen), s))
+                                     jnp.asarray(prompt_seen), s, jnp.asarray(positions)))
     for r in range(rows):
         seen = counts[r].copy()
         for i in range(k):
             row = adjust_reference(logits[r:r + 1, i:i + 1], seen[None], np.zeros((1, 0), int),
                                    presence[r:r + 1], frequency[r:r + 1], bias[r:r + 1],
-                                   prompts[r:r + 1], repetition[r:r + 1])[0, 0]
+                                   prompts[r:r + 1], repetition[r:r + 1], bans[r:r + 1],
+                                   positions[r:r + 1] + i)[0, 0]
             assert got[r, i] == int(np.argmax(row)), (r, i)
             seen[got[r, i]] += 1
     np.testing.assert_array_equal(got[0], logits[0].argmax(-1))   # nothing to adjust
     assert (got[1] != 2).any()   # the penalties moved a draft off the leading token
+    assert (got[2, :2] != 2).all()   # banned at positions 10 and 11
