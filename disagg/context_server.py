@@ -261,7 +261,7 @@ class ContextServer:
     def _offer(self, peer: _Peer, request_id: str, handoff) -> None:
         payload = handoff.payload
         host = jax.device_get((payload.checksums, payload.first_token, payload.drafts,
-                               payload.first_logprobs))
+                               payload.first_logprobs, payload.prompt_logprobs))
         uuid = secrets.randbits(62)   # single use: a fresh one per handoff
         pieces, message = handoff_to_wire(request_id, payload, host, uuid, handoff.kv_format)
         # The offer expires, so a vanished peer leaves nothing behind.

@@ -211,6 +211,7 @@ class CompletionsApp:
             field = "max_completion_tokens" if "max_completion_tokens" in body else \
                 "max_tokens"
             return _refuse(400, str(e).replace("max_new_tokens", field), field)
+        fmt.prepare(body, [req for req, _ in subs])
         choices = _Choices(self.loop, [req.request_id for req, _ in subs], body.get("n") or 1)
         try:
             for i, (req, stops) in enumerate(subs):
@@ -274,9 +275,10 @@ class CompletionsApp:
             return _refuse(500 if server else 400, failed[0].error, None,
                            "server_error" if server else "invalid_request_error")
         out = [fmt.choice(i, "".join(pieces[i]), last[i].finish_reason, last[i].result.tokens,
-                          whole=True, logprobs=last[i].result.logprobs)
+                          whole=True, logprobs=last[i].result.logprobs,
+                          prompt_logprobs=last[i].result.prompt_logprobs)
                for i in range(len(choices.ids))]
-        results = [last[i].result for i in range(len(choices.ids))]
+        results = [fmt.reported(last[i].result) for i in range(len(choices.ids))]
         return JSONResponse(self._envelope(rid, fmt.whole_object, out,
                                            usage=usage(results, choices.n),
                                            acceptance_length=pooled_acceptance(results)))
@@ -320,7 +322,7 @@ class CompletionsApp:
                 for choice, extra in fmt.pieces(i, event):
                     yield sse(self._envelope(rid, fmt.chunk_object, [choice], **extra))
                 if event.finish_reason is not None:
-                    results[i] = event.result
+                    results[i] = fmt.reported(event.result)
             if len(results) == total and include_usage:
                 yield sse(self._envelope(rid, fmt.chunk_object, [], usage=usage(
                     [results[i] for i in range(total)], choices.n)))

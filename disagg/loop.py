@@ -55,7 +55,9 @@ class Event:
     """Part of one request's output. The last one has `finish_reason` ("length",
     "stop" or "error"), and `result` when the request ran (tokens cut at a stop
     string) or `error` when it did not. `logprobs`: a TokenLogprobs per token of
-    `tokens` when the request asked for them, else None."""
+    `tokens` when the request asked for them, else None; `prompt_logprobs`: on a
+    request's first Event with tokens (or its last), its Result's prompt_logprobs when
+    it asked for them, else None."""
 
     request_id: str
     tokens: list[int]
@@ -65,6 +67,7 @@ class Event:
     error: str | None = None
     server_fault: bool = False   # the error is the server's, not the request's
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def failed(self) -> bool:
@@ -238,6 +241,11 @@ class ServingLoop:
             new = tokens[o.delivered:]
             new_logprobs = (logprobs[o.delivered:len(tokens)]
                             if o.sub.request.params.logprobs is not None else None)
+            prompt_logprobs = None
+            if o.delivered == 0 and o.sub.request.params.prompt_logprobs is not None \
+                    and (new or result is not None):   # with the first tokens, once
+                prompt_logprobs = (result.prompt_logprobs if result is not None
+                                   else [None, *seq.prompt_logprobs])
             if new:
                 self._observe_tokens(o, len(new), now)
             o.delivered = len(tokens)
@@ -248,13 +256,14 @@ class ServingLoop:
                     result = self.engine.cancel(rid)
                 kept = o.stream.tokens[before:]
                 self._end(o, "stop", result, None, kept, text,
-                          new_logprobs and new_logprobs[:len(kept)])
+                          new_logprobs and new_logprobs[:len(kept)], prompt_logprobs)
             elif result is not None:
                 text += o.stream.finish()
                 self._end(o, result.finish_reason, result, result.error, new, text,
-                          new_logprobs)
+                          new_logprobs, prompt_logprobs)
             elif new:
-                self._send(o.sub, Event(rid, list(new), text, logprobs=new_logprobs))
+                self._send(o.sub, Event(rid, list(new), text, logprobs=new_logprobs,
+                                        prompt_logprobs=prompt_logprobs))
 
     def _observe_tokens(self, o: _Open, count: int, now: float) -> None:
         if self.observer is not None:
@@ -267,7 +276,7 @@ class ServingLoop:
         o.last_at = now
 
     def _end(self, o: _Open, reason: str, result: Result | None, error: str | None,
-             tokens=(), text: str = "", logprobs=None) -> None:
+             tokens=(), text: str = "", logprobs=None, prompt_logprobs=None) -> None:
         rid = o.sub.request.request_id
         self._open.pop(rid, None)
         if result is not None:   # cut at a stop string as the stream was
@@ -275,7 +284,8 @@ class ServingLoop:
             result = dataclasses.replace(
                 result, tokens=kept, finish_reason=reason, error=error,
                 logprobs=None if result.logprobs is None else result.logprobs[:len(kept)])
-        event = Event(rid, list(tokens), text, reason, result, error, logprobs=logprobs)
+        event = Event(rid, list(tokens), text, reason, result, error, logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs)
         if self.observer is not None:
             self.observer.finished(event, len(o.sub.request.prompt))
         self._send(o.sub, event)

@@ -3,6 +3,8 @@ bodies, completions and chat completions, whole or as streamed chunks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from disagg.loop import Event
 
 
@@ -30,7 +32,10 @@ class CompletionFormat:
     carries its `index`, `text`, finish_reason, `token_ids` and, when asked for, its
     tokens' `logprobs` (OpenAI's legacy form: tokens, token_logprobs, top_logprobs,
     text_offset); a streamed chunk holds one choice, and a choice's last chunk carries
-    its finish_reason and, beside it, the choice's acceptance_length.
+    its finish_reason and, beside it, the choice's acceptance_length. With echo, a
+    choice's text (its first chunk's, streamed) starts with its prompt decoded, and its
+    logprobs with the prompt's tokens (the first one's null); with max_tokens 0 the
+    prompt is all it holds (`prepare`).
 
     A token's text is the token decoded alone (a piece of a character whose bytes span
     tokens reads U+FFFD); text offsets add up those texts."""
@@ -40,17 +45,46 @@ class CompletionFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._offsets: dict[int, int] = {}   # per choice: its tokens' text so far
+        self.echo = self.echo_only = False
+        self._prompts: list = []
+        self._echoed: set[int] = set()
+
+    def prepare(self, body: dict, requests) -> None:
+        """Learn what a request's choices (its checked engine Requests, in order) echo."""
+        self.echo = body.get("echo") is True
+        self.echo_only = self.echo and body.get("max_tokens") == 0
+        self._prompts = [r.prompt for r in requests]
+
+    def reported(self, result):
+        """A choice's Result as the response counts it: with max_tokens 0, no tokens."""
+        if not self.echo_only:
+            return result
+        return dataclasses.replace(result, tokens=[], acceptance=[],
+                                   logprobs=None if result.logprobs is None else [])
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
     def choice(self, index: int, text: str, finish_reason, token_ids, *, whole: bool,
-               logprobs=None) -> dict:
-        return {"index": index, "text": text, "logprobs": self.logprobs(index, token_ids,
-                                                                        logprobs),
+               logprobs=None, prompt_logprobs=None) -> dict:
+        if self.echo_only:   # whatever ended the one token generated: the length did
+            text, token_ids, logprobs = "", [], logprobs and []
+            finish_reason = finish_reason and "length"
+        if self.echo and index not in self._echoed:   # the prompt first, once
+            self._echoed.add(index)
+            prompt = list(self._prompts[index])
+            text = self.tokenizer.decode(prompt) + text
+            if logprobs is not None:
+                logprobs = [*prompt_logprobs, *logprobs]
+            token_ids_with_prompt = prompt + list(token_ids)
+        else:
+            token_ids_with_prompt = token_ids
+        return {"index": index, "text": text,
+                "logprobs": self.logprobs(index, token_ids_with_prompt, logprobs),
                 "finish_reason": finish_reason, "token_ids": token_ids}
 
     def logprobs(self, index: int, token_ids, logprobs) -> dict | None:
+        """OpenAI's legacy form; an entry None (an echoed prompt's first token) is null."""
         if logprobs is None:
             return None
         texts = [self.token_text(t) for t in token_ids]
@@ -59,8 +93,10 @@ class CompletionFormat:
             offsets.append(at)
             at += len(piece)
         self._offsets[index] = at
-        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.token_text(t): x for t, x in lp.top}
+        return {"tokens": texts,
+                "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+                "top_logprobs": [None if lp is None else {self.token_text(t): x
+                                                          for t, x in lp.top}
                                  for lp in logprobs],
                 "text_offset": offsets}
 
@@ -73,9 +109,13 @@ class CompletionFormat:
         finished = event.finish_reason is not None
         if not (event.text or event.tokens or finished):
             return []
-        extra = {"acceptance_length": event.result.acceptance_length} if finished else {}
+        extra = ({"acceptance_length": self.reported(event.result).acceptance_length}
+                 if finished else {})
+        if self.echo_only and index in self._echoed and not finished:
+            return []   # the token generated for an echo alone is not reported
         return [(self.choice(index, event.text, event.finish_reason, event.tokens,
-                             whole=False, logprobs=event.logprobs), extra)]
+                             whole=False, logprobs=event.logprobs,
+                             prompt_logprobs=event.prompt_logprobs), extra)]
 
 
 class ChatFormat(CompletionFormat):
@@ -87,7 +127,8 @@ class ChatFormat(CompletionFormat):
     id_prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def choice(self, index, text, finish_reason, token_ids, *, whole, delta=None,
-               logprobs=None) -> dict:
+               logprobs=None, prompt_logprobs=None) -> dict:
+        """(`prompt_logprobs`: unused; a chat echoes nothing.)"""
         body = {"message": {"role": "assistant", "content": text}} if whole else \
             {"delta": {"content": text} if delta is None else delta}
         return {"index": index, **body, "logprobs": self.logprobs(index, token_ids, logprobs),

@@ -11,19 +11,23 @@ JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "top_k": int >= -1, "min_p": [0, 1], "presence_penalty": [-2, 2],
              "frequency_penalty": [-2, 2], "repetition_penalty": (0, 100], "seed": int, "stop": str | [str, ...],
              "stop_token_ids": [int, ...], "ignore_eos": bool, "min_tokens": int in
-             [0, max_new_tokens] (vLLM's: no stop before it), "logprobs": int in
+             [0, max_new_tokens] (vLLM's: no stop before it), "prompt_logprobs": int in
+             [0, 20] | null (each prompt token's, as "logprobs"), "logprobs": int in
              [0, 20] | null (each token's log-probability and this many alternatives),
              "logit_bias": {"token id": number in [-100, 100], ...} (OpenAI's form; at
              most 64)}
 completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batch),
              "n": int >= 1 (choices per prompt; at most MAX_CHOICES in all; sample j
-             of a prompt draws with seed + j), "max_tokens": int >= 1,
+             of a prompt draws with seed + j), "max_tokens": int >= 1 (0 with echo),
+             "echo": bool (the prompt before the completion, with its tokens'
+             log-probabilities under "logprobs"; max_tokens 0: the prompt alone),
              "temperature": number >= 0, "top_p", "presence_penalty",
              "frequency_penalty", "logit_bias", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "repetition_penalty",
-             "min_tokens", "stop_token_ids", "ignore_eos"}; OpenAI fields this server does not implement are accepted
-             only at their neutral value (best_of = 1, echo = false, suffix = null).
+             "min_tokens", "stop_token_ids", "ignore_eos"}; OpenAI fields this server does
+             not implement are accepted only at their neutral value (best_of = 1,
+             suffix = null).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
@@ -52,16 +56,17 @@ from drafter.tokenizer import ChatTemplateError
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", *SAMPLING_FIELDS}
+                "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias",
+                *SAMPLING_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
 NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
-           "echo": ((False, None), "the prompt is not echoed; prepend it yourself"),
            "suffix": ((None, ""), "suffixes are not implemented"),
            "user": (None, "")}
-COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "temperature", "seed", "stop", "stream",
+COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "echo", "temperature", "seed", "stop",
+                     "stream",
                      "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
                      *SAMPLING_FIELDS, *NEUTRAL}
-CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "echo", "suffix")},
+CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "suffix")},
                 "tools": ((None,), "tool calls are not implemented"),
                 "tool_choice": ((None, "none"), "tool calls are not implemented"),
                 "response_format": ((None, {"type": "text"}),
@@ -164,6 +169,7 @@ def _make(rid: str, prompt, obj: dict, engine, max_tokens_field: str, default_ma
                             seed=obj.get("seed", 0), stop_token_ids=tuple(stops),
                             ignore_eos=obj.get("ignore_eos", False),
                             logprobs=obj.get("logprobs"),
+                            prompt_logprobs=obj.get("prompt_logprobs"),
                             logit_bias=_logit_bias(rid, obj.get("logit_bias")),
                             **{name: obj[name] for name in SAMPLING_FIELDS
                                if obj.get(name) is not None})
@@ -259,6 +265,7 @@ def parse_completion(obj, rid: str, engine, tokenizer, *,
     try:
         check_fields(rid, obj, COMPLETION_FIELDS)
         _check_openai_options(rid, obj, NEUTRAL)
+        obj = _echo(rid, obj)
         if "prompt" not in obj:
             raise RequestError(f"request {rid!r}: \"prompt\" is missing; give text or a list "
                                f"of token ids", "prompt")
@@ -275,6 +282,20 @@ def parse_completion(obj, rid: str, engine, tokenizer, *,
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", "max_tokens"),
                            OPENAI_NAMES.get(e.field, e.field)) from None
+
+
+def _echo(rid: str, obj: dict) -> dict:
+    """OpenAI's echo: the prompt comes back before the completion, with its tokens'
+    log-probabilities when "logprobs" asks (the engine's prompt_logprobs); with
+    "max_tokens": 0, the prompt alone (the engine generates one token, not reported)."""
+    echo = obj.get("echo", False)
+    if echo is None or echo is False:
+        return obj
+    if echo is not True:
+        raise RequestError(f"request {rid!r}: \"echo\" must be true or false", "echo")
+    if type(obj.get("max_tokens")) is int and obj["max_tokens"] == 0:
+        obj = dict(obj, max_tokens=1)
+    return dict(obj, prompt_logprobs=obj.get("logprobs"))
 
 
 def no_chat_template(model_name: str) -> str:

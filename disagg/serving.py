@@ -45,6 +45,11 @@ def answer_of(event: Event, text: str) -> dict:
         answer["logprobs"] = [{"token": t, "logprob": lp.logprob,
                                "top_logprobs": [list(x) for x in lp.top]}
                               for t, lp in zip(r.tokens, r.logprobs)]
+    if r.prompt_logprobs is not None:   # the first prompt token's: null
+        answer["prompt_logprobs"] = [
+            None if lp is None else {"token": t, "logprob": lp.logprob,
+                                     "top_logprobs": [list(x) for x in lp.top]}
+            for t, lp in zip(r.prompt, r.prompt_logprobs)]
     if r.error is not None:
         answer["error"] = r.error
     return answer

@@ -7,6 +7,7 @@ the receiver (`split_shards` / `assemble`), pulled by `Pulls`.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import time
@@ -87,9 +88,9 @@ def request_from_wire(message: dict, *, vocab_size: int, reserved_ids=()) -> Req
 def handoff_to_wire(request_id: str, payload: KVPayload, host: tuple, uuid: int,
                     kv_format: KVFormat) -> tuple[list[jax.Array], dict]:
     """(the shards to offer under `uuid`, the handoff message) of a payload whose
-    checksums, first token, drafts and first-token log-probability bits (or None) were
-    read to the host (`host`, in that order)."""
-    sums, first, drafts, first_logprobs = host
+    checksums, first token, drafts, first-token log-probability bits (or None) and prompt
+    log-probability parts were read to the host (`host`, in that order)."""
+    sums, first, drafts, first_logprobs, prompt_logprobs = host
     pieces, pools = [], []
     for k, pool_id in enumerate(payload.pool_ids):
         shards, boxes = split_shards(payload.buffers[k])
@@ -102,6 +103,7 @@ def handoff_to_wire(request_id: str, payload: KVPayload, host: tuple, uuid: int,
                     "first_token": int(first), "drafts": np.asarray(drafts).tolist(),
                     "first_logprobs": (None if first_logprobs is None
                                        else np.asarray(first_logprobs).tolist()),
+                    "prompt_logprobs": _prompt_logprobs_to_wire(prompt_logprobs),
                     "mode": payload.mode, "uuid": uuid, "pools": pools,
                     "kv_format": kv_format_to_wire(kv_format)}
 
@@ -129,7 +131,34 @@ def payload_from_wire(message: dict, pieces: list[jax.Array], origin: str) -> KV
         buffers=tuple(buffers),
         checksums=np.asarray([p["checksum"] for p in message["pools"]], np.uint32),
         mode=message["mode"], origin=origin,
-        first_logprobs=_logprob_bits(message.get("first_logprobs")))
+        first_logprobs=_logprob_bits(message.get("first_logprobs")),
+        prompt_logprobs=_prompt_logprobs_from_wire(message.get("prompt_logprobs"),
+                                                   message["target_len"]))
+
+
+def _prompt_logprobs_to_wire(parts) -> str | None:
+    """Prompt log-probability parts as one base64 string of their rows' i32 bits (None:
+    not asked for). Bits, not numbers: the receiver books exactly what the sender's
+    prefill computed."""
+    if not parts:
+        return None
+    rows = [np.asarray(bits, np.int32)[:n * LOGPROB_WIDTH] for bits, n in parts]
+    return base64.b64encode(np.concatenate(rows).astype("<i4").tobytes()).decode()
+
+
+def _prompt_logprobs_from_wire(text, target_len: int) -> tuple:
+    """A handoff's prompt log-probabilities: () or one part of target_len - 1 rows."""
+    if text is None:
+        return ()
+    try:
+        bits = np.frombuffer(base64.b64decode(text, validate=True), "<i4").astype(np.int32)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a handoff's prompt_logprobs are not base64 i32 bits ({e})") from None
+    rows = target_len - 1
+    if bits.size != rows * LOGPROB_WIDTH:
+        raise ValueError(f"a handoff's prompt_logprobs hold {bits.size} i32 values; a "
+                         f"{target_len}-token prompt's are {rows} x {LOGPROB_WIDTH}")
+    return ((bits, rows),)
 
 
 def _logprob_bits(bits) -> np.ndarray | None:

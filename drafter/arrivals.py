@@ -17,7 +17,8 @@ import time
 import jax
 
 from drafter.kv_io import KVSource
-from drafter.request import Result, logprob_rows
+from drafter.request import Result, logprob_rows, prompt_logprob_rows
+from drafter.sampling import LOGPROB_WIDTH
 from drafter.scheduler import Phase, Scheduler, Sequence
 
 
@@ -73,15 +74,23 @@ class Arrivals:
                 results.append(self.scheduler.finish(seq, now, "error", f"request "
                                f"{request_id!r}: {type(item).__name__}: {item}"))
             else:
-                if seq.request.params.logprobs is not None and item.first_logprobs is None:
+                params = seq.request.params
+                missing = ("the first token's" if params.logprobs is not None
+                           and item.first_logprobs is None else "the prompt's"
+                           if params.prompt_logprobs is not None
+                           and sum(n for _, n in item.prompt_logprobs)
+                           != len(seq.request.prompt) - 1 else None)
+                if missing:
                     results.append(self.scheduler.finish(seq, now, "error", (
-                        f"request {request_id!r}: its KV arrived without the first token's "
+                        f"request {request_id!r}: its KV arrived without {missing} "
                         f"log-probabilities, which the request asked for (a sender that "
                         f"does not send them)")))
                     continue
                 self.scheduler.kv_arrived(seq, item)
-                self._first[request_id] = (seq, item.first_token, item.first_logprobs)
-                for x in (item.first_token, item.first_logprobs):
+                self._first[request_id] = (seq, item.first_token, item.first_logprobs,
+                                           item.prompt_logprobs)
+                for x in (item.first_token, item.first_logprobs,
+                          *(bits for bits, _ in item.prompt_logprobs)):
                     if hasattr(x, "copy_to_host_async"):
                         # start its read now, so booking it later reads a copy already made
                         x.copy_to_host_async()
@@ -100,15 +109,18 @@ class Arrivals:
         """Book arrived first tokens the device has computed; never waits for one.
         Ready tokens are read together (one host read, not one per request)."""
         ready = []
-        for request_id, (seq, token, logprobs) in list(self._first.items()):
+        for request_id, (seq, token, logprobs, prompt) in list(self._first.items()):
             if seq.phase is Phase.DONE or seq.tokens:  # ended, or booked by the import
                 del self._first[request_id]
-            elif all(not hasattr(x, "is_ready") or x.is_ready() for x in (token, logprobs)):
+            elif all(not hasattr(x, "is_ready") or x.is_ready()
+                     for x in (token, logprobs, *(bits for bits, _ in prompt))):
                 del self._first[request_id]
-                ready.append((seq, token, logprobs))
+                ready.append((seq, token, logprobs, prompt))
         results = []
-        read = jax.device_get([(t, lp) for _, t, lp in ready])
-        for (seq, _, _), (token, logprobs) in zip(ready, read):
+        read = jax.device_get([(t, lp, p) for _, t, lp, p in ready])
+        for (seq, *_), (token, logprobs, prompt) in zip(ready, read):
+            self.scheduler.book_prompt_logprobs(seq, prompt_logprob_rows(prompt,
+                                                                         LOGPROB_WIDTH))
             if (r := self.scheduler.emit(seq, [int(token)], now, decode_step=False,
                                          logprobs=logprob_rows(logprobs))):
                 results.append(r)

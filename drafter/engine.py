@@ -365,6 +365,12 @@ class Engine:
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
         outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
                                     decode_steps=self.decode_steps if steady else 1)
+        if self.scheduler.export:   # prompt log-probabilities leave with the KV
+            for i, chunk in enumerate(plan.prefill):
+                if chunk.seq.request.params.prompt_logprobs is not None:
+                    chunk.seq.prompt_logprob_parts.append(
+                        (self.executor.prompt_logprobs(outputs, i),
+                         chunk.num_tokens - chunk.is_last))
         leaving = [(i, chunk.seq) for i, chunk in enumerate(plan.prefill)
                    if chunk.seq in plan.exports]
         if leaving:
@@ -374,6 +380,8 @@ class Engine:
                 if seq.request.params.logprobs is not None:   # the first token's, with it
                     payload = dataclasses.replace(
                         payload, first_logprobs=self.executor.first_logprobs(outputs, i))
+                payload = dataclasses.replace(
+                    payload, prompt_logprobs=tuple(seq.prompt_logprob_parts))
                 self._exports.append(Export(seq.request, payload, seq.submitted))
                 self.scheduler.release_exported(seq)
         return plan, outputs, imported
@@ -397,7 +405,8 @@ class Engine:
         done = self.executor.import_payloads([(seq.slot, payload, seq.request)
                                               for _, seq, payload in accepted], reset_slots)
         for (k, _, payload), ok in zip(accepted, done):
-            out[k] = (ok, payload.first_token, payload.origin, payload.first_logprobs)
+            out[k] = (ok, payload.first_token, payload.origin, payload.first_logprobs,
+                      payload.prompt_logprobs)
         return out
 
     def _collect(self, plan, outputs, imported) -> list[Result]:

@@ -18,7 +18,8 @@ import numpy as np
 
 from drafter.kv_io import (KVPayload, call_groups, export_payloads, pack_import_index,
                            padded_rows, receiver_shardings, sent_pool_ids, transfer_shapes)
-from drafter.mixed_step import StepBatch, first_logprobs_bits, pack_batch, unpack_outputs
+from drafter.mixed_step import (StepBatch, first_logprobs_bits, pack_batch,
+                                prompt_logprobs_bits, unpack_outputs)
 from drafter.programs import (Copies, export_step_for, import_step_for, mark_step_for,
                               packed_step_for, redraft_step_for, traced_on_mesh)
 from drafter.scheduler import StepPlan
@@ -115,6 +116,8 @@ class Executor:
             batch.prefill_tokens[i, :len(piece)] = piece
             batch.prefill_lens[i] = len(piece)
             batch.prefill_last[i] = chunk.is_last
+            if not chunk.is_last:   # the token its last position predicts
+                batch.prefill_next[i] = seq.request.prompt[chunk.start + chunk.num_tokens]
             self.len_bound[slot] = chunk.start + chunk.num_tokens
             sampled.append(slot)
         for seq in plan.decode:
@@ -127,22 +130,27 @@ class Executor:
         for seq in plan.decode:
             self.len_bound[seq.slot] += k * block
         variant = self.sampling.variant(sampled)
-        logprobs = variant["logprobs"]
+        # a prefill call's log-probabilities are also its prompt positions'
+        prefill_variant = dict(variant, logprobs=variant["logprobs"] or self.sampling.wants(
+            [c.seq.slot for c in plan.prefill], prompt=True))
+        chunk = self.spec.max_step_tokens
         width = self.table_width(max_len)
         # Prefill chunks and decode rows of one plan go out as two calls: one
         # program holding both compiles ~2x longer per variant and multiplies
         # the variants (prefill row buckets x decode or not).
         outputs = []
         if plan.prefill or not plan.decode:
-            outputs.append((self._call(batch, table_width=width, decode=False, **variant),
-                            dict(decode_steps=1, num_prefill=prefill_rows,
-                                 logprobs=logprobs)))
+            outputs.append((self._call(batch, table_width=width, decode=False,
+                                       **prefill_variant),
+                            dict(decode_steps=1, num_prefill=prefill_rows, chunk=chunk,
+                                 logprobs=prefill_variant["logprobs"])))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
             outputs.append((self._call(dataclasses.replace(batch, **self._no_prefill()),
                                        table_width=width, decode=True, decode_steps=k,
                                        **variant),
-                            dict(decode_steps=k, num_prefill=0, logprobs=logprobs)))
+                            dict(decode_steps=k, num_prefill=0, chunk=chunk,
+                                 logprobs=variant["logprobs"])))
         return outputs
 
     def _mark_prompt(self, slot: int, request) -> None:
@@ -240,6 +248,7 @@ class Executor:
             prefill_tokens=np.zeros((num_prefill, spec.max_step_tokens), np.int32),
             prefill_lens=np.zeros(num_prefill, np.int32),
             prefill_last=np.zeros(num_prefill, bool),
+            prefill_next=np.zeros(num_prefill, np.int32),
             decode_slots=np.full(spec.num_slots, dummy, np.int32),
             **self.sampling.batch_fields(adjusted=False))
 
@@ -249,7 +258,8 @@ class Executor:
     def _no_prefill(self) -> dict:
         t = self.spec.max_step_tokens
         return dict(prefill_slots=np.zeros(0, np.int32), prefill_tokens=np.zeros((0, t), np.int32),
-                    prefill_lens=np.zeros(0, np.int32), prefill_last=np.zeros(0, bool))
+                    prefill_lens=np.zeros(0, np.int32), prefill_last=np.zeros(0, bool),
+                    prefill_next=np.zeros(0, np.int32))
 
     def unpack(self, packed: list[tuple[np.ndarray, dict]]):
         """One StepOutputs from a step's calls (host arrays, with their layouts): prefill
@@ -260,7 +270,8 @@ class Executor:
         first, last = unpack(p0, **layout0), unpack(p1, **layout1)
         return dataclasses.replace(last, first_tokens=first.first_tokens,
                                    prefill_ok=first.prefill_ok,
-                                   first_logprobs=first.first_logprobs)
+                                   first_logprobs=first.first_logprobs,
+                                   prompt_logprobs=first.prompt_logprobs)
 
     def first_logprobs(self, outputs: list, row: int):
         """Prefill row `row`'s first-token log-probabilities (i32 bits, on the device)
@@ -270,6 +281,13 @@ class Executor:
             return None
         return first_logprobs_bits(packed, row, num_slots=self.spec.num_slots,
                                    block_size=self.cfg.block_size, **layout)
+
+    def prompt_logprobs(self, outputs: list, row: int):
+        """Prefill row `row`'s prompt log-probabilities (i32 bits [T x LOGPROB_WIDTH], on
+        the device: `mixed_step.prompt_logprobs_bits`) from a plan's `run` outputs."""
+        packed, layout = outputs[0]
+        return prompt_logprobs_bits(packed, row, num_slots=self.spec.num_slots,
+                                    block_size=self.cfg.block_size, **layout)
 
     # ------------------------------------------------------------ KV in and out
 

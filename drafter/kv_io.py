@@ -308,6 +308,9 @@ class KVPayload:
       first_logprobs: when the request asked for log-probabilities, its first token's
         `sampling.token_logprobs` row as i32 bits (i32[LOGPROB_WIDTH], on a device or
         numpy: the sender's prefill computed it); else None.
+      prompt_logprobs: when the request asked for its prompt's, per prefill chunk (i32
+        bits [rows x LOGPROB_WIDTH] or more, on a device or numpy; the rows that are its
+        prompt tokens', in order); else ().
     """
 
     target_len: int
@@ -321,6 +324,7 @@ class KVPayload:
     mode: str
     origin: str = ""
     first_logprobs: object = None
+    prompt_logprobs: tuple = ()
 
     @property
     def nbytes(self) -> int:

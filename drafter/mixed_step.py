@@ -36,7 +36,8 @@ class StepBatch:
     """Attributes:
       reset_slots: i32[num_slots]; slots emptied first (dummy slot pads).
       prefill_slots: i32[P]; prefill_tokens: i32[P, T]; prefill_lens: i32[P]
-        (0 = padding); prefill_last: bool[P], the chunk ends its prompt. P may be 0.
+        (0 = padding); prefill_last: bool[P], the chunk ends its prompt; prefill_next:
+        i32[P], the prompt token after the chunk (0 after a last chunk). P may be 0.
       decode_slots: i32[num_slots]; rows to decode (dummy slot pads).
       temperatures: f32[num_slots + 1]; seeds: u32[num_slots + 1]; top_ks:
         i32[num_slots + 1]; top_ps, min_ps, presence_penalties, frequency_penalties,
@@ -50,6 +51,7 @@ class StepBatch:
     prefill_tokens: jax.Array
     prefill_lens: jax.Array
     prefill_last: jax.Array
+    prefill_next: jax.Array
     decode_slots: jax.Array
     temperatures: jax.Array
     seeds: jax.Array
@@ -84,7 +86,8 @@ class StepOutputs:
         get pages, a bug in admission).
       first_logprobs: f32[P, W]; out_logprobs: f32[decode_steps, num_slots, block_size,
         W]: each token's `sampling.token_logprobs`, W = LOGPROB_WIDTH in a step that
-        returns them, else 0.
+        returns them, else 0; prompt_logprobs: f32[P, T, W], those of the prompt token
+        each prefill position predicts (`steps.prefill_rows`).
     """
 
     first_tokens: jax.Array
@@ -94,6 +97,7 @@ class StepOutputs:
     decode_ok: jax.Array
     first_logprobs: jax.Array
     out_logprobs: jax.Array
+    prompt_logprobs: jax.Array
 
 
 @_at_precision
@@ -116,6 +120,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
     first = jnp.zeros((0,), jnp.int32)
     prefill_ok = jnp.zeros((0,), bool)
     first_logprobs = jnp.zeros((batch.prefill_slots.shape[0], width), jnp.float32)
+    prompt_logprobs = jnp.zeros((*batch.prefill_tokens.shape, width), jnp.float32)
     if batch.prefill_slots.shape[0]:
         ids = batch.prefill_slots
         sampler = Sampler.per_row(batch.temperatures[ids], batch.seeds[ids],
@@ -125,9 +130,10 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                                   adjustment=batch.adjustment(ids) if adjusted else None)
         state, first, prefill_ok, *got = prefill_rows(
             params, state, ids, batch.prefill_tokens, batch.prefill_lens, batch.prefill_last,
-            sampler, cfg=cfg, table_width=table_width, logprobs=logprobs)
+            sampler, cfg=cfg, table_width=table_width, logprobs=logprobs,
+            next_tokens=batch.prefill_next)
         if logprobs:
-            first_logprobs, = got
+            first_logprobs, prompt_logprobs = got
     out_tokens = jnp.zeros((decode_steps, num_slots, block), jnp.int32)
     num_out = jnp.zeros((decode_steps, num_slots), jnp.int32)
     decode_ok = jnp.ones((decode_steps, num_slots), bool)
@@ -145,7 +151,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
             state, (out_tokens, num_out, decode_ok, out_logprobs) = jax.lax.scan(
                 one_step, state, None, length=decode_steps)
     return state, StepOutputs(first, prefill_ok, out_tokens, num_out, decode_ok,
-                              first_logprobs, out_logprobs)
+                              first_logprobs, out_logprobs, prompt_logprobs)
 
 
 def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculative, greedy,
@@ -175,19 +181,21 @@ def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculati
 # every separate array is a host <-> device copy of its own, and at small batch
 # those copies, not the device, bound the step rate.
 #
-#   batch   [reset S | decode S | prefill slots P | lens P | last P | tokens P*T |
+#   batch   [reset S | decode S | prefill slots P | lens P | last P | next P | tokens P*T |
 #            temperature bits S+1 | seeds S+1 | top_k S+1 | top_p bits S+1 |
 #            min_p bits S+1 | presence, frequency, repetition penalty bits S+1 each |
 #            bias ids (S+1) x M | bias value bits (S+1) x M | bias until (S+1) x M]
 #            (M = MAX_LOGIT_BIAS in a step that adjusts logits, else 0)
 #   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
-#            prefill P x 2: first, ok | logprob bits: K x S x block x W, then P x W]
+#            prefill P x 2: first, ok | logprob bits: K x S x block x W, then P x W,
+#            then P x T x W (the prompt's)]
 #            (W = LOGPROB_WIDTH in a step that returns log-probabilities, else 0)
 
 def pack_batch(batch: StepBatch) -> np.ndarray:
     """A host StepBatch (numpy fields) as one i32 vector."""
     parts = [batch.reset_slots, batch.decode_slots, batch.prefill_slots, batch.prefill_lens,
-             np.asarray(batch.prefill_last, np.int32), np.asarray(batch.prefill_tokens).ravel(),
+             np.asarray(batch.prefill_last, np.int32), batch.prefill_next,
+             np.asarray(batch.prefill_tokens).ravel(),
              np.asarray(batch.temperatures, np.float32).view(np.int32),
              np.asarray(batch.seeds, np.uint32).view(np.int32), batch.top_ks,
              np.asarray(batch.top_ps, np.float32).view(np.int32),
@@ -203,15 +211,17 @@ def pack_batch(batch: StepBatch) -> np.ndarray:
 def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int,
                  bias_width: int) -> StepBatch:
     """Inverse of `pack_batch`, inside jit."""
-    sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill * chunk,
+    sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill,
+             num_prefill * chunk,
              *[num_slots + 1] * 8, *[(num_slots + 1) * bias_width] * 3]
     cuts = np.cumsum(sizes)[:-1].tolist()
-    (reset, decode, slots, lens, last, tokens, temps, seeds, top_ks, top_ps, min_ps, presence,
+    (reset, decode, slots, lens, last, following, tokens, temps, seeds, top_ks, top_ps, min_ps, presence,
      frequency, repetition, bias_ids, bias_values, bias_until) = jnp.split(packed, cuts)
     as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     return StepBatch(reset_slots=reset, prefill_slots=slots,
                      prefill_tokens=tokens.reshape(num_prefill, chunk), prefill_lens=lens,
-                     prefill_last=last.astype(bool), decode_slots=decode,
+                     prefill_last=last.astype(bool), prefill_next=following,
+                     decode_slots=decode,
                      temperatures=as_f32(temps),
                      seeds=jax.lax.bitcast_convert_type(seeds, jnp.uint32),
                      top_ks=top_ks, top_ps=as_f32(top_ps), min_ps=as_f32(min_ps),
@@ -227,33 +237,44 @@ def pack_outputs(out: StepOutputs):
                               out.decode_ok[..., None].astype(jnp.int32)], axis=-1)
     prefill = jnp.stack([out.first_tokens, out.prefill_ok.astype(jnp.int32)], axis=1)
     logprob_bits = [jax.lax.bitcast_convert_type(x, jnp.int32).ravel()
-                    for x in (out.out_logprobs, out.first_logprobs)]
+                    for x in (out.out_logprobs, out.first_logprobs, out.prompt_logprobs)]
     return jnp.concatenate([decode.ravel(), prefill.ravel(), *logprob_bits])
 
 
 def _output_sizes(*, num_slots: int, block_size: int, decode_steps: int, num_prefill: int,
-                  logprobs: bool) -> list[int]:
-    """Sizes of the packed outputs' first three parts (the last: P x W)."""
+                  chunk: int, logprobs: bool) -> list[int]:
+    """Sizes of the packed outputs' parts but the last (the prompt's P x T x W)."""
     width = LOGPROB_WIDTH if logprobs else 0
     return [decode_steps * num_slots * (block_size + 2), num_prefill * 2,
-            decode_steps * num_slots * block_size * width]
+            decode_steps * num_slots * block_size * width, num_prefill * width]
 
 
 def first_logprobs_bits(packed, row: int, **layout):
     """Prefill row `row`'s first-token `token_logprobs` as i32 bits [LOGPROB_WIDTH], sliced
     from a call's packed outputs where they lie (a device array stays one: no read).
     `layout`: `unpack_outputs`'s keywords, log-probabilities on."""
-    start = sum(_output_sizes(**layout)) + row * LOGPROB_WIDTH
+    start = sum(_output_sizes(**layout)[:3]) + row * LOGPROB_WIDTH
     return packed[start:start + LOGPROB_WIDTH]
 
 
+def prompt_logprobs_bits(packed, row: int, **layout):
+    """Prefill row `row`'s prompt `token_logprobs` as i32 bits [T x LOGPROB_WIDTH] (every
+    position of its chunk; the valid ones first), sliced as `first_logprobs_bits`."""
+    size = layout["chunk"] * LOGPROB_WIDTH
+    start = sum(_output_sizes(**layout)) + row * size
+    return packed[start:start + size]
+
+
 def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
-                   decode_steps: int, num_prefill: int, logprobs: bool) -> StepOutputs:
+                   decode_steps: int, num_prefill: int, chunk: int,
+                   logprobs: bool) -> StepOutputs:
     """Inverse of `pack_outputs`, on the host."""
     width = LOGPROB_WIDTH if logprobs else 0
     sizes = _output_sizes(num_slots=num_slots, block_size=block_size,
-                          decode_steps=decode_steps, num_prefill=num_prefill, logprobs=logprobs)
-    decode, prefill, out_logprobs, first_logprobs = np.split(packed, np.cumsum(sizes))
+                          decode_steps=decode_steps, num_prefill=num_prefill, chunk=chunk,
+                          logprobs=logprobs)
+    decode, prefill, out_logprobs, first_logprobs, prompt_logprobs = np.split(
+        packed, np.cumsum(sizes))
     decode = decode.reshape(decode_steps, num_slots, block_size + 2)
     prefill = prefill.reshape(num_prefill, 2)
     return StepOutputs(first_tokens=prefill[:, 0], prefill_ok=prefill[:, 1].astype(bool),
@@ -262,7 +283,9 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
                        first_logprobs=first_logprobs.view(np.float32).reshape(num_prefill,
                                                                               width),
                        out_logprobs=out_logprobs.view(np.float32).reshape(
-                           decode_steps, num_slots, block_size, width))
+                           decode_steps, num_slots, block_size, width),
+                       prompt_logprobs=prompt_logprobs.view(np.float32).reshape(
+                           num_prefill, chunk, width))
 
 
 def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,

@@ -79,6 +79,8 @@ class SamplingParams:
       logprobs: None, or return each generated token's log-probability and those of
         this many most likely tokens at its position (0 to MAX_LOGPROBS), from the
         target's raw logits (before temperature and truncation): `Result.logprobs`.
+      prompt_logprobs: None, or the same for each prompt token after the first, from the
+        prefill's logits (vLLM's; OpenAI's echo with logprobs): `Result.prompt_logprobs`.
     """
 
     max_new_tokens: int = 64
@@ -94,6 +96,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
@@ -148,11 +151,12 @@ class SamplingParams:
             raise RequestError(f"{where}: min_tokens must be an integer in [0, max_new_tokens="
                                f"{self.max_new_tokens}], got {self.min_tokens!r}", "min_tokens")
         self._validate_logit_bias(where, vocab_size)
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"{where}: logprobs must be an integer in [0, {MAX_LOGPROBS}] "
-                               f"(the most likely tokens returned beside each token), or "
-                               f"null for none, got {self.logprobs!r}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{where}: {name} must be an integer in [0, {MAX_LOGPROBS}] "
+                                   f"(the most likely tokens returned beside each token), or "
+                                   f"null for none, got {value!r}", name)
 
     def stop_ids(self, eos_token_ids) -> frozenset:
         """The ids that end this request: its stop ids, and the model's end-of-sequence
@@ -264,6 +268,14 @@ def logprob_rows(bits):
     return None if bits is None else np.asarray(bits, np.int32).view(np.float32)[None]
 
 
+def prompt_logprob_rows(parts, width: int) -> np.ndarray:
+    """A sender's prompt log-probabilities (`KVPayload.prompt_logprobs`: (i32 bits, rows)
+    per prefill chunk, read to the host) as f32[prompt length - 1, width] rows."""
+    rows = [np.asarray(bits, np.int32).view(np.float32).reshape(-1, width)[:n]
+            for bits, n in parts]
+    return np.concatenate(rows) if rows else np.zeros((0, width), np.float32)
+
+
 @dataclasses.dataclass
 class Result:
     """One finished request.
@@ -276,6 +288,8 @@ class Result:
       error: what went wrong, naming the request, when finish_reason is "error".
       token_times_s: when each token reached the host, from submission.
       logprobs: a TokenLogprobs per token when the request asked for them, else None.
+      prompt_logprobs: when the request asked for them, one per prompt token: None for
+        the first (nothing predicts it), then a TokenLogprobs each; else None.
     """
 
     request_id: str
@@ -288,6 +302,7 @@ class Result:
     error: str | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def acceptance_length(self) -> float:

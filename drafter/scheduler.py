@@ -54,6 +54,9 @@ class Sequence:
     acceptance: list = dataclasses.field(default_factory=list)
     token_times: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)   # TokenLogprobs per token
+    prompt_logprobs: list = dataclasses.field(default_factory=list)  # per prompt token but the first
+    # a context worker's: (i32 bits on the device, valid rows) per prefill chunk, to send
+    prompt_logprob_parts: list = dataclasses.field(default_factory=list)
     first_token_at: float | None = None
     result: Result | None = None
     stop_ids: frozenset = frozenset()   # ids that end it: its stop ids, and EOS unless ignored
@@ -255,8 +258,16 @@ class Scheduler:
         seq.result = Result(seq.request_id, list(seq.request.prompt), seq.tokens, seq.acceptance,
                             first - seq.submitted, now - first, reason, error,
                             [t - seq.submitted for t in seq.token_times],
-                            seq.logprobs if seq.request.params.logprobs is not None else None)
+                            seq.logprobs if seq.request.params.logprobs is not None else None,
+                            [None, *seq.prompt_logprobs]
+                            if seq.request.params.prompt_logprobs is not None else None)
         return seq.result
+
+    def book_prompt_logprobs(self, seq: Sequence, rows) -> None:
+        """Book prompt log-probabilities (f32[n, LOGPROB_WIDTH] rows, the next n prompt
+        tokens after those booked) if the request asked for them."""
+        if (top := seq.request.params.prompt_logprobs) is not None:
+            seq.prompt_logprobs.extend(TokenLogprobs.of_row(row, top) for row in rows)
 
     def emit(self, seq: Sequence, new_tokens, now: float, *, decode_step: bool,
              logprobs=None) -> Result | None:

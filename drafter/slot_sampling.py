@@ -39,6 +39,7 @@ class SlotSampling:
         self.bias_values = np.zeros((slots, MAX_LOGIT_BIAS), np.float32)
         self.bias_until = np.zeros((slots, MAX_LOGIT_BIAS), np.int32)
         self.wants_logprobs = np.zeros(slots, bool)
+        self.wants_prompt_logprobs = np.zeros(slots, bool)
 
     def set(self, slot: int, request: Request) -> None:
         params = request.params
@@ -61,6 +62,12 @@ class SlotSampling:
             self.bias_ids[slot, :n], self.bias_values[slot, :n] = ids, values
             self.bias_until[slot, :n] = until
         self.wants_logprobs[slot] = params.logprobs is not None
+        self.wants_prompt_logprobs[slot] = params.prompt_logprobs is not None
+
+    def wants(self, slots, *, prompt: bool) -> bool:
+        """Whether one of `slots` asks for its prompt's log-probabilities (`prompt`) or its
+        tokens'."""
+        return bool((self.wants_prompt_logprobs if prompt else self.wants_logprobs)[slots].any())
 
     def variant(self, slots) -> dict:
         """The static choices of a call over `slots`: greedy, truncated, logprobs,
@@ -73,7 +80,7 @@ class SlotSampling:
                                | (self.repetition_penalties[slots] != 1)
                                | (self.bias_values[slots] != 0).any(axis=1)))
         return dict(greedy=not hot, truncated=truncated,
-                    logprobs=bool(self.wants_logprobs[slots].any()), adjusted=adjusted)
+                    logprobs=self.wants(slots, prompt=False), adjusted=adjusted)
 
     def batch_fields(self, adjusted: bool) -> dict:
         """The StepBatch fields of every slot's parameters; the logit-bias entries only

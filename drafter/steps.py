@@ -221,18 +221,22 @@ def _draft(params, cfg, kv, tables, anchors, ctx_lens, active, adjustment=None):
 
 def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last,
                  sampler: Sampler, *, cfg: StepConfig, table_width: int,
-                 logprobs: bool = False):
+                 logprobs: bool = False, next_tokens=None):
     """Prefill one chunk per row: target KV, draft context KV, and on a row's
     last chunk its first token (the anchor) and first draft block; the row then
     runs (`StepState.running`).
 
     Args:
       slot_ids: i32[B]; tokens: i32[B, T]; num_tokens: i32[B] (0 = padding);
-      is_last: bool[B] the chunk ends the prompt.
+      is_last: bool[B] the chunk ends the prompt; next_tokens: i32[B], the prompt token
+      after each chunk (read with `logprobs`; any value for a last chunk).
     Returns:
       (state, first_tokens i32[B], ok bool[B]); a row with ok False changed nothing.
       With `logprobs`, a fourth: f32[B, LOGPROB_WIDTH], each first token's
-      `token_logprobs`.
+      `token_logprobs`, and a fifth: f32[B, T, LOGPROB_WIDTH], the `token_logprobs` of
+      the prompt token each position predicts (position j: tokens[:, j + 1], the last
+      position next_tokens; a last chunk's last valid position predicts the first token,
+      not a prompt token, and its row is not one).
     """
     spec, kv = cfg.spec, state.kv
     active = slot_ids != spec.dummy_slot
@@ -268,7 +272,10 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
     running = state.running.at[slot_ids].set(done | state.running[slot_ids])
     out = (state.replace(kv=kv, anchors=anchors, drafts=drafts,
                          running=_idle_dummy(cfg, running), output_counts=counts), first, ok)
-    return out + (token_logprobs(last[:, 0], first),) if logprobs else out
+    if not logprobs:
+        return out
+    following = jnp.concatenate([tokens[:, 1:], next_tokens[:, None]], axis=1)
+    return out + (token_logprobs(last[:, 0], first), token_logprobs(logits, following))
 
 
 def _idle_dummy(cfg: StepConfig, running):

@@ -1,7 +1,7 @@
 """Booking a step's outputs into its requests: the lifecycle's update, after schedule and
 execute.
 
-    StepPlan + StepOutputs (host arrays) + per import (ok, first token, origin)
+    StepPlan + StepOutputs (host arrays) + per import (ok, first token, origin, ...)
         ──> Scheduler.emit (tokens kept, stop ids, max_new_tokens) / Scheduler.finish
         ──> the Results of requests that ended
 
@@ -14,16 +14,17 @@ ahead ran past its end) are dropped.
 from __future__ import annotations
 
 from drafter.kv_io import import_failure
-from drafter.request import Result, logprob_rows
+from drafter.request import Result, logprob_rows, prompt_logprob_rows
+from drafter.sampling import LOGPROB_WIDTH
 from drafter.scheduler import Phase, Scheduler, StepPlan
 
 
 def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, now: float,
                        *, export: bool) -> list[Result]:
     """Book `plan`'s outputs (`StepOutputs` of host arrays; `imported`: per import of the
-    plan, (ok, first token, origin, first token's log-probability bits or None), or None
-    when the host refused it at dispatch). A
-    context worker (`export`) books no first tokens: its requests leave instead."""
+    plan, (ok, first token, origin, first token's log-probability bits or None, prompt
+    log-probability parts), or None when the host refused it at dispatch). A context
+    worker (`export`) books no first tokens: its requests leave instead."""
     results = []
 
     def book(seq, tokens, decode_step, logprobs=None):
@@ -37,11 +38,13 @@ def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, 
             continue
         if seq.phase is Phase.DONE:
             continue
-        ok, first, origin, first_logprobs = got
+        ok, first, origin, first_logprobs, prompt_parts = got
         if not ok:
             results.append(scheduler.finish(seq, now, "error",
                                             import_failure(seq.request_id, origin)))
         elif not seq.tokens:  # not booked on arrival
+            scheduler.book_prompt_logprobs(seq, prompt_logprob_rows(prompt_parts,
+                                                                    LOGPROB_WIDTH))
             book(seq, [int(first)], False, logprob_rows(first_logprobs))
     for i, chunk in enumerate(plan.prefill):
         seq = chunk.seq
@@ -51,8 +54,14 @@ def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, 
             results.append(scheduler.finish(seq, now, "error", (
                 f"request {seq.request_id!r}: prefill could not allocate pages although "
                 f"admission reserved them (a bug in page accounting)")))
-        elif chunk.is_last and not export:
-            book(seq, [int(outputs.first_tokens[i])], False, outputs.first_logprobs[i:i + 1])
+        elif not export:
+            # the chunk's positions predict its next tokens; a last chunk's last, the first
+            # generated one
+            scheduler.book_prompt_logprobs(
+                seq, outputs.prompt_logprobs[i, :chunk.num_tokens - chunk.is_last])
+            if chunk.is_last:
+                book(seq, [int(outputs.first_tokens[i])], False,
+                     outputs.first_logprobs[i:i + 1])
     num_out, decode_ok = outputs.num_out.tolist(), outputs.decode_ok.tolist()
     for j in range(len(num_out)):  # the call's decode steps, in order
         for seq in plan.decode:

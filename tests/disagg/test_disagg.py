@@ -312,21 +312,27 @@ def test_room_is_checked_on_the_generation_side_before_any_prefill(pair):
 
 def test_logprobs_travel_with_the_kv_and_equal_aggregated(pair):
     """A disaggregated request's first token is the context's: its log-probabilities
-    (the context's prefill computed them) travel with the KV, so every token's equal
-    aggregated serving's (shared mode here; private mode moves them alike, and the
-    two-process pair too: test_remote.py); a request that does not ask gets None."""
+    (the context's prefill computed them) travel with the KV, as do the prompt's (every
+    prefill chunk's), so every token's and every prompt token's equal aggregated
+    serving's (shared mode here; private mode moves them alike, and the two-process pair
+    too: test_remote.py); a request that does not ask gets None."""
     params, cfg = pair
-    asks = SamplingParams(MAX_NEW, logprobs=2)
+    asks = SamplingParams(MAX_NEW, logprobs=2, prompt_logprobs=1)
     want = Engine(params, cfg).generate(PROMPTS[:3], params=asks)
     engine = split_engine(params, cfg)
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.submit(engine.make_request(f"asks-{i}", prompt, asks))
     engine.submit(engine.make_request("not", PROMPTS[3], SamplingParams(MAX_NEW)))
     got = {r.request_id: r for r in engine.run()}
-    assert got["not"].logprobs is None
+    assert got["not"].logprobs is None and got["not"].prompt_logprobs is None
     for i, w in enumerate(want):
         g = got[f"asks-{i}"]
         assert g.tokens == w.tokens and len(g.logprobs) == len(w.logprobs) == MAX_NEW
+        assert len(g.prompt_logprobs) == len(PROMPTS[i]) and g.prompt_logprobs[0] is None
+        np.testing.assert_allclose([x.logprob for x in g.prompt_logprobs[1:]],
+                                   [x.logprob for x in w.prompt_logprobs[1:]], atol=1e-5)
+        assert [[t for t, _ in x.top] for x in g.prompt_logprobs[1:]] == \
+            [[t for t, _ in x.top] for x in w.prompt_logprobs[1:]]
         np.testing.assert_allclose([x.logprob for x in g.logprobs],
                                    [x.logprob for x in w.logprobs], atol=1e-5)
         assert [[t for t, _ in x.top] for x in g.logprobs] == \
@@ -482,25 +488,29 @@ def test_a_source_that_refuses_a_fetch_fails_that_request_alone(pair, aggregated
 
 
 class DroppingLogprobsSource(RefusingSource):
-    """A KV source whose payloads come without the first token's log-probabilities (a
-    sender that does not send them)."""
+    """A KV source whose payloads come without the first token's log-probabilities, or
+    without the prompt's first chunk's (a sender that does not send them)."""
 
     def poll(self, timeout):
-        return [(rid, dataclasses.replace(item, first_logprobs=None)
+        return [(rid, dataclasses.replace(item, first_logprobs=None,
+                                          prompt_logprobs=item.prompt_logprobs[1:])
                  if hasattr(item, "first_logprobs") else item)
                 for rid, item in self.inner.poll(timeout)]
 
 
-def test_kv_without_the_first_tokens_logprobs_fails_that_request_alone(pair, aggregated):
-    """A request that asked for log-probabilities whose KV arrives without the first
-    token's ends with an error naming it; the request beside it is served; no page
-    leaks."""
+def test_kv_without_the_logprobs_asked_for_fails_that_request_alone(pair, aggregated):
+    """A request that asked for log-probabilities (its tokens', its prompt's) whose KV
+    arrives without them ends with an error naming what is missing; the request beside
+    it is served; no page leaks."""
     params, cfg = pair
     engine = split_engine(params, cfg)
     engine.kv_source = DroppingLogprobsSource(engine.kv_source, "")
     engine.submit(engine.make_request("asks", PROMPTS[0], SamplingParams(MAX_NEW, logprobs=1)))
+    engine.submit(engine.make_request("prompt", PROMPTS[2],
+                                      SamplingParams(MAX_NEW, prompt_logprobs=1)))
     engine.add_request("kept", PROMPTS[1], MAX_NEW)
     results = {r.request_id: r for r in engine.run()}
     assert "arrived without the first token's log-probabilities" in results["asks"].error
+    assert "arrived without the prompt's log-probabilities" in results["prompt"].error
     assert results["kept"].tokens == aggregated[1].tokens
     assert_pair_free(engine)

@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -95,6 +96,8 @@ def server(tmp_path_factory):
                                     logprobs=3)
     penalized = engine.generate([tok.encode(PROMPTS[0]), chat_ids["add"]], MAX_TOKENS,
                                 **PENALTIES)
+    prompt_logprobs = engine.generate([tok.encode(PROMPTS[0])], 1,
+                                      prompt_logprobs=2)[0].prompt_logprobs
     metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
     loop = ServingLoop(engine, tok, metrics)
     app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=120,
@@ -109,7 +112,8 @@ def server(tmp_path_factory):
            "greedy": {p: r.tokens for p, r in zip([*PROMPTS, *CHATS], greedy)},
            "chat_ids": chat_ids, "engine": engine, "block": pair.step_config.block_size,
            "app": app, "logprobs": {"prompt": with_logprobs[0], "chat": with_logprobs[1]},
-           "penalized": {"prompt": penalized[0].tokens, "chat": penalized[1].tokens}}
+           "penalized": {"prompt": penalized[0].tokens, "chat": penalized[1].tokens},
+           "prompt_logprobs": prompt_logprobs}
     loop.close()
     thread.join(60)
     http.stop()
@@ -340,7 +344,46 @@ def test_min_tokens_bans_stop_ids_and_delays_stop_strings_through_the_client(ser
     assert banned.choices[0].finish_reason == "length"
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(server):
+    """OpenAI's echo: the prompt's text before the completion's, whole and streamed; with
+    logprobs, the prompt's tokens first (the first one's null, the rest the engine's
+    prompt log-probabilities), text offsets running on into the completion; with
+    max_tokens 0 the prompt alone (what lm-eval's loglikelihood asks), no completion
+    tokens counted."""
+    c, name, tok = server["client"], server["name"], server["tok"]
+    ids = tok.encode(PROMPTS[0])
+    prompt_text, greedy = tok.decode(ids), server["greedy"][PROMPTS[0]]
+    ask = dict(model=name, prompt=PROMPTS[0], temperature=0, echo=True)
+    out = c.completions.create(**ask, max_tokens=MAX_TOKENS)
+    assert out.choices[0].text == prompt_text + tok.decode(greedy)
+    assert out.choices[0].token_ids == greedy and out.usage.completion_tokens == MAX_TOKENS
+    streamed = list(c.completions.create(**ask, max_tokens=MAX_TOKENS, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == out.choices[0].text
+    want = server["prompt_logprobs"]
+    for stream in (False, True):
+        got = c.completions.create(**ask, max_tokens=0, logprobs=2, stream=stream)
+        chunks = [ch for ch in got if ch.choices] if stream else [got]
+        assert "".join(ch.choices[0].text for ch in chunks) == prompt_text
+        assert chunks[-1].choices[0].finish_reason == "length"
+        lp = chunks[0].choices[0].logprobs
+        assert lp.tokens == [tok.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:], [x.logprob for x in want[1:]],
+                                   atol=1e-5)
+        assert [list(d) for d in lp.top_logprobs[1:]] == \
+            [[tok.decode([t]) for t, _ in x.top] for x in want[1:]]
+        assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(prompt_text) - len(
+            lp.tokens[-1])
+        if not stream:
+            assert got.usage.completion_tokens == 0 and got.choices[0].token_ids == []
+    both = c.completions.create(**ask, max_tokens=MAX_TOKENS, logprobs=1)
+    lp = both.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + MAX_TOKENS and lp.token_logprobs[0] is None
+    assert lp.text_offset[len(ids)] == len(prompt_text)
+
+
 BAD = [
+    ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be"),
     ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", "max_tokens=3"),
     (b"{not json", None, "not JSON"),

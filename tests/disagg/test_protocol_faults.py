@@ -106,8 +106,10 @@ def test_a_malformed_message_fails_its_requests_by_name_and_the_reader_goes_on()
 
 
 @pytest.mark.parametrize("bad", [{"drafts": ["x"]},
-                                 {"drafts": [1, 2, 3], "first_logprobs": [0.5, "x"]}],
-                         ids=["drafts", "first_logprobs"])
+                                 {"drafts": [1, 2, 3], "first_logprobs": [0.5, "x"]},
+                                 {"drafts": [1, 2, 3], "prompt_logprobs": "AAAAAA=="},
+                                 {"drafts": [1, 2, 3], "prompt_logprobs": "not base64!"}],
+                         ids=["drafts", "first_logprobs", "prompt_logprobs", "not_base64"])
 def test_a_handoff_that_cannot_be_read_after_its_pull_fails_its_request_by_name(bad):
     def behave(fake, channel):
         prefill = channel.recv(10.0)
@@ -129,6 +131,11 @@ def test_a_handoff_that_cannot_be_read_after_its_pull_fails_its_request_by_name(
         assert "could not be received" in str(errors["r0"]) and not source._outstanding
         if "first_logprobs" in bad:
             assert "first_logprobs must be 41 i32 bit patterns" in str(errors["r0"])
+        if bad.get("prompt_logprobs") == "AAAAAA==":   # one i32, for a 4-token prompt's 3 x 41
+            assert "prompt_logprobs hold 1 i32 values; a 4-token prompt's are 3 x 41" in \
+                str(errors["r0"])
+        elif "prompt_logprobs" in bad:
+            assert "prompt_logprobs are not base64 i32 bits" in str(errors["r0"])
     finally:
         source.close()
 
@@ -230,6 +237,7 @@ def test_every_sampling_field_crosses_the_wire_and_a_bad_one_is_refused_by_name(
                             presence_penalty=-0.5, frequency_penalty=1.25,
                             repetition_penalty=1.3, seed=3,
                             stop_token_ids=(4, 6), ignore_eos=True, min_tokens=2, logprobs=2,
+                            prompt_logprobs=3,
                             logit_bias={7: -100, 0: 2.5})
     request = Request.make("r", [1, 2, 3], params, vocab_size=64)
     message = json.loads(json.dumps(request_to_wire(request)))

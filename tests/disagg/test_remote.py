@@ -89,8 +89,9 @@ def test_two_processes_equal_aggregated_token_for_token_and_step_for_step(contex
     # All longer than the draft window (16); similar lengths keep the compiles few.
     prompts = (periodic_prompts(n=3, length=40, seed=11)
                + [rng.integers(0, 31, n).tolist() for n in (36, 48)])
-    # with log-probabilities: the first token's travel in the handoff message
-    asks = SamplingParams(16, logprobs=1)
+    # with log-probabilities: the first token's and the prompt's travel in the handoff
+    # message
+    asks = SamplingParams(16, logprobs=1, prompt_logprobs=2)
     agg = Engine(params, cfg, mesh=mesh).generate(prompts, params=asks)
     engine = remote_engine(context.address, cfg, params, mesh)
     before = engine.kv_source.stats()
@@ -99,6 +100,10 @@ def test_two_processes_equal_aggregated_token_for_token_and_step_for_step(contex
     assert [r.acceptance for r in dis] == [r.acceptance for r in agg]
     np.testing.assert_allclose([x.logprob for r in dis for x in r.logprobs],
                                [x.logprob for r in agg for x in r.logprobs], atol=1e-5)
+    assert [len(r.prompt_logprobs) for r in dis] == [len(p) for p in prompts]
+    np.testing.assert_allclose([x.logprob for r in dis for x in r.prompt_logprobs[1:]],
+                               [x.logprob for r in agg for x in r.prompt_logprobs[1:]],
+                               atol=1e-5)
     assert np.mean([a for r in dis for a in r.acceptance]) > 2.0  # the draft context arrived
     assert engine.kv_source.bytes_pulled > 0
     assert_all_free(engine)

@@ -111,15 +111,21 @@ def test_a_line_read_as_the_server_stops_is_answered_before_it_returns(tmp_path,
 def test_logprobs_come_with_the_tokens_kept_even_when_a_stop_string_cuts_them(tmp_path,
                                                                           engine, tokenizer):
     """A JSON line's `logprobs` answers one entry per token (the token, its log-probability,
-    that many [id, log-probability] alternatives); a stop string that cuts the output cuts
-    them with the tokens."""
+    that many [id, log-probability] alternatives), its `prompt_logprobs` one per prompt
+    token (null for the first); a stop string that cuts the output cuts the former with
+    the tokens."""
     first = tmp_path / "first.jsonl"
     first.write_text(json.dumps({"id": "a", "tokens": [1, 2, 3, 4], "max_new_tokens": 8,
-                                 "ignore_eos": True, "logprobs": 2}) + "\n")
+                                 "ignore_eos": True, "logprobs": 2,
+                                 "prompt_logprobs": 1}) + "\n")
     out = io.StringIO()
     serve_json_lines(engine, str(first), tokenizer, out=out)
     whole, = answers(out)
     assert [e["token"] for e in whole["logprobs"]] == whole["tokens"]
+    # the prompt's: null for its first token, then one entry per token as above
+    assert whole["prompt_logprobs"][0] is None
+    assert [e["token"] for e in whole["prompt_logprobs"][1:]] == [2, 3, 4]
+    assert all(len(e["top_logprobs"]) == 1 for e in whole["prompt_logprobs"][1:])
     assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0][1] >= e["logprob"] - 1e-6
                for e in whole["logprobs"])
     stop = tokenizer.decode(whole["tokens"][3:5])

@@ -216,6 +216,52 @@ def test_logprobs_are_the_targets_own_for_every_kept_token(pair):
         engine.make_request("bad", prompts[0], SamplingParams(4, logprobs=21))
 
 
+def assert_prompt_logprobs(params, target_cfg, prompt, got, top):
+    """`got` (Result.prompt_logprobs) is None for the first prompt token, then each prompt
+    token's log-probability and the `top` most likely tokens at the position before it,
+    from a dense f32 forward over the prompt."""
+    from models.qwen3 import dense_forward
+    with jax.default_matmul_precision("highest"):   # an f32 reference on GPUs too
+        logits, _ = dense_forward(params["target"], target_cfg, np.asarray([prompt], np.int32))
+    reference = np.asarray(jax.nn.log_softmax(logits[0].astype(np.float32), axis=-1))
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        row = reference[i - 1]
+        most_likely = np.argsort(-row, kind="stable")[:top]
+        np.testing.assert_allclose(got[i].logprob, row[prompt[i]], atol=2e-4)
+        assert [t for t, _ in got[i].top] == most_likely.tolist(), i
+        np.testing.assert_allclose([x for _, x in got[i].top], row[most_likely], atol=2e-4)
+
+
+def test_prompt_logprobs_are_the_targets_own_across_chunks(pair):
+    """A prompt's log-probabilities (vLLM's prompt_logprobs) are the target's at every
+    position, across prefill chunks (8 tokens here) and a one-token prompt's none,
+    speculative and plain, beside token log-probabilities; asking changes no token; a
+    request that does not ask gets None."""
+    params, speculative_cfg, plain_cfg = pair
+    prompts = [list(range(1, 21)), [7], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    asked = [SamplingParams(6, prompt_logprobs=2), SamplingParams(6, prompt_logprobs=0),
+             SamplingParams(6, prompt_logprobs=3, logprobs=1)]
+    for speculative, cfg in ((True, speculative_cfg), (False, plain_cfg)):
+        engine = Engine(params, cfg, speculative=speculative)
+        alone = engine.generate(prompts, 6)
+        for i, (prompt, p) in enumerate(zip(prompts, asked)):
+            engine.submit(engine.make_request(f"r{i}", prompt, p))
+        engine.submit(engine.make_request("not", prompts[0], SamplingParams(6)))
+        got = {r.request_id: r for r in engine.run()}
+        assert [got[f"r{i}"].tokens for i in range(3)] == [r.tokens for r in alone]
+        assert got["not"].prompt_logprobs is None and got["r0"].logprobs is None
+        assert got["r1"].prompt_logprobs == [None]
+        assert len(got["r2"].logprobs) == 6
+        for i in (0, 2):
+            assert_prompt_logprobs(params, cfg.target, prompts[i], got[f"r{i}"].prompt_logprobs,
+                                   asked[i].prompt_logprobs)
+        assert_all_free(engine)
+    with pytest.raises(RequestError, match="prompt_logprobs must be an integer") as e:
+        engine.make_request("bad", prompts[0], SamplingParams(4, prompt_logprobs=-1))
+    assert e.value.field == "prompt_logprobs"
+
+
 def test_penalties_score_each_token_against_the_tokens_generated_before_it(pair):
     """Presence and frequency penalties, with a logit bias and a repetition penalty: every
     generated token is the most likely one of the target's logits (a dense f32 forward
