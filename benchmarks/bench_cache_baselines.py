@@ -37,7 +37,8 @@ from benchmarks.cache_baselines import (TwoCacheState, full_rebuild, kv_memory_b
                                         split_config, split_state, two_cache_decode_step)
 from benchmarks.timing import print_row, time_step_loop, write_results
 from drafter.default import default_step_config, load_default
-from drafter.steps import decode_step, init_step_state
+from drafter.steps import init_step_state
+from drafter.uniform_steps import decode_step
 from unified_kv import bucket_width
 from unified_kv import admit_slots, bytes_per_request, grow, init_state, retire_window_pages
 

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from drafter.shapes import qwen3_8b_pair, random_params
-from drafter.steps import StepConfig, decode_step, init_step_state, plain_decode_step, prefill_step
+from drafter.steps import StepConfig, init_step_state
+from drafter.uniform_steps import decode_step, plain_decode_step, prefill_step
 from models.layers import step_params
 from unified_kv import CacheSpec, bucket_width, init_state
 

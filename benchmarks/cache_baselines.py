@@ -7,7 +7,7 @@ kernel that builds the batch's tables each step. The contrasts:
   * two caches: the target's KV in one KVState and the drafter's in another
     (what a system without draft layers in the cache does): two allocations,
     two table builds, two retirements per step. `two_cache_decode_step` is
-    `drafter.steps.decode_step` over such a pair.
+    `drafter.uniform_steps.decode_step` over such a pair.
   * per-layer tables: `PerLayerCacheSpec`, every layer its own pool, table and
     free list (runs through the ordinary steps).
   * full-capacity rebuilds: `FullRebuildStepConfig`, every slot's full-width

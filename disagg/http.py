@@ -48,11 +48,12 @@ import threading
 import time
 import uuid
 
+from disagg.chat_schema import parse_chat
 from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
 from disagg.responses import (ChatFormat, CompletionFormat, error_body, pooled_acceptance,
                               usage)
-from disagg.schema import DEFAULT_MAX_TOKENS, parse_chat, parse_completion
+from disagg.schema import DEFAULT_MAX_TOKENS, parse_completion
 from disagg.tokenize_schema import parse_detokenize, parse_tokenize
 from drafter.request import RequestError
 from unified_kv import AdmissionError

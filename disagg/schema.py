@@ -1,4 +1,5 @@
-"""The request schema every front end shares: JSON lines, OpenAI completions and chat.
+"""The request schema every front end shares: JSON lines, OpenAI completions (and the
+shared checks OpenAI chat builds on: disagg/chat_schema.py).
 
 Each turns a decoded JSON object into checked `Request`s (drafter/request.py: the
 same strict checks as the Python API: no coercion) plus their stop strings: a JSON
@@ -31,25 +32,12 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
-chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
-             "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
-             int >= 1 (one of them; default as for a completion), "n", "temperature",
-             "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "min_tokens", "logit_bias", "seed", "stop", "stream",
-             "stream_options", "stop_token_ids", "ignore_eos" as for a completion,
-             "logprobs": bool,
-             "top_logprobs": int in [0, 20] (with "logprobs": true)};
-             neutral-only OpenAI fields as for a completion, plus tools = null,
-             tool_choice = "none", response_format = {"type": "text"}. The prompt is
-             the messages rendered by the checkpoint's chat template with the
-             assistant's turn opened (`tokenizer.encode_chat`); a tokenizer without
-             one refuses every chat request, naming /v1/completions as the way in.
+chat:       disagg/chat_schema.py.
 """
 
 from __future__ import annotations
 
-from drafter.request import MAX_LOGPROBS, Request, RequestError, SamplingParams
-from drafter.tokenizer import ChatTemplateError
+from drafter.request import Request, RequestError, SamplingParams
 
 # Sampling fields every form takes as they are (SamplingParams checks them); null means
 # the default, as in OpenAI's API.
@@ -66,16 +54,6 @@ COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "echo", "temperature"
                      "stream",
                      "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
                      *SAMPLING_FIELDS, *NEUTRAL}
-CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "suffix")},
-                "tools": ((None,), "tool calls are not implemented"),
-                "tool_choice": ((None, "none"), "tool calls are not implemented"),
-                "response_format": ((None, {"type": "text"}),
-                                    "structured output is not implemented")}
-CHAT_FIELDS = {"model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
-               "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
-               "logprobs", "top_logprobs", "logit_bias", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
-CHAT_ROLES = ("system", "user", "assistant")
-MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 MAX_STOP_STRINGS = 16
 # A stop string's length bound: the text stream checks every tail up to it each step.
 MAX_STOP_CHARS = 256
@@ -92,7 +70,7 @@ OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
 MAX_CHOICES = 64
 
 
-def _stop_strings(rid: str, stop) -> tuple[str, ...]:
+def stop_strings(rid: str, stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
@@ -130,7 +108,7 @@ def check_fields(rid: str, obj, allowed: set) -> None:
                            unknown[0])
 
 
-def _check_openai_options(rid: str, obj: dict, neutral: dict) -> None:
+def check_openai_options(rid: str, obj: dict, neutral: dict) -> None:
     """Neutral-only fields at their neutral value (of the same JSON type), `stream` a
     boolean, `stream_options` only {"include_usage": bool}."""
     for name, (allowed, fix) in neutral.items():
@@ -208,7 +186,7 @@ def parse_line(obj, line_no: int, engine, tokenizer) -> tuple[Request, tuple[str
         if not isinstance(prompt, list):
             raise RequestError(f"request {rid!r}: \"tokens\" must be a list of token ids",
                                "tokens")
-    stop = _stop_strings(rid, obj.get("stop"))
+    stop = stop_strings(rid, obj.get("stop"))
     return _make(rid, prompt, obj, engine, "max_new_tokens", 64, 0.0), stop
 
 
@@ -228,7 +206,7 @@ def _prompts(rid: str, prompt, tokenizer) -> list[list[int]]:
     return [text_prompt(rid, p, tokenizer) if isinstance(p, str) else p for p in prompt]
 
 
-def _num_choices(rid: str, obj: dict, num_prompts: int) -> int:
+def num_choices(rid: str, obj: dict, num_prompts: int) -> int:
     """`n` (completions per prompt), checked; at most MAX_CHOICES choices in all."""
     n = obj.get("n")
     if n is None:
@@ -242,8 +220,8 @@ def _num_choices(rid: str, obj: dict, num_prompts: int) -> int:
     return n
 
 
-def _choices(rid: str, prompt, obj: dict, engine, field: str, default_max, n: int,
-             first_index: int, total: int) -> list[Request]:
+def choice_requests(rid: str, prompt, obj: dict, engine, field: str, default_max, n: int,
+                    first_index: int, total: int) -> list[Request]:
     """The n Requests of one prompt, choices first_index.. of `total`: a request's only
     choice keeps the id `rid`, else choice k is f"{rid}-{k}"; sample j of a prompt draws
     with seed + j (the first sample's checks ran on the seed as given)."""
@@ -261,23 +239,23 @@ def parse_completion(obj, rid: str, engine, tokenizer, *,
     """An OpenAI completion request's checked Requests and stop strings, one per choice:
     per prompt (text, ids, or a batch of them), `n` of them (RequestError's `.field`
     uses OpenAI's names). Defaults: max_tokens `default_max_tokens`, at most the room
-    the prompt leaves (`_default_max`); temperature 1 (OpenAI's)."""
+    the prompt leaves (`fitting_default_max`); temperature 1 (OpenAI's)."""
     try:
         check_fields(rid, obj, COMPLETION_FIELDS)
-        _check_openai_options(rid, obj, NEUTRAL)
+        check_openai_options(rid, obj, NEUTRAL)
         obj = _echo(rid, obj)
         if "prompt" not in obj:
             raise RequestError(f"request {rid!r}: \"prompt\" is missing; give text or a list "
                                f"of token ids", "prompt")
         prompts = _prompts(rid, obj["prompt"], tokenizer)
-        n = _num_choices(rid, obj, len(prompts))
-        stop = _stop_strings(rid, obj.get("stop"))
+        n = num_choices(rid, obj, len(prompts))
+        stop = stop_strings(rid, obj.get("stop"))
         out = []
         for i, prompt in enumerate(prompts):
-            default_max = _default_max(rid, prompt, obj, "max_tokens", engine,
-                                       default_max_tokens)
-            out += _choices(rid, prompt, obj, engine, "max_tokens", default_max, n, i * n,
-                            n * len(prompts))
+            default_max = fitting_default_max(rid, prompt, obj, "max_tokens", engine,
+                                              default_max_tokens)
+            out += choice_requests(rid, prompt, obj, engine, "max_tokens", default_max, n,
+                                   i * n, n * len(prompts))
         return [(req, stop) for req in out]
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", "max_tokens"),
@@ -298,59 +276,6 @@ def _echo(rid: str, obj: dict) -> dict:
     return dict(obj, prompt_logprobs=obj.get("logprobs"))
 
 
-def no_chat_template(model_name: str) -> str:
-    """The refusal of a chat request to a model whose checkpoint has no chat template."""
-    return (f"model {model_name!r} has no chat template (its checkpoint ships none: no "
-            f"chat_template.jinja, no chat_template.json, no \"chat_template\" in "
-            f"tokenizer_config.json), so chat messages cannot be turned into a prompt; "
-            f"send the prompt as text to POST /v1/completions instead, or serve a "
-            f"checkpoint whose tokenizer has a chat template (--target DIR)")
-
-
-def chat_messages(rid: str, obj: dict) -> list[dict]:
-    if "messages" not in obj:
-        raise RequestError(f"request {rid!r}: \"messages\" is missing; give a list of "
-                           f"{MESSAGE_FORM}", "messages")
-    messages = obj["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(f"request {rid!r}: \"messages\" must be a non-empty list of "
-                           f"{MESSAGE_FORM}, got {messages!r:.80}", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(f"request {rid!r}: \"{where}\" must be an object "
-                               f"{MESSAGE_FORM}, got {type(m).__name__}", where)
-        unknown = sorted(set(m) - {"role", "content"})
-        if unknown:
-            raise RequestError(f"request {rid!r}: \"{where}\" has unknown fields {unknown}; "
-                               f"a message holds only \"role\" and \"content\"",
-                               f"{where}.{unknown[0]}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise RequestError(f"request {rid!r}: \"{where}.{key}\" is missing; a "
-                                   f"message is {MESSAGE_FORM}", f"{where}.{key}")
-        role, content = m["role"], m["content"]
-        if role not in CHAT_ROLES or not isinstance(role, str):
-            fix = " (\"developer\" instructions go in a \"system\" message)" \
-                if role == "developer" else " (tool calls are not implemented)" \
-                if role in ("tool", "function") else ""
-            raise RequestError(f"request {rid!r}: \"{where}.role\" is {role!r}; use one of "
-                               f"{', '.join(CHAT_ROLES)}{fix}", f"{where}.role")
-        if not isinstance(content, str):
-            raise RequestError(f"request {rid!r}: \"{where}.content\" must be a string, got "
-                               f"{type(content).__name__}; send the message's text as one "
-                               f"string (content parts, images and audio are not supported)",
-                               f"{where}.content")
-        try:
-            content.encode("utf-8")
-        except UnicodeEncodeError as e:   # a lone surrogate ("\\ud800") decodes from JSON
-            raise RequestError(f"request {rid!r}: \"{where}.content\" is not valid Unicode "
-                               f"({e})", f"{where}.content") from None
-        out.append({"role": role, "content": content})
-    return out
-
-
 def _room(rid: str, prompt, engine, prompt_field: str) -> int:
     """The most tokens `prompt` leaves room for within the engine's max_seq_len."""
     probe = engine.make_request(rid, prompt, SamplingParams(max_new_tokens=1))
@@ -362,63 +287,11 @@ def _room(rid: str, prompt, engine, prompt_field: str) -> int:
     return room
 
 
-def _default_max(rid: str, prompt, obj: dict, field: str, engine,
-                 default_max_tokens: int, prompt_field: str = "prompt") -> int | None:
+def fitting_default_max(rid: str, prompt, obj: dict, field: str, engine,
+                        default_max_tokens: int, prompt_field: str = "prompt") -> int | None:
     """max_tokens for a request without `field`: the server's default, cut to the room
     its prompt leaves (a default never makes a request that fits fail). None when the
     request gives `field` (its own value is checked, never cut)."""
     if field in obj:
         return None
     return min(default_max_tokens, _room(rid, prompt, engine, prompt_field))
-
-
-def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS
-               ) -> list[tuple[Request, tuple[str, ...]]]:
-    """An OpenAI chat completion request's checked Requests and stop strings, `n` of them
-    (RequestError's `.field` uses OpenAI's names, a message's as "messages[i].role").
-    Defaults: temperature 1; max tokens as for a completion (`default_max_tokens`, at
-    most the room the prompt leaves)."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise RequestError(no_chat_template(model_name), None)
-    field = "max_tokens"
-    try:
-        check_fields(rid, obj, CHAT_FIELDS)
-        _check_openai_options(rid, obj, CHAT_NEUTRAL)
-        if "max_tokens" in obj and "max_completion_tokens" in obj:
-            raise RequestError(f"request {rid!r}: give one of \"max_completion_tokens\" and "
-                               f"\"max_tokens\", not both", "max_completion_tokens")
-        if "max_completion_tokens" in obj:
-            field = "max_completion_tokens"
-        obj = dict(obj, logprobs=_chat_logprobs(rid, obj))
-        messages = chat_messages(rid, obj)
-        try:
-            prompt = tokenizer.encode_chat(messages)
-        except ChatTemplateError as e:
-            raise RequestError(f"request {rid!r}: {e}", "messages") from None
-        stop = _stop_strings(rid, obj.get("stop"))
-        default_max = _default_max(rid, prompt, obj, field, engine, default_max_tokens,
-                                   "messages")
-        n = _num_choices(rid, obj, 1)
-        return [(req, stop) for req in _choices(rid, prompt, obj, engine, field, default_max,
-                                                 n, 0, n)]
-    except RequestError as e:
-        raise RequestError(str(e).replace("max_new_tokens", field),
-                           field if e.field == "max_new_tokens" else e.field) from None
-
-
-def _chat_logprobs(rid: str, obj: dict) -> int | None:
-    """Chat's "logprobs": true with "top_logprobs": N as a SamplingParams.logprobs."""
-    wanted, top = obj.get("logprobs"), obj.get("top_logprobs")
-    if wanted not in (None, True, False):
-        raise RequestError(f"request {rid!r}: \"logprobs\" must be true or false, got "
-                           f"{wanted!r}", "logprobs")
-    if top is not None and wanted is not True:
-        raise RequestError(f"request {rid!r}: \"top_logprobs\" needs \"logprobs\": true",
-                           "top_logprobs")
-    if not wanted:
-        return None
-    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
-        raise RequestError(f"request {rid!r}: \"top_logprobs\" must be an integer in "
-                           f"[0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs")
-    return top or 0

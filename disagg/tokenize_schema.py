@@ -4,7 +4,8 @@ checks are the completion and chat schema's (disagg/schema.py)."""
 
 from __future__ import annotations
 
-from disagg.schema import chat_messages, check_fields, no_chat_template, text_prompt
+from disagg.chat_schema import chat_messages, no_chat_template
+from disagg.schema import check_fields, text_prompt
 from drafter.request import RequestError
 from drafter.tokenizer import ChatTemplateError
 

@@ -23,7 +23,6 @@ Result with finish_reason "error" for the one request it concerns.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 
@@ -365,24 +364,9 @@ class Engine:
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
         outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
                                     decode_steps=self.decode_steps if steady else 1)
-        if self.scheduler.export:   # prompt log-probabilities leave with the KV
-            for i, chunk in enumerate(plan.prefill):
-                if chunk.seq.request.params.prompt_logprobs is not None:
-                    chunk.seq.prompt_logprob_parts.append(
-                        (self.executor.prompt_logprobs(outputs, i),
-                         chunk.num_tokens - chunk.is_last))
-        leaving = [(i, chunk.seq) for i, chunk in enumerate(plan.prefill)
-                   if chunk.seq in plan.exports]
-        if leaving:
-            payloads = self.executor.export([(seq.slot, len(seq.request.prompt))
-                                             for _, seq in leaving])
-            for (i, seq), payload in zip(leaving, payloads):
-                if seq.request.params.logprobs is not None:   # the first token's, with it
-                    payload = dataclasses.replace(
-                        payload, first_logprobs=self.executor.first_logprobs(outputs, i))
-                payload = dataclasses.replace(
-                    payload, prompt_logprobs=tuple(seq.prompt_logprob_parts))
-                self._exports.append(Export(seq.request, payload, seq.submitted))
+        if self.scheduler.export:
+            self._exports += self.executor.export_prefilled(plan, outputs)
+            for seq in plan.exports:
                 self.scheduler.release_exported(seq)
         return plan, outputs, imported
 

@@ -28,7 +28,7 @@ from drafter.checkpoint import load_dflash
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from drafter.inspect import pair_checks
-from drafter.steps import decode_step, plain_decode_step
+from drafter.uniform_steps import decode_step, plain_decode_step
 from drafter.timing import machine, time_step_loop
 from models.attention import IMPLS
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 
 import jax
 import numpy as np
 
-from drafter.kv_io import (KVPayload, call_groups, export_payloads, pack_import_index,
+from drafter.kv_io import (Export, KVPayload, call_groups, export_payloads, pack_import_index,
                            padded_rows, receiver_shardings, sent_pool_ids, transfer_shapes)
 from drafter.mixed_step import (StepBatch, first_logprobs_bits, pack_batch,
                                 prompt_logprobs_bits, unpack_outputs)
@@ -60,6 +61,9 @@ class Executor:
         slots = cfg.spec.num_slots + 1
         self.sampling = SlotSampling(slots, eos_token_ids)
         self.len_bound = np.zeros(slots, np.int64)  # upper bound of each slot's length
+        # a context worker's: per slot, (prompt log-probability bits on the device, rows)
+        # per prefill chunk so far
+        self._prompt_parts: dict[int, list] = {}
         self.bytes_imported = 0
         # Jitted calls dispatched, by kind (prefill, decode, export, import, redraft): on
         # one GPU a call's host launch, not its device time, bounds small batches.
@@ -171,39 +175,22 @@ class Executor:
         self.calls["mark"] += 1
         self.state = self._mark(self.state, index)
 
-    def run_empty(self, *, table_width: int, decode: bool = True, decode_steps: int = 1,
-                  num_prefill: int = 0, greedy: bool = True, truncated: bool = False,
-                  logprobs: bool = False, adjusted: bool = False) -> None:
-        """Calls whose rows all pad (compile that variant, every copy of it; change
-        nothing): a decode call of `decode_steps` steps, or a prefill call of
-        `num_prefill` rows (0: a call that only empties slots)."""
-        for _ in range(self.cfg.graph_copies):
-            self._call(self._empty_batch(0 if decode else num_prefill), table_width=table_width,
-                       decode=decode, greedy=greedy, truncated=truncated,
-                       decode_steps=decode_steps if decode else 1, logprobs=logprobs,
-                       adjusted=adjusted)
-
     def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool,
              logprobs: bool = False, adjusted: bool = False) -> None:
-        """`run_empty` for every variant: each width, decode of each of `decode_steps`,
-        prefill of each of `prefill_rows`; greedy, and with `sampled` also sampling, with
-        and without truncation; each of those also returning log-probabilities with
-        `logprobs`, and each of those also adjusting logits (penalties, logit bias) with
-        `adjusted`."""
-        variants = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
-        variants = [(*v, lp) for v in variants for lp in ((False, True) if logprobs
-                                                          else (False,))]
-        variants = [(*v, adj) for v in variants for adj in ((False, True) if adjusted
-                                                            else (False,))]
-        for width in widths:
-            for greedy, truncated, lp, adj in variants:
-                for k in decode_steps:
-                    self.run_empty(table_width=width, decode_steps=k, greedy=greedy,
-                                   truncated=truncated, logprobs=lp, adjusted=adj)
-                for rows in prefill_rows:
-                    self.run_empty(table_width=width, decode=False, num_prefill=rows,
-                                   greedy=greedy, truncated=truncated, logprobs=lp,
-                                   adjusted=adj)
+        """Compile every variant, every copy of it, by calls whose rows all pad (they
+        change nothing): each width, decode of each of `decode_steps`, prefill of each of
+        `prefill_rows` (0: a call that only empties slots); greedy, and with `sampled`
+        also sampling, with and without truncation; each of those also returning
+        log-probabilities with `logprobs`, and each of those also adjusting logits
+        (penalties, logit bias) with `adjusted`."""
+        samplings = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
+        calls = [(True, k, 0) for k in decode_steps] + [(False, 1, n) for n in prefill_rows]
+        for width, (greedy, truncated), lp, adj, (decode, k, rows), _ in itertools.product(
+                widths, samplings, (False, True)[:1 + logprobs], (False, True)[:1 + adjusted],
+                calls, range(self.cfg.graph_copies)):
+            self._call(self._empty_batch(rows), table_width=width, decode=decode,
+                       greedy=greedy, truncated=truncated, decode_steps=k, logprobs=lp,
+                       adjusted=adj)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
@@ -273,22 +260,6 @@ class Executor:
                                    first_logprobs=first.first_logprobs,
                                    prompt_logprobs=first.prompt_logprobs)
 
-    def first_logprobs(self, outputs: list, row: int):
-        """Prefill row `row`'s first-token log-probabilities (i32 bits, on the device)
-        from a plan's `run` outputs, or None when the call did not compute them."""
-        packed, layout = outputs[0]
-        if not layout["logprobs"]:
-            return None
-        return first_logprobs_bits(packed, row, num_slots=self.spec.num_slots,
-                                   block_size=self.cfg.block_size, **layout)
-
-    def prompt_logprobs(self, outputs: list, row: int):
-        """Prefill row `row`'s prompt log-probabilities (i32 bits [T x LOGPROB_WIDTH], on
-        the device: `mixed_step.prompt_logprobs_bits`) from a plan's `run` outputs."""
-        packed, layout = outputs[0]
-        return prompt_logprobs_bits(packed, row, num_slots=self.spec.num_slots,
-                                    block_size=self.cfg.block_size, **layout)
-
     # ------------------------------------------------------------ KV in and out
 
     def import_payloads(self, arrivals, reset_slots=()) -> list[jax.Array]:
@@ -324,6 +295,32 @@ class Executor:
             longest = max(payload.target_len for _, payload, _ in arrivals)
             self._redraft_rows(slots, self.table_width(longest + self.cfg.block_size))
         return out
+
+    def export_prefilled(self, plan: StepPlan, outputs: list) -> list[Export]:
+        """A context worker's step, dispatched as `run` returned `outputs`: keep each
+        chunk's prompt log-probabilities (sliced on the device) for requests that ask,
+        and export the requests whose prefill ended (`plan.exports`), those and their
+        first token's log-probabilities leaving with the KV."""
+        packed, layout = outputs[0]
+        layout = dict(layout, num_slots=self.spec.num_slots, block_size=self.cfg.block_size)
+        leaving = []
+        for i, chunk in enumerate(plan.prefill):
+            seq = chunk.seq
+            if chunk.start == 0:
+                self._prompt_parts[seq.slot] = []
+            if seq.request.params.prompt_logprobs is not None:
+                self._prompt_parts[seq.slot].append((prompt_logprobs_bits(packed, i, **layout),
+                                                     chunk.num_tokens - chunk.is_last))
+            if seq in plan.exports:
+                leaving.append((i, seq))
+        if not leaving:
+            return []
+        payloads = self.export([(seq.slot, len(seq.request.prompt)) for _, seq in leaving])
+        return [Export(seq.request, dataclasses.replace(
+                    payload, prompt_logprobs=tuple(self._prompt_parts.pop(seq.slot)),
+                    first_logprobs=first_logprobs_bits(packed, i, **layout)
+                    if seq.request.params.logprobs is not None else None), seq.submitted)
+                for (i, seq), payload in zip(leaving, payloads)]
 
     def export(self, rows) -> list[KVPayload]:
         """Dispatch `export_step` for slots whose prefill just ended (in a step already

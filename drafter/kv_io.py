@@ -45,7 +45,7 @@ import numpy as np
 
 from drafter.request import Request
 from drafter.sampling import first_counts
-from drafter.steps import StepConfig, StepState, _at_precision, empty_slots, redraft_rows
+from drafter.steps import StepConfig, StepState, at_precision, empty_slots, redraft_rows
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
                         live_logical_pages, pow2_at_least)
 
@@ -282,7 +282,7 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
     return state, tuple(ok)
 
 
-@_at_precision
+@at_precision
 def redraft_step(params, state: StepState, slots, *, cfg: StepConfig,
                  table_width: int) -> StepState:
     """A fresh draft block for each of `slots` (i32[num_slots], dummy pads) that runs:

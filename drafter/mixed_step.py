@@ -24,7 +24,7 @@ import numpy as np
 
 from drafter.request import MAX_LOGIT_BIAS
 from drafter.sampling import LOGPROB_WIDTH, Sampler
-from drafter.steps import (StepState, StepConfig, _at_precision, decode_rows, empty_slots,
+from drafter.steps import (StepState, StepConfig, at_precision, decode_rows, empty_slots,
                            plain_decode_rows, prefill_rows)
 
 # Sampling streams: a request's prefill draw and its decode draws at one position differ.
@@ -100,7 +100,7 @@ class StepOutputs:
     prompt_logprobs: jax.Array
 
 
-@_at_precision
+@at_precision
 def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
                table_width: int, decode: bool, speculative: bool, greedy: bool,
                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,

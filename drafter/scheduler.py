@@ -55,8 +55,6 @@ class Sequence:
     token_times: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)   # TokenLogprobs per token
     prompt_logprobs: list = dataclasses.field(default_factory=list)  # per prompt token but the first
-    # a context worker's: (i32 bits on the device, valid rows) per prefill chunk, to send
-    prompt_logprob_parts: list = dataclasses.field(default_factory=list)
     first_token_at: float | None = None
     result: Result | None = None
     stop_ids: frozenset = frozenset()   # ids that end it: its stop ids, and EOS unless ignored

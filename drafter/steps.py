@@ -185,7 +185,7 @@ def matmul_precision_for(params, requested: str = "auto") -> str:
     return "highest" if wide else "default"
 
 
-def _at_precision(step):
+def at_precision(step):
     """Trace `step` (params first) under the matmul precision its weights call for."""
     @functools.wraps(step)
     def traced(params, *args, cfg: StepConfig, **kwargs):
@@ -271,24 +271,16 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
     kv = retire_window_pages(spec, kv, slot_ids)
     running = state.running.at[slot_ids].set(done | state.running[slot_ids])
     out = (state.replace(kv=kv, anchors=anchors, drafts=drafts,
-                         running=_idle_dummy(cfg, running), output_counts=counts), first, ok)
+                         running=idle_dummy(cfg, running), output_counts=counts), first, ok)
     if not logprobs:
         return out
     following = jnp.concatenate([tokens[:, 1:], next_tokens[:, None]], axis=1)
     return out + (token_logprobs(last[:, 0], first), token_logprobs(logits, following))
 
 
-def _idle_dummy(cfg: StepConfig, running):
+def idle_dummy(cfg: StepConfig, running):
+    """`running` with the dummy slot (padding rows' target) never running."""
     return running.at[cfg.spec.dummy_slot].set(False)
-
-
-@_at_precision
-def prefill_step(params, state: StepState, slot_ids, tokens, num_tokens, is_last, key, *,
-                 cfg: StepConfig, table_width: int, temperature: float = 0.0):
-    """`prefill_rows` with every row at one temperature (keys split from `key`)."""
-    sampler = Sampler.uniform(slot_ids.shape[0], temperature, key)
-    return prefill_rows(params, state, slot_ids, tokens, num_tokens, is_last, sampler, cfg=cfg,
-                        table_width=table_width)
 
 
 def decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *, cfg: StepConfig,
@@ -373,33 +365,6 @@ def plain_decode_rows(params, state: StepState, slot_ids, sampler: Sampler, *,
     anchors = state.anchors.at[slot_ids].set(jnp.where(live, token, state.anchors[slot_ids]))
     out = (state.replace(kv=kv, anchors=anchors, output_counts=counts), token, ok | ~active)
     return out + (token_logprobs(logits[:, 0], token),) if logprobs else out
-
-
-def _uniform_running(cfg, state, slot_ids):
-    """The single-temperature steps treat every real row in `slot_ids` as running."""
-    real = slot_ids != cfg.spec.dummy_slot
-    return state.replace(running=_idle_dummy(cfg, state.running.at[slot_ids].set(
-        real | state.running[slot_ids])))
-
-
-@_at_precision
-def decode_step(params, state: StepState, slot_ids, key, *, cfg: StepConfig, table_width: int,
-                temperature: float = 0.0):
-    """`decode_rows` for every real row of `slot_ids`, at one temperature."""
-    state = _uniform_running(cfg, state, slot_ids)
-    return decode_rows(params, state, slot_ids,
-                       Sampler.uniform(slot_ids.shape[0], temperature, key), cfg=cfg,
-                       table_width=table_width)
-
-
-@_at_precision
-def plain_decode_step(params, state: StepState, slot_ids, key, *, cfg: StepConfig,
-                      table_width: int, temperature: float = 0.0):
-    """`plain_decode_rows` for every real row of `slot_ids`, at one temperature."""
-    state = _uniform_running(cfg, state, slot_ids)
-    return plain_decode_rows(params, state, slot_ids,
-                             Sampler.uniform(slot_ids.shape[0], temperature, key), cfg=cfg,
-                             table_width=table_width)
 
 
 def redraft_rows(params, state: StepState, slot_ids, *, cfg: StepConfig, table_width: int,

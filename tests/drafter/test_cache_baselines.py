@@ -10,7 +10,7 @@ import pytest
 from benchmarks.cache_baselines import (TwoCacheState, full_rebuild, kv_memory_bytes, per_layer,
                                         split_config, split_state, two_cache_decode_step)
 from drafter.engine import Engine
-from drafter.steps import decode_step
+from drafter.uniform_steps import decode_step
 from tests.drafter.tiny import tiny_pair
 
 PROMPTS = [list(np.random.default_rng(3).integers(0, 63, n)) for n in (5, 23, 41)]

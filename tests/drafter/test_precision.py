@@ -11,7 +11,8 @@ import pytest
 
 from drafter.engine import Engine
 from drafter.shapes import qwen3_8b_pair, random_params
-from drafter.steps import StepConfig, init_step_state, matmul_precision_for, plain_decode_step
+from drafter.steps import StepConfig, init_step_state, matmul_precision_for
+from drafter.uniform_steps import plain_decode_step
 from models.qwen3 import Qwen3Config, dense_forward, init_params
 from pallas_kernels.pool_layout import MAX_POOL_ELEMENTS
 from unified_kv import CacheSpec, init_state

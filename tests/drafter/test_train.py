@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from drafter.dflash import draft_block
-from drafter.steps import init_step_state, prefill_step
+from drafter.steps import init_step_state
+from drafter.uniform_steps import prefill_step
 from drafter.train import LABELS, block_logits, dflash_loss, target_features, train_drafter
 from models.qwen3 import dense_forward
 from tests.drafter.tiny import tiny_pair

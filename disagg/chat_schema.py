@@ -1,0 +1,139 @@
+"""The OpenAI chat request schema (the shared checks: disagg/schema.py).
+
+chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
+             "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
+             int >= 1 (one of them; default as for a completion), "n", "temperature",
+             "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "min_tokens", "logit_bias", "seed", "stop", "stream",
+             "stream_options", "stop_token_ids", "ignore_eos" as for a completion,
+             "logprobs": bool, "top_logprobs": int in [0, 20] (with "logprobs": true)};
+             neutral-only OpenAI fields as for a completion, plus tools = null,
+             tool_choice = "none", response_format = {"type": "text"}. The prompt is
+             the messages rendered by the checkpoint's chat template with the
+             assistant's turn opened (`tokenizer.encode_chat`); a tokenizer without
+             one refuses every chat request, naming /v1/completions as the way in.
+"""
+
+from __future__ import annotations
+
+from disagg.schema import (DEFAULT_MAX_TOKENS, NEUTRAL, SAMPLING_FIELDS, check_fields,
+                           check_openai_options, choice_requests, fitting_default_max,
+                           num_choices, stop_strings)
+from drafter.request import MAX_LOGPROBS, Request, RequestError
+from drafter.tokenizer import ChatTemplateError
+
+CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "suffix")},
+                "tools": ((None,), "tool calls are not implemented"),
+                "tool_choice": ((None, "none"), "tool calls are not implemented"),
+                "response_format": ((None, {"type": "text"}),
+                                    "structured output is not implemented")}
+CHAT_FIELDS = {"model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
+               "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
+               "logprobs", "top_logprobs", "logit_bias", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
+CHAT_ROLES = ("system", "user", "assistant")
+MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
+
+
+def no_chat_template(model_name: str) -> str:
+    """The refusal of a chat request to a model whose checkpoint has no chat template."""
+    return (f"model {model_name!r} has no chat template (its checkpoint ships none: no "
+            f"chat_template.jinja, no chat_template.json, no \"chat_template\" in "
+            f"tokenizer_config.json), so chat messages cannot be turned into a prompt; "
+            f"send the prompt as text to POST /v1/completions instead, or serve a "
+            f"checkpoint whose tokenizer has a chat template (--target DIR)")
+
+
+def chat_messages(rid: str, obj: dict) -> list[dict]:
+    if "messages" not in obj:
+        raise RequestError(f"request {rid!r}: \"messages\" is missing; give a list of "
+                           f"{MESSAGE_FORM}", "messages")
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"request {rid!r}: \"messages\" must be a non-empty list of "
+                           f"{MESSAGE_FORM}, got {messages!r:.80}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"request {rid!r}: \"{where}\" must be an object "
+                               f"{MESSAGE_FORM}, got {type(m).__name__}", where)
+        unknown = sorted(set(m) - {"role", "content"})
+        if unknown:
+            raise RequestError(f"request {rid!r}: \"{where}\" has unknown fields {unknown}; "
+                               f"a message holds only \"role\" and \"content\"",
+                               f"{where}.{unknown[0]}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise RequestError(f"request {rid!r}: \"{where}.{key}\" is missing; a "
+                                   f"message is {MESSAGE_FORM}", f"{where}.{key}")
+        role, content = m["role"], m["content"]
+        if role not in CHAT_ROLES or not isinstance(role, str):
+            fix = " (\"developer\" instructions go in a \"system\" message)" \
+                if role == "developer" else " (tool calls are not implemented)" \
+                if role in ("tool", "function") else ""
+            raise RequestError(f"request {rid!r}: \"{where}.role\" is {role!r}; use one of "
+                               f"{', '.join(CHAT_ROLES)}{fix}", f"{where}.role")
+        if not isinstance(content, str):
+            raise RequestError(f"request {rid!r}: \"{where}.content\" must be a string, got "
+                               f"{type(content).__name__}; send the message's text as one "
+                               f"string (content parts, images and audio are not supported)",
+                               f"{where}.content")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:   # a lone surrogate ("\\ud800") decodes from JSON
+            raise RequestError(f"request {rid!r}: \"{where}.content\" is not valid Unicode "
+                               f"({e})", f"{where}.content") from None
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS
+               ) -> list[tuple[Request, tuple[str, ...]]]:
+    """An OpenAI chat completion request's checked Requests and stop strings, `n` of them
+    (RequestError's `.field` uses OpenAI's names, a message's as "messages[i].role").
+    Defaults: temperature 1; max tokens as for a completion (`default_max_tokens`, at
+    most the room the prompt leaves)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError(no_chat_template(model_name), None)
+    field = "max_tokens"
+    try:
+        check_fields(rid, obj, CHAT_FIELDS)
+        check_openai_options(rid, obj, CHAT_NEUTRAL)
+        if "max_tokens" in obj and "max_completion_tokens" in obj:
+            raise RequestError(f"request {rid!r}: give one of \"max_completion_tokens\" and "
+                               f"\"max_tokens\", not both", "max_completion_tokens")
+        if "max_completion_tokens" in obj:
+            field = "max_completion_tokens"
+        obj = dict(obj, logprobs=_chat_logprobs(rid, obj))
+        messages = chat_messages(rid, obj)
+        try:
+            prompt = tokenizer.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise RequestError(f"request {rid!r}: {e}", "messages") from None
+        stop = stop_strings(rid, obj.get("stop"))
+        default_max = fitting_default_max(rid, prompt, obj, field, engine,
+                                          default_max_tokens, "messages")
+        n = num_choices(rid, obj, 1)
+        return [(req, stop) for req in choice_requests(rid, prompt, obj, engine, field,
+                                                        default_max, n, 0, n)]
+    except RequestError as e:
+        raise RequestError(str(e).replace("max_new_tokens", field),
+                           field if e.field == "max_new_tokens" else e.field) from None
+
+
+def _chat_logprobs(rid: str, obj: dict) -> int | None:
+    """Chat's "logprobs": true with "top_logprobs": N as a SamplingParams.logprobs."""
+    wanted, top = obj.get("logprobs"), obj.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise RequestError(f"request {rid!r}: \"logprobs\" must be true or false, got "
+                           f"{wanted!r}", "logprobs")
+    if top is not None and wanted is not True:
+        raise RequestError(f"request {rid!r}: \"top_logprobs\" needs \"logprobs\": true",
+                           "top_logprobs")
+    if not wanted:
+        return None
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+        raise RequestError(f"request {rid!r}: \"top_logprobs\" must be an integer in "
+                           f"[0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs")
+    return top or 0
