@@ -4,7 +4,8 @@ The engine decides (scheduler) and books results; the executor turns a
 `StepPlan` into device calls and owns what they touch: the `StepState`
 pytree (donated through every call), the parameters, and the per-slot host
 arrays the calls read (sampling parameters, an upper bound of each slot's
-length for table widths). It never reads device outputs itself.
+length for table widths). It never reads device outputs itself. Its KV calls (import,
+export, redraft) are drafter/executor_kv.py's.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import functools
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from drafter.kv_io import (Export, KVPayload, call_groups, export_payloads, pack_import_index,
-                           padded_rows, receiver_shardings, sent_pool_ids, transfer_shapes)
-from drafter.mixed_step import (StepBatch, first_logprobs_bits, pack_batch,
-                                prompt_logprobs_bits, unpack_outputs)
+from drafter.executor_kv import KVCalls
+from drafter.kv_io import receiver_shardings
+from drafter.mixed_step import StepBatch, pack_batch, packed_output_size, unpack_outputs
 from drafter.programs import (Copies, export_step_for, import_step_for, mark_step_for,
                               packed_step_for, redraft_step_for, traced_on_mesh)
 from drafter.scheduler import StepPlan
@@ -28,10 +29,10 @@ from drafter.seen import pack_prompt, prompt_bucket
 from drafter.slot_sampling import SlotSampling
 from drafter.steps import StepConfig, init_step_state
 from models.layers import step_params
-from unified_kv import BAD_PAGE_INDEX, bucket_width, init_state
+from unified_kv import bucket_width, init_state
 
 
-class Executor:
+class Executor(KVCalls):
     """Args: params, cfg, mesh (None: the default device), speculative, mode
     ("shared" / "private": which pools an export sends and an import expects),
     transfer_rows (requests of one page bucket an export or import call takes; a call
@@ -64,6 +65,10 @@ class Executor:
         # a context worker's: per slot, (prompt log-probability bits on the device, rows)
         # per prefill chunk so far
         self._prompt_parts: dict[int, list] = {}
+        # StepConfig.stable_outputs: read output buffers by (variant, copy), and which
+        # (variant, copy) each unread one came from (by id: it is alive until read)
+        self._spare_outputs: dict = collections.defaultdict(list)
+        self._output_keys: dict[int, tuple] = {}
         self.bytes_imported = 0
         # Jitted calls dispatched, by kind (prefill, decode, export, import, redraft): on
         # one GPU a call's host launch, not its device time, bounds small batches.
@@ -212,20 +217,34 @@ class Executor:
         return out
 
     def _step_fn(self, params, state, batch, **static):
-        """The jitted step (of its variant's copies, the one whose turn it is)."""
+        """The jitted step (of its variant's copies, the one whose turn it is); with
+        `StepConfig.stable_outputs`, writing into an output buffer that copy returned
+        before and the host has read (`release_outputs`), else a fresh one."""
         steps = self._steps["decode" if static["decode"] else "prefill"]
-        return steps(tuple(sorted(static.items())), params, state, batch, **static)
+        variant = tuple(sorted(static.items()))
+        if not self.cfg.stable_outputs:
+            return steps(variant, params, state, batch, **static)
+        key = (variant, steps.next_copy(variant))
+        if self._spare_outputs[key]:
+            into = self._spare_outputs[key].pop()
+        else:
+            self.calls["fresh output"] += 1
+            size = packed_output_size(
+                num_slots=self.spec.num_slots, block_size=self.cfg.block_size,
+                decode_steps=static["decode_steps"], num_prefill=static["num_prefill"],
+                chunk=self.spec.max_step_tokens, logprobs=static["logprobs"])
+            # made by XLA: a buffer over host memory (CPU's device_put) is not reused
+            into = jnp.zeros(size, jnp.int32, device=self._scalar_sharding)
+        state, out = steps(variant, params, state, batch, into, **static)
+        self._output_keys[id(out)] = key
+        return state, out
 
-    def _import(self, state, index, payloads, **static):
-        """The jitted import (of its variant's copies, the one whose turn it is)."""
-        variant = (tuple(sorted(static.items())), len(payloads),
-                   tuple(b.shape for b in payloads[0][2]))
-        return self._imports(variant, state, index, payloads, **static)
-
-    def _export(self, state, index, **static):
-        """The jitted export (of its variant's copies, the one whose turn it is)."""
-        return self._exports((tuple(sorted(static.items())), index.shape), state, index,
-                             **static)
+    def release_outputs(self, arrays) -> None:
+        """Step outputs the host has read (to host copies of their own): with
+        `StepConfig.stable_outputs`, their buffers take their copies' next calls."""
+        for out in arrays:
+            if (key := self._output_keys.pop(id(out), None)) is not None:
+                self._spare_outputs[key].append(out)
 
     def _empty_batch(self, num_prefill: int) -> StepBatch:
         spec, dummy = self.spec, self.spec.dummy_slot
@@ -259,144 +278,3 @@ class Executor:
                                    prefill_ok=first.prefill_ok,
                                    first_logprobs=first.first_logprobs,
                                    prompt_logprobs=first.prompt_logprobs)
-
-    # ------------------------------------------------------------ KV in and out
-
-    def import_payloads(self, arrivals, reset_slots=()) -> list[jax.Array]:
-        """Dispatch `import_step` for each arrived payload (the first call empties
-        `reset_slots` before it imports), then, in private mode, one `redraft_step` for
-        them all (in shared mode each arrives with its sender's draft block).
-
-        arrivals: (slot, payload, Request) per request (its sampling parameters, and its
-        prompt for a repetition penalty's marks). Returns per request its ok (bool[] on
-        the device), in order.
-        """
-        resets = self._no_slots()
-        resets[:len(reset_slots)] = reset_slots
-        for slot in reset_slots:
-            self.len_bound[slot] = 0
-        for slot, payload, request in arrivals:
-            self.sampling.set(slot, request)
-            self._mark_prompt(slot, request)
-            self.len_bound[slot] = payload.target_len
-            self.bytes_imported += payload.nbytes
-        out = [None] * len(arrivals)
-        keys = [tuple(len(p) for p in payload.logical_pages) for _, payload, _ in arrivals]
-        for key, idx in call_groups(keys, self.transfer_rows):
-            pad = padded_rows(len(idx), self.transfer_rows) - len(idx)
-            rows = [arrivals[i][:2] for i in idx] + [(self.spec.dummy_slot,
-                                                      self._empty_payload(key))] * pad
-            for i, ok in zip(idx, self._import_rows(rows, resets)):
-                out[i] = ok
-            resets = self._no_slots()
-        if arrivals and self._redrafts:
-            slots = self._no_slots()
-            slots[:len(arrivals)] = [slot for slot, _, _ in arrivals]
-            longest = max(payload.target_len for _, payload, _ in arrivals)
-            self._redraft_rows(slots, self.table_width(longest + self.cfg.block_size))
-        return out
-
-    def export_prefilled(self, plan: StepPlan, outputs: list) -> list[Export]:
-        """A context worker's step, dispatched as `run` returned `outputs`: keep each
-        chunk's prompt log-probabilities (sliced on the device) for requests that ask,
-        and export the requests whose prefill ended (`plan.exports`), those and their
-        first token's log-probabilities leaving with the KV."""
-        packed, layout = outputs[0]
-        layout = dict(layout, num_slots=self.spec.num_slots, block_size=self.cfg.block_size)
-        leaving = []
-        for i, chunk in enumerate(plan.prefill):
-            seq = chunk.seq
-            if chunk.start == 0:
-                self._prompt_parts[seq.slot] = []
-            if seq.request.params.prompt_logprobs is not None:
-                self._prompt_parts[seq.slot].append((prompt_logprobs_bits(packed, i, **layout),
-                                                     chunk.num_tokens - chunk.is_last))
-            if seq in plan.exports:
-                leaving.append((i, seq))
-        if not leaving:
-            return []
-        payloads = self.export([(seq.slot, len(seq.request.prompt)) for _, seq in leaving])
-        return [Export(seq.request, dataclasses.replace(
-                    payload, prompt_logprobs=tuple(self._prompt_parts.pop(seq.slot)),
-                    first_logprobs=first_logprobs_bits(packed, i, **layout)
-                    if seq.request.params.logprobs is not None else None), seq.submitted)
-                for (i, seq), payload in zip(leaving, payloads)]
-
-    def export(self, rows) -> list[KVPayload]:
-        """Dispatch `export_step` for slots whose prefill just ended (in a step already
-        dispatched), `transfer_rows` a call. rows: (slot, prompt_len) per request."""
-        with_draft = self.cfg.draft is not None
-        return export_payloads(self.spec, self.state, [(slot, n, n if with_draft else 0)
-                                                       for slot, n in rows],
-                               mode=self.mode, export=self._counted_export,
-                               rows_per_call=self.transfer_rows)
-
-    def warm_transfers(self, lengths, *, exports: bool, imports: bool) -> int:
-        """Compile the export and/or import calls of prompts of `lengths` tokens (per
-        page bucket, of 1 and of `transfer_rows` rows) and, in private mode, the redraft
-        of each table width they use. The calls take the dummy slot, as calls that
-        change nothing. Returns the number of buckets."""
-        with_draft = self.cfg.draft is not None
-        shapes = transfer_shapes(self.spec, self.mode, lengths, with_draft=with_draft)
-        dummy = self.spec.dummy_slot
-        for buckets, n in shapes.items():
-            for rows in sorted({1, self.transfer_rows}):
-                for _ in self._exports.copies if exports else ():
-                    self.export([(dummy, n)] * rows)
-                for _ in self._imports.copies if imports else ():
-                    self._import_rows([(dummy, self._empty_payload(buckets))] * rows,
-                                      self._no_slots())
-        if imports and self._redrafts:
-            block = self.cfg.block_size
-            for width in sorted({self.table_width(n + block) for n in lengths}):
-                self._redraft_rows(self._no_slots(), width)
-        return len(shapes)
-
-    def _counted_export(self, *args, **kwargs):
-        self.calls["export"] += 1
-        return self._export(*args, **kwargs)
-
-    def _import_rows(self, rows, resets) -> tuple:
-        """One `import_step` call for (slot, payload) rows of one page bucket. Scalars
-        are put on this worker's devices first when they came as host values, so every
-        arrival of one page bucket runs one compiled program."""
-        index, payloads = [], []
-        for slot, payload in rows:
-            first, drafts, sums = payload.first_token, payload.drafts, payload.checksums
-            if self.mode != "shared":  # any sender's block (none, without a drafter)
-                drafts = self._no_drafts
-            if not isinstance(first, jax.Array):
-                first = jax.device_put(np.int32(first), self._scalar_sharding)
-            if not isinstance(drafts, jax.Array):
-                drafts = jax.device_put(np.asarray(drafts, np.int32), self._scalar_sharding)
-            if not isinstance(sums, jax.Array):
-                sums = jax.device_put(np.asarray(sums, np.uint32), self._scalar_sharding)
-            index.append((slot, payload.target_len, payload.draft_ctx_len,
-                          payload.logical_pages))
-            payloads.append((first, drafts, payload.buffers, sums))
-        self.calls["import"] += 1
-        # the index goes as a host array, transferred by the call itself
-        self.state, oks = self._import(self.state, pack_import_index(resets, index),
-                                       tuple(payloads), pool_ids=tuple(rows[0][1].pool_ids),
-                                       mode=self.mode)
-        return oks
-
-    def _redraft_rows(self, slots, table_width: int) -> None:
-        self.calls["redraft"] += 1
-        self.state = self._redraft(self.params, self.state, slots, table_width=table_width)
-
-    def _empty_payload(self, buckets) -> KVPayload:
-        """A payload of these page buckets, placed as arrivals are, with no pages (made
-        once a bucket: padding rows of import calls)."""
-        if buckets in self._empty_payloads:
-            return self._empty_payloads[buckets]
-        pool_ids, pools = sent_pool_ids(self.spec, self.mode), self.state.kv.pools
-        buffers = tuple(jax.device_put(np.zeros((pools[i].shape[0], n, *pools[i].shape[2:]),
-                                                pools[i].dtype), self._buffer_sharding)
-                        for i, n in zip(pool_ids, buckets))
-        logical = tuple(np.full(n, BAD_PAGE_INDEX, np.int32) for n in buckets)
-        put = functools.partial(jax.device_put, device=self._scalar_sharding)
-        payload = KVPayload(0, 0, put(np.int32(0)), self._no_drafts, pool_ids, logical,
-                            buffers, put(np.zeros(len(pool_ids), np.uint32)), self.mode)
-        self._empty_payloads[buckets] = payload
-        return payload
