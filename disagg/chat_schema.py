@@ -7,11 +7,15 @@ chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant"
              "repetition_penalty", "min_tokens", "logit_bias", "seed", "stop", "stream",
              "stream_options", "stop_token_ids", "ignore_eos" as for a completion,
              "logprobs": bool, "top_logprobs": int in [0, 20] (with "logprobs": true)};
-             neutral-only OpenAI fields as for a completion, plus tools = null,
-             tool_choice = "none", response_format = {"type": "text"}. The prompt is
-             the messages rendered by the checkpoint's chat template with the
-             assistant's turn opened (`tokenizer.encode_chat`); a tokenizer without
-             one refuses every chat request, naming /v1/completions as the way in.
+             vLLM's "add_generation_prompt": bool (default true),
+             "continue_final_message": bool (default false; not with the former: the
+             final message is left open, for the model to continue) and
+             "chat_template_kwargs": {name: value} (template variables, such as Qwen3's
+             "enable_thinking"); neutral-only OpenAI fields as for a completion, plus
+             tools = null, tool_choice = "none", response_format = {"type": "text"}.
+             The prompt is the messages rendered by the checkpoint's chat template
+             (`chat_prompt`); a tokenizer without one refuses every chat request,
+             naming /v1/completions as the way in.
 """
 
 from __future__ import annotations
@@ -20,17 +24,20 @@ from disagg.schema import (DEFAULT_MAX_TOKENS, NEUTRAL, SAMPLING_FIELDS, check_f
                            check_openai_options, choice_requests, fitting_default_max,
                            num_choices, stop_strings)
 from drafter.request import MAX_LOGPROBS, Request, RequestError
-from drafter.tokenizer import ChatTemplateError
+from drafter.tokenizer import SPECIAL_TOKENS, ChatTemplateError
 
 CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "suffix")},
                 "tools": ((None,), "tool calls are not implemented"),
                 "tool_choice": ((None, "none"), "tool calls are not implemented"),
                 "response_format": ((None, {"type": "text"}),
                                     "structured output is not implemented")}
-CHAT_FIELDS = {"model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+CHAT_FIELDS = {*CHAT_OPTIONS, "model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
                "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
                "logprobs", "top_logprobs", "logit_bias", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
 CHAT_ROLES = ("system", "user", "assistant")
+# Template variables a request's chat_template_kwargs may not set
+TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", *SPECIAL_TOKENS})
 MESSAGE_FORM = '{"role": "system" | "user" | "assistant", "content": "text"}'
 
 
@@ -106,11 +113,7 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
         if "max_completion_tokens" in obj:
             field = "max_completion_tokens"
         obj = dict(obj, logprobs=_chat_logprobs(rid, obj))
-        messages = chat_messages(rid, obj)
-        try:
-            prompt = tokenizer.encode_chat(messages)
-        except ChatTemplateError as e:
-            raise RequestError(f"request {rid!r}: {e}", "messages") from None
+        prompt = chat_prompt(rid, obj, tokenizer)
         stop = stop_strings(rid, obj.get("stop"))
         default_max = fitting_default_max(rid, prompt, obj, field, engine,
                                           default_max_tokens, "messages")
@@ -120,6 +123,40 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", field),
                            field if e.field == "max_new_tokens" else e.field) from None
+
+
+def chat_prompt(rid: str, obj: dict, tokenizer) -> list[int]:
+    """The prompt ids of a request's "messages", rendered by the model's chat template
+    with its options: "add_generation_prompt" (default true: the assistant's turn
+    opened), "continue_final_message" (default false: the final message left open for
+    the model to continue; not with add_generation_prompt) and "chat_template_kwargs"
+    (more template variables, such as Qwen3's {"enable_thinking": false}), vLLM's."""
+    messages = chat_messages(rid, obj)
+    options = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        options[name] = obj.get(name, default)
+        if not isinstance(options[name], bool):
+            raise RequestError(f"request {rid!r}: \"{name}\" must be true or false, got "
+                               f"{options[name]!r}", name)
+    if options["add_generation_prompt"] and options["continue_final_message"]:
+        raise RequestError(f"request {rid!r}: \"continue_final_message\" leaves the final "
+                           f"message open and \"add_generation_prompt\" opens a new turn; "
+                           f"set \"add_generation_prompt\": false to continue the final "
+                           f"message", "continue_final_message")
+    variables = obj.get("chat_template_kwargs")
+    variables = {} if variables is None else variables
+    if not isinstance(variables, dict):
+        raise RequestError(f"request {rid!r}: \"chat_template_kwargs\" must be an object of "
+                           f"template variables, got {variables!r:.80}", "chat_template_kwargs")
+    taken = sorted(set(variables) & TEMPLATE_NAMES)
+    if taken:
+        raise RequestError(f"request {rid!r}: \"chat_template_kwargs\" may not set {taken}: "
+                           f"the messages, the generation prompt and the special tokens come "
+                           f"from the request and the model", "chat_template_kwargs")
+    try:
+        return tokenizer.encode_chat(messages, variables=variables, **options)
+    except ChatTemplateError as e:
+        raise RequestError(f"request {rid!r}: {e}", "messages") from None
 
 
 def _chat_logprobs(rid: str, obj: dict) -> int | None:

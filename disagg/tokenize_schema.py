@@ -4,26 +4,22 @@ checks are the completion and chat schema's (disagg/schema.py)."""
 
 from __future__ import annotations
 
-from disagg.chat_schema import chat_messages, no_chat_template
+from disagg.chat_schema import CHAT_OPTIONS, chat_prompt, no_chat_template
 from disagg.schema import check_fields, text_prompt
 from drafter.request import RequestError
-from drafter.tokenizer import ChatTemplateError
 
 
 def parse_tokenize(obj, rid: str, tokenizer, model_name: str) -> list[int]:
     """POST /tokenize's token ids: {"model"?, "prompt": text} or {"model"?, "messages":
     [...]} (rendered as a chat request's prompt is)."""
-    check_fields(rid, obj, {"model", "prompt", "messages"})
+    check_fields(rid, obj, {"model", "prompt", "messages", *CHAT_OPTIONS})
     if ("prompt" in obj) == ("messages" in obj):
         raise RequestError(f"request {rid!r}: give exactly one of \"prompt\" (text) and "
                            f"\"messages\" (a chat)", "prompt")
     if "messages" in obj:
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError(no_chat_template(model_name), "messages")
-        try:
-            return tokenizer.encode_chat(chat_messages(rid, obj))
-        except ChatTemplateError as e:
-            raise RequestError(f"request {rid!r}: {e}", "messages") from None
+        return chat_prompt(rid, obj, tokenizer)
     if not isinstance(obj["prompt"], str):
         raise RequestError(f"request {rid!r}: \"prompt\" must be text, got "
                            f"{type(obj['prompt']).__name__}", "prompt")

@@ -103,19 +103,33 @@ class ChatTemplate:
                 from None
         self.source, self.special_tokens, self.origin = source, dict(special_tokens), origin
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages`; ChatTemplateError if the template refuses them
-        (its `raise_exception`) or fails on them."""
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, variables=None) -> str:
+        """The prompt text of `messages`; with `continue_final_message`, cut just after the
+        last message's content, so the model continues it (HF's rule); `variables`: more
+        template variables (a request's chat_template_kwargs, such as Qwen3's
+        enable_thinking; they never replace `messages`, `add_generation_prompt` or the
+        special tokens). ChatTemplateError if the template refuses the messages (its
+        `raise_exception`) or fails on them, or the final message to continue is not in
+        the text."""
         try:
-            return self._template.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+            text = self._template.render({**(variables or {}), "messages": messages,
+                                          "add_generation_prompt": add_generation_prompt,
+                                          **self.special_tokens})
         except Exception as e:  # the checkpoint's template code, run on the request's data
             import jinja2
             why = str(e) if type(e) is jinja2.exceptions.TemplateError \
                 else f"{type(e).__name__}: {e}"
             raise ChatTemplateError(f"the model's chat template refused these messages: "
                                     f"{why}") from None
+        if not continue_final_message:
+            return text
+        final = str(messages[-1].get("content", "")).strip() if messages else ""
+        if not final or final not in text:
+            raise ChatTemplateError("continue_final_message is set, but the model's chat "
+                                    "template does not render the final message's content "
+                                    "as it is, so it cannot be continued")
+        return text[:text.rindex(final) + len(final)]
 
 
 def _token_text(value):
@@ -201,14 +215,15 @@ class HFTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The prompt ids of `messages` ([{"role", "content"}, ...]) with the assistant's
-        turn opened. ChatTemplateError if the template refuses them; TokenizerError if
-        the checkpoint has no chat template."""
+    def encode_chat(self, messages: list[dict], **options) -> list[int]:
+        """The prompt ids of `messages` ([{"role", "content"}, ...]), by default with the
+        assistant's turn opened (`options`: ChatTemplate.render's). ChatTemplateError if
+        the template refuses them; TokenizerError if the checkpoint has no chat
+        template."""
         if self.chat_template is None:
             raise TokenizerError(f"{self.path.parent} has no chat template")
-        text = self.chat_template.render(messages, add_generation_prompt=True)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(self.chat_template.render(messages, **options),
+                           add_special_tokens=False)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

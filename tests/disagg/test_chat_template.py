@@ -79,3 +79,22 @@ def test_rendering_follows_hf_transformers():
     sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}", {}, "t")
     with pytest.raises(ChatTemplateError, match="SecurityError|UndefinedError"):
         sandboxed.render([])
+
+
+def test_template_variables_and_continuing_the_final_message():
+    """chat_template_kwargs reach the template as variables (Qwen3's enable_thinking);
+    continue_final_message cuts the text just after the final message's content, as HF
+    does (the content stripped), and is refused where the template does not render it."""
+    t = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
+                     "{% endfor %}{% if add_generation_prompt %}<assistant>"
+                     "{% if not enable_thinking | default(true) %}<no-think>{% endif %}"
+                     "{% endif %}", {"eos_token": "</s>"}, "t")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    assert t.render(chat[:1]) == "<user>hi</user><assistant>"
+    assert t.render(chat[:1], variables={"enable_thinking": False}) == \
+        "<user>hi</user><assistant><no-think>"
+    assert t.render(chat, add_generation_prompt=False, continue_final_message=True) == \
+        "<user>hi</user><assistant>Sure,"
+    with pytest.raises(ChatTemplateError, match="cannot be continued"):
+        ChatTemplate("{{ messages | length }}", {}, "t").render(
+            chat, add_generation_prompt=False, continue_final_message=True)

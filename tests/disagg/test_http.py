@@ -543,6 +543,16 @@ BAD_CHATS = [
      "tools", "not implemented"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt",
      "unknown fields"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+     "continue_final_message", "\"add_generation_prompt\": false"),
+    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": "no"},
+     "add_generation_prompt", "true or false"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ["x"]},
+     "chat_template_kwargs", "an object"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": []},
+     "chat_template_kwargs", "an object"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs", "may not set"),
 ]
 
 
@@ -659,6 +669,28 @@ def test_hostile_shapes_get_named_refusals_not_500s(server):
                               "temperature": 0})   # OpenAI's list form, one prompt
     assert status == 200
     assert json.loads(text)["choices"][0]["token_ids"] == server["greedy"][PROMPTS[2]]
+
+
+def test_chat_options_render_the_prompt_as_vllm_does(server):
+    """vLLM's chat options: "continue_final_message" (with "add_generation_prompt":
+    false) leaves the final assistant message open for the model to continue, in
+    /tokenize and in a chat completion alike, whose tokens are a completion's of that
+    prompt; "chat_template_kwargs" reach the template."""
+    c, name, url = server["client"], server["name"], server["url"]
+    chat = CHATS["add"][0] + [{"role": "assistant", "content": "  return a"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    status, text = post(f"{url}/tokenize", {"messages": chat, **options})
+    assert status == 200, text
+    ids = json.loads(text)["tokens"]
+    assert ids == [BOS, *(CHATS["add"][1].removesuffix("<assistant>")
+                          + "<assistant>  return a").encode()]
+    got = c.chat.completions.create(model=name, messages=chat, temperature=0,
+                                    max_tokens=MAX_TOKENS, extra_body=options)
+    want = c.completions.create(model=name, prompt=ids, temperature=0, max_tokens=MAX_TOKENS)
+    assert got.choices[0].token_ids == want.choices[0].token_ids
+    status, text = post(f"{url}/tokenize", {"messages": CHATS["add"][0],
+                                             "chat_template_kwargs": {"unused": 1}})
+    assert status == 200 and json.loads(text)["tokens"] == server["chat_ids"]["add"]
 
 
 def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
