@@ -11,7 +11,8 @@ chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant"
              "continue_final_message": bool (default false; not with the former: the
              final message is left open, for the model to continue) and
              "chat_template_kwargs": {name: value} (template variables, such as Qwen3's
-             "enable_thinking"); neutral-only OpenAI fields as for a completion, plus
+             "enable_thinking"), "truncate_prompt_tokens" as for a completion;
+             neutral-only OpenAI fields as for a completion, plus
              tools = null, tool_choice = "none", response_format = {"type": "text"}.
              The prompt is the messages rendered by the checkpoint's chat template
              (`chat_prompt`); a tokenizer without one refuses every chat request,
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from disagg.schema import (DEFAULT_MAX_TOKENS, NEUTRAL, SAMPLING_FIELDS, check_fields,
                            check_openai_options, choice_requests, fitting_default_max,
-                           num_choices, stop_strings)
+                           num_choices, stop_strings, truncated_prompt)
 from drafter.request import MAX_LOGPROBS, Request, RequestError
 from drafter.tokenizer import SPECIAL_TOKENS, ChatTemplateError
 
@@ -32,7 +33,7 @@ CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "suf
                 "response_format": ((None, {"type": "text"}),
                                     "structured output is not implemented")}
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-CHAT_FIELDS = {*CHAT_OPTIONS, "model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
+CHAT_FIELDS = {*CHAT_OPTIONS, "truncate_prompt_tokens", "model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
                "seed", "stop", "stream", "stream_options", "stop_token_ids", "ignore_eos",
                "logprobs", "top_logprobs", "logit_bias", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
 CHAT_ROLES = ("system", "user", "assistant")
@@ -113,7 +114,7 @@ def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
         if "max_completion_tokens" in obj:
             field = "max_completion_tokens"
         obj = dict(obj, logprobs=_chat_logprobs(rid, obj))
-        prompt = chat_prompt(rid, obj, tokenizer)
+        prompt = truncated_prompt(rid, chat_prompt(rid, obj, tokenizer), obj)
         stop = stop_strings(rid, obj.get("stop"))
         default_max = fitting_default_max(rid, prompt, obj, field, engine,
                                           default_max_tokens, "messages")

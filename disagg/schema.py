@@ -16,7 +16,8 @@ JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              [0, 20] | null (each prompt token's, as "logprobs"), "logprobs": int in
              [0, 20] | null (each token's log-probability and this many alternatives),
              "logit_bias": {"token id": number in [-100, 100], ...} (OpenAI's form; at
-             most 64)}
+             most 64), "truncate_prompt_tokens": int >= 1 (vLLM's: the prompt's last
+             tokens kept)}
 completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batch),
              "n": int >= 1 (choices per prompt; at most MAX_CHOICES in all; sample j
              of a prompt draws with seed + j), "max_tokens": int >= 1 (0 with echo),
@@ -26,7 +27,8 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              "frequency_penalty", "logit_bias", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "repetition_penalty",
-             "min_tokens", "stop_token_ids", "ignore_eos"}; OpenAI fields this server does
+             "min_tokens", "stop_token_ids", "ignore_eos", "truncate_prompt_tokens": int
+             >= 1 (the prompt's last tokens kept)}; OpenAI fields this server does
              not implement are accepted only at their neutral value (best_of = 1,
              suffix = null).
              Without "max_tokens": the server's default (`default_max_tokens`,
@@ -44,13 +46,15 @@ from drafter.request import Request, RequestError, SamplingParams
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
+                "truncate_prompt_tokens",
                 "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias",
                 *SAMPLING_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
 NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "suffix": ((None, ""), "suffixes are not implemented"),
            "user": (None, "")}
-COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "echo", "temperature", "seed", "stop",
+COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "echo", "truncate_prompt_tokens",
+                     "temperature", "seed", "stop",
                      "stream",
                      "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
                      *SAMPLING_FIELDS, *NEUTRAL}
@@ -187,7 +191,8 @@ def parse_line(obj, line_no: int, engine, tokenizer) -> tuple[Request, tuple[str
             raise RequestError(f"request {rid!r}: \"tokens\" must be a list of token ids",
                                "tokens")
     stop = stop_strings(rid, obj.get("stop"))
-    return _make(rid, prompt, obj, engine, "max_new_tokens", 64, 0.0), stop
+    return _make(rid, truncated_prompt(rid, prompt, obj), obj, engine, "max_new_tokens", 64,
+                 0.0), stop
 
 
 def _prompts(rid: str, prompt, tokenizer) -> list[list[int]]:
@@ -247,7 +252,8 @@ def parse_completion(obj, rid: str, engine, tokenizer, *,
         if "prompt" not in obj:
             raise RequestError(f"request {rid!r}: \"prompt\" is missing; give text or a list "
                                f"of token ids", "prompt")
-        prompts = _prompts(rid, obj["prompt"], tokenizer)
+        prompts = [truncated_prompt(rid, p, obj)
+                   for p in _prompts(rid, obj["prompt"], tokenizer)]
         n = num_choices(rid, obj, len(prompts))
         stop = stop_strings(rid, obj.get("stop"))
         out = []
@@ -260,6 +266,19 @@ def parse_completion(obj, rid: str, engine, tokenizer, *,
     except RequestError as e:
         raise RequestError(str(e).replace("max_new_tokens", "max_tokens"),
                            OPENAI_NAMES.get(e.field, e.field)) from None
+
+
+def truncated_prompt(rid: str, prompt, obj: dict):
+    """`prompt` cut to its last "truncate_prompt_tokens" tokens when the request gives
+    that (vLLM's left truncation: a long context keeps its end), else as it is."""
+    k = obj.get("truncate_prompt_tokens")
+    if k is None:
+        return prompt
+    if type(k) is not int or k < 1:
+        raise RequestError(f"request {rid!r}: \"truncate_prompt_tokens\" must be an integer "
+                           f">= 1 (the prompt tokens kept, from its end), got {k!r}",
+                           "truncate_prompt_tokens")
+    return prompt[-k:] if isinstance(prompt, list) else prompt
 
 
 def _echo(rid: str, obj: dict) -> dict:

@@ -119,6 +119,13 @@ def test_json_lines_share_the_schema_stop_strings_included():
     req, stop = parse_line({"id": 7, "prompt": "x", "stop": "\n\n", "max_new_tokens": 3}, 1,
                            _Engine(), ByteTokenizer())
     assert (req.request_id, stop, req.params.max_new_tokens) == ("7", ("\n\n",), 3)
+    req, _ = parse_line({"tokens": [5, 6, 7, 8], "truncate_prompt_tokens": 2}, 1, _Engine(),
+                        ByteTokenizer())
+    assert req.prompt == (7, 8)
+    with pytest.raises(RequestError, match="truncate_prompt_tokens") as e:
+        parse_line({"tokens": [5], "truncate_prompt_tokens": True}, 1, _Engine(),
+                   ByteTokenizer())
+    assert e.value.field == "truncate_prompt_tokens"
     with pytest.raises(RequestError, match="stop") as e:
         parse_line({"prompt": "x", "stop": [3]}, 2, _Engine(), ByteTokenizer())
     assert e.value.field == "stop"

@@ -382,7 +382,23 @@ def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(server):
     assert lp.text_offset[len(ids)] == len(prompt_text)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
+    """vLLM's truncate_prompt_tokens: a completion of a prompt cut to its last k tokens
+    equals one of those k tokens sent as the prompt; usage counts k."""
+    c, name, tok = server["client"], server["name"], server["tok"]
+    ids = tok.encode(PROMPTS[1])
+    k = len(ids) // 2
+    cut = c.completions.create(model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                               temperature=0, extra_body={"truncate_prompt_tokens": k})
+    tail = c.completions.create(model=name, prompt=ids[-k:], max_tokens=MAX_TOKENS,
+                                temperature=0)
+    assert cut.choices[0].token_ids == tail.choices[0].token_ids
+    assert cut.usage.prompt_tokens == k
+    assert cut.choices[0].token_ids != server["greedy"][PROMPTS[1]]   # the cut mattered
+
+
 BAD = [
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
     ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be"),
     ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", "max_tokens=3"),
