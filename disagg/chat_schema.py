@@ -5,7 +5,8 @@ chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant"
              int >= 1 (one of them; default as for a completion), "n", "temperature",
              "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "min_tokens", "logit_bias", "seed", "stop", "stream",
-             "stream_options", "stop_token_ids", "ignore_eos" as for a completion,
+             "stream_options", "stop_token_ids", "ignore_eos",
+             "include_stop_str_in_output" as for a completion,
              "logprobs": bool, "top_logprobs": int in [0, 20] (with "logprobs": true)};
              vLLM's "add_generation_prompt": bool (default true),
              "continue_final_message": bool (default false; not with the former: the

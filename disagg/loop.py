@@ -224,8 +224,9 @@ class ServingLoop:
             self.engine.cancel(rid)
             self._send(sub, Event(rid, [], "", "error", error=internal_error(rid, e)))
             return
-        self._open[rid] = _Open(sub, TextStream(self.tokenizer, sub.stop,
-                                                     sub.request.params.min_tokens), submitted)
+        self._open[rid] = _Open(sub, TextStream(
+            self.tokenizer, sub.stop, sub.request.params.min_tokens,
+            sub.request.params.include_stop_str_in_output), submitted)
 
     def _deliver(self, finished: list[Result]) -> None:
         now = time.perf_counter()

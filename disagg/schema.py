@@ -11,7 +11,9 @@ JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
              "top_k": int >= -1, "min_p": [0, 1], "presence_penalty": [-2, 2],
              "frequency_penalty": [-2, 2], "repetition_penalty": (0, 100], "seed": int, "stop": str | [str, ...],
-             "stop_token_ids": [int, ...], "ignore_eos": bool, "min_tokens": int in
+             "stop_token_ids": [int, ...], "ignore_eos": bool,
+             "include_stop_str_in_output": bool (the text ends with the stop string
+             that ended it), "min_tokens": int in
              [0, max_new_tokens] (vLLM's: no stop before it), "prompt_logprobs": int in
              [0, 20] | null (each prompt token's, as "logprobs"), "logprobs": int in
              [0, 20] | null (each token's log-probability and this many alternatives),
@@ -27,7 +29,8 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              "frequency_penalty", "logit_bias", "seed": int, "stop": str | [str, ...],
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "repetition_penalty",
-             "min_tokens", "stop_token_ids", "ignore_eos", "truncate_prompt_tokens": int
+             "min_tokens", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+             "truncate_prompt_tokens": int
              >= 1 (the prompt's last tokens kept)}; OpenAI fields this server does
              not implement are accepted only at their neutral value (best_of = 1,
              suffix = null).
@@ -44,7 +47,7 @@ from drafter.request import Request, RequestError, SamplingParams
 # Sampling fields every form takes as they are (SamplingParams checks them); null means
 # the default, as in OpenAI's API.
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "min_tokens")
+                   "repetition_penalty", "min_tokens", "include_stop_str_in_output")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
                 "truncate_prompt_tokens",
                 "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias",

@@ -7,7 +7,8 @@ Rules:
     a tail that could be the start of a stop string;
   * a stop string ends the request at its first occurrence; the text ends
     just before it (the stop string is not returned, as in OpenAI's API) and
-    the tokens end with the first token that completes it. With min_tokens, only
+    the tokens end with the first token that completes it (with include_stop, the text
+    ends with the stop string, vLLM's include_stop_str_in_output). With min_tokens, only
     an occurrence that ends past the text of the first min_tokens tokens counts
     (vLLM's rule: stops take effect after min_tokens);
   * tokens are decoded together from the first generated one (never piece by
@@ -24,10 +25,11 @@ REPLACEMENT = "\ufffd"
 class TextStream:
     """Feed committed tokens; get the newly final text and whether a stop string ended it."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self.min_tokens = min_tokens
+        self.min_tokens, self.include_stop = min_tokens, include_stop
         self.tokens: list[int] = []
         self.text = ""           # the text released so far
         self.stopped = False     # a stop string was found (no more tokens are taken)
@@ -42,11 +44,11 @@ class TextStream:
         if before < self.min_tokens <= len(self.tokens):
             self._floor = len(self.tokenizer.decode(self.tokens[:self.min_tokens]))
         decoded = self.tokenizer.decode(self.tokens)
-        cut = self._first_stop(decoded)
-        if cut is not None:
+        found = self._first_stop(decoded)
+        if found is not None:
             self.stopped = True
             self._trim_tokens(before)
-            return self._release(decoded[:cut])
+            return self._release(decoded[:found[1] if self.include_stop else found[0]])
         end = len(decoded)
         while end > len(self.text) and decoded[end - 1] == REPLACEMENT:
             end -= 1
@@ -64,16 +66,16 @@ class TextStream:
         self.text = upto
         return piece
 
-    def _first_stop(self, decoded: str, count: int | None = None) -> int | None:
-        """Where the first stop string that counts starts in `decoded`, the text of the
-        first `count` tokens (all of them by default)."""
+    def _first_stop(self, decoded: str, count: int | None = None) -> tuple[int, int] | None:
+        """Where the first stop string that counts starts and ends in `decoded`, the text
+        of the first `count` tokens (all of them by default)."""
         if (len(self.tokens) if count is None else count) < self.min_tokens:
             return None
         # Earlier text was searched already; a stop may straddle the old end.
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
-        hits = [i for s in self.stop
+        hits = [(i, i + len(s)) for s in self.stop
                 if (i := decoded.find(s, max(start, self._floor - len(s) + 1))) >= 0]
-        return min(hits) if hits else None
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _stop_prefix_len(self, text: str) -> int:
         """The longest tail of `text` that is a proper prefix of a stop string."""

@@ -72,6 +72,9 @@ class SamplingParams:
       seed: the request's PRNG seed (its draws do not depend on its batch).
       stop_token_ids: generation ends after any of these (kept in the output).
       ignore_eos: keep going past the model's end-of-sequence token.
+      include_stop_str_in_output: vLLM's: a text front end's output text ends with the
+        stop string that ended it, rather than before it (the engine has no stop
+        strings: disagg/textstream.py).
       min_tokens: vLLM's: the first min_tokens generated tokens are never a stop id or
         (unless ignore_eos) an end-of-sequence id, which are banned from those draws
         (0 <= min_tokens <= max_new_tokens; 0 = none); stop strings end a request
@@ -95,6 +98,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -143,9 +147,10 @@ class SamplingParams:
         if bad:
             raise RequestError(f"{where}: stop_token_ids {bad[:5]} are not token ids in "
                                f"[0, {vocab_size})", "stop_token_ids")
-        if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"{where}: ignore_eos must be true or false, got "
-                               f"{self.ignore_eos!r}", "ignore_eos")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{where}: {name} must be true or false, got "
+                                   f"{getattr(self, name)!r}", name)
         if (not _is_int(self.min_tokens) or not 0 <= self.min_tokens
                 or _is_int(self.max_new_tokens) and self.min_tokens > self.max_new_tokens):
             raise RequestError(f"{where}: min_tokens must be an integer in [0, max_new_tokens="

@@ -108,6 +108,9 @@ def test_stop_strings_count_only_after_min_tokens(feed):
     assert run(5, stop=("d,e",)) == ("ab,c", 7)   # "d,e" ends past token 5's text
     assert run(6, stop=("d,e",)) == ("ab,c", 7)
     assert run(7, stop=("d,e",)) == (text, 11)     # it ends within token 7's text
+    stream = TextStream(tok, stop=("d,e", ","), include_stop=True)
+    got = "".join(stream.feed(ids[i:i + feed]) for i in range(0, len(ids), feed))
+    assert got + stream.finish() == "ab," and stream.stopped   # the stop string kept
 
 
 class _Engine:

@@ -336,6 +336,8 @@ def test_min_tokens_bans_stop_ids_and_delays_stop_strings_through_the_client(ser
     streamed = c.completions.create(**ask, stream=True,
                                     extra_body={"min_tokens": first + 1})
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == want
+    kept = c.completions.create(**ask, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:first + 1]   # vLLM's: the stop string kept
     banned = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                   temperature=0, extra_body={"min_tokens": MAX_TOKENS,
                                                              "stop_token_ids": [greedy[0]]})

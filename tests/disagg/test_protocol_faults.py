@@ -237,7 +237,7 @@ def test_every_sampling_field_crosses_the_wire_and_a_bad_one_is_refused_by_name(
                             presence_penalty=-0.5, frequency_penalty=1.25,
                             repetition_penalty=1.3, seed=3,
                             stop_token_ids=(4, 6), ignore_eos=True, min_tokens=2, logprobs=2,
-                            prompt_logprobs=3,
+                            prompt_logprobs=3, include_stop_str_in_output=True,
                             logit_bias={7: -100, 0: 2.5})
     request = Request.make("r", [1, 2, 3], params, vocab_size=64)
     message = json.loads(json.dumps(request_to_wire(request)))
