@@ -215,8 +215,9 @@ def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int,
              num_prefill * chunk,
              *[num_slots + 1] * 8, *[(num_slots + 1) * bias_width] * 3]
     cuts = np.cumsum(sizes)[:-1].tolist()
-    (reset, decode, slots, lens, last, following, tokens, temps, seeds, top_ks, top_ps, min_ps, presence,
-     frequency, repetition, bias_ids, bias_values, bias_until) = jnp.split(packed, cuts)
+    (reset, decode, slots, lens, last, following, tokens, temps, seeds, top_ks, top_ps,
+     min_ps, presence, frequency, repetition, bias_ids, bias_values,
+     bias_until) = jnp.split(packed, cuts)
     as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
     return StepBatch(reset_slots=reset, prefill_slots=slots,
                      prefill_tokens=tokens.reshape(num_prefill, chunk), prefill_lens=lens,

@@ -11,11 +11,11 @@ asks for it, and no step branches on the device.
 
 Before temperature and truncation, greedy rows too, a row's logits are adjusted
 (`adjust`): its logit bias is added (OpenAI's; each entry to the tokens at positions
-below its own bound, which bans a min_tokens request's stop ids early), the tokens in its prompt or generated
-so far are divided by its repetition penalty where positive and multiplied where not
-(vLLM's, HF's), and the tokens it has generated lose frequency x count + presence x
-(count > 0) (OpenAI's). In a verify block, position j counts the drafts before it as
-generated, so a row that accepts them scores every
+below its own bound, which bans a min_tokens request's stop ids early), the tokens in
+its prompt or generated so far are divided by its repetition penalty where positive
+and multiplied where not (vLLM's, HF's), and the tokens it has generated lose
+frequency x count + presence x (count > 0) (OpenAI's). In a verify block, position j
+counts the drafts before it as generated, so a row that accepts them scores every
 position as plain decoding would, and speculation stays lossless. Adjusting is a static
 choice too (`Sampler.adjusted`).
 """

@@ -54,7 +54,8 @@ class Sequence:
     acceptance: list = dataclasses.field(default_factory=list)
     token_times: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)   # TokenLogprobs per token
-    prompt_logprobs: list = dataclasses.field(default_factory=list)  # per prompt token but the first
+    # TokenLogprobs per prompt token but the first
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
     first_token_at: float | None = None
     result: Result | None = None
     stop_ids: frozenset = frozenset()   # ids that end it: its stop ids, and EOS unless ignored
