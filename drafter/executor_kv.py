@@ -74,7 +74,9 @@ class KVCalls:
         chunk's prompt log-probabilities (sliced on the device) for requests that ask,
         and export the requests whose prefill ended (`plan.exports`), those and their
         first token's log-probabilities leaving with the KV."""
-        packed, layout = outputs[0]
+        if not plan.prefill:
+            return []
+        packed, layout = outputs[0]   # the prefill call's
         layout = dict(layout, num_slots=self.spec.num_slots, block_size=self.cfg.block_size)
         leaving = []
         for i, chunk in enumerate(plan.prefill):
