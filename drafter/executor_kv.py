@@ -24,6 +24,9 @@ from unified_kv import BAD_PAGE_INDEX
 
 
 class KVCalls:
+    """`Executor`'s import, export and redraft calls, over its state, programs and per-slot
+    arrays (set up by `Executor.__init__`)."""
+
     def _import(self, state, index, payloads, **static):
         """The jitted import (of its variant's copies, the one whose turn it is)."""
         variant = (tuple(sorted(static.items())), len(payloads),
