@@ -244,10 +244,11 @@ def pack_outputs(out: StepOutputs):
 
 def _output_sizes(*, num_slots: int, block_size: int, decode_steps: int, num_prefill: int,
                   chunk: int, logprobs: bool) -> list[int]:
-    """Sizes of the packed outputs' parts but the last (the prompt's P x T x W)."""
+    """Sizes of the packed outputs' five parts, in order."""
     width = LOGPROB_WIDTH if logprobs else 0
     return [decode_steps * num_slots * (block_size + 2), num_prefill * 2,
-            decode_steps * num_slots * block_size * width, num_prefill * width]
+            decode_steps * num_slots * block_size * width, num_prefill * width,
+            num_prefill * chunk * width]
 
 
 def first_logprobs_bits(packed, row: int, **layout):
@@ -262,7 +263,7 @@ def prompt_logprobs_bits(packed, row: int, **layout):
     """Prefill row `row`'s prompt `token_logprobs` as i32 bits [T x LOGPROB_WIDTH] (every
     position of its chunk; the valid ones first), sliced as `first_logprobs_bits`."""
     size = layout["chunk"] * LOGPROB_WIDTH
-    start = sum(_output_sizes(**layout)) + row * size
+    start = sum(_output_sizes(**layout)[:4]) + row * size
     return packed[start:start + size]
 
 
@@ -275,7 +276,7 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
                           decode_steps=decode_steps, num_prefill=num_prefill, chunk=chunk,
                           logprobs=logprobs)
     decode, prefill, out_logprobs, first_logprobs, prompt_logprobs = np.split(
-        packed, np.cumsum(sizes))
+        packed, np.cumsum(sizes)[:-1])
     decode = decode.reshape(decode_steps, num_slots, block_size + 2)
     prefill = prefill.reshape(num_prefill, 2)
     return StepOutputs(first_tokens=prefill[:, 0], prefill_ok=prefill[:, 1].astype(bool),
@@ -291,8 +292,7 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
 
 def packed_output_size(**layout) -> int:
     """Length of a call's packed outputs (`unpack_outputs`'s keywords)."""
-    width = LOGPROB_WIDTH if layout["logprobs"] else 0
-    return sum(_output_sizes(**layout)) + layout["num_prefill"] * layout["chunk"] * width
+    return sum(_output_sizes(**layout))
 
 
 def packed_step(params, state: StepState, packed, into=None, *, cfg: StepConfig,
