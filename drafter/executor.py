@@ -193,9 +193,10 @@ class Executor(KVCalls):
         for width, (greedy, truncated), lp, adj, (decode, k, rows), _ in itertools.product(
                 widths, samplings, (False, True)[:1 + logprobs], (False, True)[:1 + adjusted],
                 calls, range(self.cfg.graph_copies)):
-            self._call(self._empty_batch(rows), table_width=width, decode=decode,
-                       greedy=greedy, truncated=truncated, decode_steps=k, logprobs=lp,
-                       adjusted=adj)
+            out = self._call(self._empty_batch(rows), table_width=width, decode=decode,
+                             greedy=greedy, truncated=truncated, decode_steps=k,
+                             logprobs=lp, adjusted=adj)
+            self.release_outputs([out])   # nothing reads it: its buffer is free
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
