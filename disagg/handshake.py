@@ -2,7 +2,8 @@
 
     generation ── hello {role, kv_format, weights, eos_token_ids, transfer address,
                          keepalive_s} ──> context
-    generation <── hello {role, kv_format, weights, eos_token_ids, transfer address} ── context
+    generation <── hello {role, kv_format, weights, eos_token_ids,
+                          transfer address} ──────────────────────────── context
     both check the pair: check_kv_formats (disagg.kv_format), check_weights, then
     check_eos_ids (the context draws each first token, which a request's min_tokens
     keeps off the end-of-sequence ids: both must know the same ones)
@@ -84,7 +85,7 @@ def hello(role: str, kv_format: KVFormat, weights: Weights, transfer_address: st
 
 def eos_ids_of(message: dict) -> tuple[int, ...]:
     """The end-of-sequence ids a peer's hello names (none if it names none)."""
-    ids = message.get("eos_token_ids") or []
+    ids = message.get("eos_token_ids", [])
     if not isinstance(ids, list) or not all(type(i) is int for i in ids):
         raise TransferError(f"the peer's hello has eos_token_ids={ids!r}; it must be a list "
                             f"of token ids: run the same version on both")

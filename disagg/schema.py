@@ -10,7 +10,8 @@ own spelling) and the fix.
 JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
              "top_k": int >= -1, "min_p": [0, 1], "presence_penalty": [-2, 2],
-             "frequency_penalty": [-2, 2], "repetition_penalty": (0, 100], "seed": int, "stop": str | [str, ...],
+             "frequency_penalty": [-2, 2], "repetition_penalty": (0, 100], "seed": int,
+             "stop": str | [str, ...],
              "stop_token_ids": [int, ...], "ignore_eos": bool,
              "include_stop_str_in_output": bool (the text ends with the stop string
              that ended it), "min_tokens": int in
@@ -30,10 +31,9 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "repetition_penalty",
              "min_tokens", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-             "truncate_prompt_tokens": int
-             >= 1 (the prompt's last tokens kept)}; OpenAI fields this server does
-             not implement are accepted only at their neutral value (best_of = 1,
-             suffix = null).
+             "truncate_prompt_tokens": int >= 1 (the prompt's last tokens kept)};
+             OpenAI fields this server does not implement are accepted only at their
+             neutral value (best_of = 1, suffix = null).
              Without "max_tokens": the server's default (`default_max_tokens`,
              `serve --default-max-tokens`), cut to the room the prompt leaves within
              max_seq_len; a "max_tokens" given that does not fit is refused.
@@ -49,17 +49,15 @@ from drafter.request import Request, RequestError, SamplingParams
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens", "include_stop_str_in_output")
 JSONL_FIELDS = {"id", "prompt", "tokens", "max_new_tokens", "temperature", "seed", "stop",
-                "truncate_prompt_tokens",
-                "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias",
-                *SAMPLING_FIELDS}
+                "truncate_prompt_tokens", "stop_token_ids", "ignore_eos", "logprobs",
+                "prompt_logprobs", "logit_bias", *SAMPLING_FIELDS}
 # OpenAI fields accepted only at a neutral value: (allowed values, what to do instead).
 NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "suffix": ((None, ""), "suffixes are not implemented"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "echo", "truncate_prompt_tokens",
-                     "temperature", "seed", "stop",
-                     "stream",
-                     "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
+                     "temperature", "seed", "stop", "stream", "stream_options",
+                     "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
                      *SAMPLING_FIELDS, *NEUTRAL}
 MAX_STOP_STRINGS = 16
 # A stop string's length bound: the text stream checks every tail up to it each step.

@@ -13,7 +13,8 @@ import pytest
 
 from disagg.context_server import ContextServer
 from disagg.control import Listener
-from disagg.handshake import ModelMismatch, Weights, check_pair, check_weights, hello, read_hello
+from disagg.handshake import (ModelMismatch, Weights, check_pair, check_weights, eos_ids_of,
+                              hello, read_hello)
 from disagg.kv_format import KVFormat, KVFormatMismatch, PairMismatch
 from disagg.remote import RemoteSource
 from disagg.sources import ContextWorker
@@ -126,6 +127,10 @@ def test_different_eos_ids_are_refused_at_connect_naming_both(pair, meshes):
         while not any("end-of-sequence mismatch" in e for e in server.errors):
             assert time.monotonic() < deadline, server.errors
             time.sleep(0.01)
+    assert eos_ids_of({}) == () and eos_ids_of({"eos_token_ids": [7, 2]}) == (2, 7)
+    for bad in (0, "", [1.0], {"a": 1}):   # not read as "none"
+        with pytest.raises(TransferError, match="must be a list of token ids"):
+            eos_ids_of({"eos_token_ids": bad})
 
 
 def test_target_only_context_serves_private_generation_and_refuses_shared(pair, meshes,
