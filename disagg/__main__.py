@@ -60,7 +60,7 @@ def build_parser():
     srv.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                      help="per-step token budget: decode rows (a verify block each) plus "
                           "prefill chunks; a larger one puts more prompts' chunks into a step "
-                          "(default: every slot decoding plus two chunks)")
+                          "(default: every slot decoding plus eight chunks)")
     processes.add_default_max_tokens_arg(srv)
     processes.add_batch_invariant_arg(srv)
     processes.add_parser(sub)

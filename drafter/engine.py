@@ -30,7 +30,7 @@ import jax
 
 from drafter.arrivals import Arrivals
 from drafter.executor import Executor
-from drafter.kv_io import Export, KVSource, import_refusal
+from drafter.kv_io import Export, KVSource, import_refusal, padded_rows
 from drafter.request import Request, RequestError, Result, SamplingParams
 from drafter.scheduler import Phase, Scheduler, Sequence
 from drafter.steps import StepConfig
@@ -38,6 +38,12 @@ from drafter.update import update_from_output
 from unified_kv import AdmissionError
 
 __all__ = ["Engine", "Export", "KVSource", "Result", "Request", "SamplingParams"]
+
+# The default per-step budget holds this many prefill chunks beside every slot's decode
+# row: prompts that arrive together prefill (and move, disaggregated) in few calls, as
+# vLLM's and SGLang's budgets of thousands of tokens do; padding a call's rows to a power
+# of two keeps the compiled shapes to log2(8) + 1.
+DEFAULT_PREFILL_CHUNKS = 8
 
 
 def _is_ready(dispatched) -> bool:
@@ -53,7 +59,7 @@ class Engine:
       speculative: decode with the drafter; False runs plain decoding.
       mesh: this worker's devices (KV split over kv heads); None: the default device.
       max_num_batched_tokens: per-step token budget; default: every slot decoding
-        plus two prefill chunks.
+        plus `DEFAULT_PREFILL_CHUNKS` prefill chunks.
       kv_source: a generation engine's KV source (no local prefill).
       export: a context engine (prefilled requests leave through `take_exports`).
       mode: "shared" (draft KV travels with the target's) or "private".
@@ -94,7 +100,8 @@ class Engine:
             raise ValueError(f"max_num_batched_tokens (serve --max-num-batched-tokens) "
                              f"{max_num_batched_tokens} is below one prefill chunk ({chunk} "
                              f"tokens): give at least {chunk}")
-        budget = max_num_batched_tokens or (cfg.spec.num_slots * cfg.block_size + 2 * chunk)
+        budget = max_num_batched_tokens or (cfg.spec.num_slots * cfg.block_size
+                                             + DEFAULT_PREFILL_CHUNKS * chunk)
         self.scheduler = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=budget,
                                    kv_from_source=kv_source is not None, export=export,
                                    lookahead=int(lookahead), eos_token_ids=eos_token_ids,
@@ -349,12 +356,13 @@ class Engine:
         return self.arrivals.take(self.kv_source, wait_s, self.kv_timeout_s)
 
     def _prefill_rows(self, n: int) -> int:
-        """Rows of a prefill call: 1, else the most a step can hold (two shapes
-        to compile; a lone prompt pays no padding); batch-invariant, always the most.
-        0: a call that only empties slots."""
-        if n == 0 or (n == 1 and not self.batch_invariant):
-            return n
-        return self.scheduler.max_prefill_rows
+        """Rows of a prefill call of n chunks: `padded_rows` (a power of two, at most
+        the most a step holds: few shapes to compile, padding under 2x);
+        batch-invariant, always the most. 0: a call that only empties slots."""
+        most = self.scheduler.max_prefill_rows
+        if n == 0 or not self.batch_invariant:
+            return padded_rows(n, most)
+        return most
 
     def _dispatch(self, plan):
         imported = self._import_arrived(plan.imports, plan.reset_slots)

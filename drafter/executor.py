@@ -36,7 +36,7 @@ class Executor(KVCalls):
     """Args: params, cfg, mesh (None: the default device), speculative, mode
     ("shared" / "private": which pools an export sends and an import expects),
     transfer_rows (requests of one page bucket an export or import call takes; a call
-    runs 1 row or this many), eos_token_ids (the model's end-of-sequence ids: a request's
+    runs `padded_rows` of them), eos_token_ids (the model's end-of-sequence ids: a request's
     min_tokens bans them)."""
 
     def __init__(self, params, cfg: StepConfig, *, mesh, speculative: bool, mode: str,

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from drafter.kv_io import (Export, KVPayload, call_groups, export_payloads, pack_import_index,
-                           padded_rows, sent_pool_ids, transfer_shapes)
+                           padded_rows, row_shapes, sent_pool_ids,
+                           transfer_shapes)
 from drafter.mixed_step import first_logprobs_bits, prompt_logprobs_bits
 from drafter.scheduler import StepPlan
 from unified_kv import BAD_PAGE_INDEX
@@ -111,14 +112,14 @@ class KVCalls:
 
     def warm_transfers(self, lengths, *, exports: bool, imports: bool) -> int:
         """Compile the export and/or import calls of prompts of `lengths` tokens (per
-        page bucket, of 1 and of `transfer_rows` rows) and, in private mode, the redraft
+        page bucket, of every row count a call pads to) and, in private mode, the redraft
         of each table width they use. The calls take the dummy slot, as calls that
         change nothing. Returns the number of buckets."""
         with_draft = self.cfg.draft is not None
         shapes = transfer_shapes(self.spec, self.mode, lengths, with_draft=with_draft)
         dummy = self.spec.dummy_slot
         for buckets, n in shapes.items():
-            for rows in sorted({1, self.transfer_rows}):
+            for rows in row_shapes(self.transfer_rows):
                 for _ in self._exports.copies if exports else ():
                     self.export([(dummy, n)] * rows)
                 for _ in self._imports.copies if imports else ():

@@ -16,7 +16,7 @@ In shared mode the receiver starts from exactly the draft block aggregated
 serving would have (the sender's prefill computed it), so a handoff needs no
 call beyond the export and the import. Requests of one page bucket
 (`page_bucket`) share an export or import call, up to `rows_per_call` of
-them, padded with rows that change nothing to 1 or `rows_per_call` rows;
+them, padded with rows that change nothing to a power of two (`padded_rows`);
 in private mode one redraft call per step covers its arrivals (shape: the
 table width). So a stream of prompts of any length runs a few programs, all
 compiled before the first request (`transfer_shapes` lists the buckets;
@@ -133,7 +133,7 @@ def _physical(row, logical):
 def call_groups(keys, rows_per_call: int):
     """(key, indices) per transfer call: items of one key (page bucket) together, at
     most `rows_per_call` a call. A call of n items runs `padded_rows(n, rows_per_call)`
-    rows (two shapes a bucket)."""
+    rows (`row_shapes` a bucket)."""
     by_key: dict = {}
     for i, key in enumerate(keys):
         by_key.setdefault(key, []).append(i)
@@ -142,8 +142,16 @@ def call_groups(keys, rows_per_call: int):
             yield key, idx[j:j + rows_per_call]
 
 
-def padded_rows(n: int, rows_per_call: int) -> int:
-    return 1 if n == 1 else rows_per_call
+def padded_rows(n: int, most: int) -> int:
+    """Rows a call of n items runs: the next power of two, at most `most` (0 for 0). A
+    call's shape then follows its items within 2x, and a stream compiles
+    log2(most) + 1 shapes (`row_shapes`), not one per count."""
+    return 0 if n <= 0 else min(most, 1 << (n - 1).bit_length())
+
+
+def row_shapes(most: int) -> list[int]:
+    """Every row count `padded_rows` gives for 1..most items, ascending."""
+    return sorted({padded_rows(n, most) for n in range(1, most + 1)})
 
 
 def pack_export_index(rows) -> np.ndarray:

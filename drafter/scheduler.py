@@ -126,8 +126,8 @@ class Scheduler:
     def max_prefill_rows(self) -> int:
         """Prefill chunks one step holds at most: the budget in whole chunks (at least
         one, at most a slot each). Short chunks do not raise it: a step's prefill rows
-        are padded to full chunks anyway, so the budget bounds its padded tokens, and
-        the row counts a step compiles for stay two (1 and this)."""
+        are padded to full chunks anyway, so the budget bounds its padded tokens (a
+        call's rows are padded to a power of two up to this: `kv_io.padded_rows`)."""
         return min(self.spec.num_slots, max(1, self.budget // self.spec.max_step_tokens))
 
     # ----------------------------------------------------------- requests

@@ -558,6 +558,29 @@ def test_batch_invariant_engines_run_every_prefill_call_at_full_rows(pair):
     assert seen[True][1] == seen[False][1]
 
 
+def test_prefill_calls_pad_their_rows_to_a_power_of_two():
+    """Three prompts arriving together prefill in one call of 4 rows, two in one of 2
+    (not the step's most), and each generates its tokens alone."""
+    params, cfg, _ = tiny_pair(num_slots=4)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, 60, n).tolist() for n in (6, 7, 5, 8, 4)]
+    engine = Engine(params, cfg)
+    assert engine.scheduler.max_prefill_rows == 4
+    rows, step_fn = [], engine.executor._step_fn
+
+    def spy(*args, **kwargs):
+        if kwargs["num_prefill"]:
+            rows.append(kwargs["num_prefill"])
+        return step_fn(*args, **kwargs)
+
+    engine.executor._step_fn = spy
+    got = engine.generate(prompts, 6, arrival_steps=[0, 0, 0, 8, 8])
+    assert rows == [4, 2]
+    alone = [Engine(params, cfg).generate([p], 6)[0].tokens for p in prompts]
+    assert [r.tokens for r in got] == alone
+    assert_all_free(engine)
+
+
 def test_alternated_step_copies_give_the_same_tokens_and_are_all_warmed(caplog):
     """StepConfig.graph_copies=2: each program variant's calls alternate between two
     copies of it, with the same tokens and acceptance as one program; warmup compiles

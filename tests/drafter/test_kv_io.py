@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from drafter.engine import Engine
-from drafter.kv_io import live_logical_pages, page_bucket
+from drafter.kv_io import live_logical_pages, padded_rows, page_bucket, row_shapes
 from drafter.steps import empty_slots
 from tests.compile_log import compiled_in
 from tests.drafter.tiny import tiny_pair
@@ -310,3 +310,10 @@ def test_a_failed_import_leaves_its_slot_not_running_until_the_reset_returns_its
     resets[0] = slot   # what the next step's reset does
     receiver.state = empty_slots(cfg, state, resets)
     assert np.asarray(receiver.state.kv.num_free).tolist() == usable
+
+
+def test_transfer_and_prefill_calls_pad_their_rows_to_a_power_of_two():
+    assert [padded_rows(n, 8) for n in range(9)] == [0, 1, 2, 4, 4, 8, 8, 8, 8]
+    assert [padded_rows(n, 3) for n in range(1, 4)] == [1, 2, 3]
+    assert row_shapes(8) == [1, 2, 4, 8] and row_shapes(3) == [1, 2, 3]
+    assert row_shapes(1) == [1]
