@@ -273,10 +273,6 @@ def main(argv=None) -> dict:
                     help="every part: StepConfig.graph_copies (alternated copies of each "
                          "step, import and export program, so CUDA graphs can keep their "
                          "buffers' addresses)")
-    ap.add_argument("--stable-outputs", action="store_true",
-                    help="demo, handoff and load parts: StepConfig.stable_outputs (each step "
-                         "call writes into an output buffer its copy returned before; with "
-                         "--graph-copies 2)")
     ap.add_argument("--handoff-lengths", type=int, nargs="+", default=None,
                     help="handoff part: the prompt lengths to time (default: every length "
                          "of the held-out set)")
@@ -287,15 +283,13 @@ def main(argv=None) -> dict:
     params, tcfg, dcfg = load_default()
     cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
                               graph_loops=args.graph_loops, graph_copies=args.graph_copies)
-    cfg = dataclasses.replace(cfg, graph_calls=tuple(args.graph_calls),
-                              stable_outputs=args.stable_outputs)
+    cfg = dataclasses.replace(cfg, graph_calls=tuple(args.graph_calls))
     held_out = load_prompts()
     by_len = {}
     for q in held_out:
         by_len.setdefault(q["length"], q["tokens"])
     report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()),
               "graph_loops": args.graph_loops, "graph_copies": args.graph_copies,
-              "stable_outputs": args.stable_outputs,
               "graph_calls": list(cfg.graph_calls)}
     if args.quick:
         short = [q["tokens"][:40] for q in held_out[:4]]

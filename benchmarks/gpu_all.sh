@@ -33,9 +33,6 @@
 # steps into scale_b1_graphs_{off,on}.json.
 # graph_copies (not in the default list): the demo with one program per step variant
 # beside two alternated copies (StepConfig.graph_copies), and the copies' graph records.
-# stable_outputs (not in the default list): the demo with two alternated copies, each
-# step call writing into an output buffer its copy returned before (StepConfig.
-# stable_outputs) beside fresh outputs, then its graph records (compare graph_copies').
 # serving_process (not in the default list): the demo with its context worker in a child
 # process on the same GPU, beside the in-process pair (serving_process/serving.json).
 # graph_calls (not in the default list): the demo and short handoffs with transfers,
@@ -62,7 +59,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|stable_outputs|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -175,23 +172,6 @@ for stage in "${stages[@]}"; do
       run 30 graph_records python3 benchmarks/graph_records.py "$OUT/graph_records_log.txt" \
         --dump /tmp/graph_records_dump
       [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/graph_records_log.txt" && rm -rf /tmp/graph_records_dump ;;
-    stable_outputs)
-      # two alternated copies with fresh outputs, then with each copy's read outputs
-      # reused, in the same call; then the latter under XLA's command-buffer log
-      for v in fresh stable; do
-        mkdir -p "$OUT/stable_outputs_$v"
-        run 150 serving_stable_outputs_$v python3 benchmarks/bench_serving.py \
-          --out "$OUT/stable_outputs_$v" --parts demo --repeats 5 \
-          --demo-modes disagg-shared --graph-copies 2 $([ $v = stable ] && echo --stable-outputs)
-      done
-      mkdir -p "$OUT/stable_outputs_log"
-      run 120 stable_outputs_records_log env TF_CPP_MIN_LOG_LEVEL=0 \
-        TF_CPP_VMODULE=command_buffer_thunk=3 python3 benchmarks/bench_serving.py \
-        --out "$OUT/stable_outputs_log" --parts demo --repeats 1 --demo-modes disagg-shared \
-        --graph-copies 2 --stable-outputs
-      run 30 stable_outputs_records python3 benchmarks/graph_records.py \
-        "$OUT/stable_outputs_records_log.txt"
-      [ -z "${DRY_RUN:-}" ] && gzip -f "$OUT/stable_outputs_records_log.txt" ;;
     graph_copies)
       # one program per step variant beside two alternated copies (StepConfig.graph_copies:
       # each copy's CUDA graph sees the same buffer addresses call after call), then the

@@ -402,10 +402,9 @@ class Engine:
         return out
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
-        read, imported = jax.device_get((outputs, imported))
-        results = update_from_output(self.scheduler, plan, self.executor.unpack(read),
+        outputs, imported = jax.device_get((outputs, imported))
+        results = update_from_output(self.scheduler, plan, self.executor.unpack(outputs),
                                      imported, time.perf_counter(), export=self.export)
-        self.executor.release_outputs([packed for packed, _ in outputs])   # booked: reusable
         for seq in plan.decode:
             if seq.phase is not Phase.DONE:
                 self.executor.len_bound[seq.slot] = (len(seq.request.prompt) + len(seq.tokens) - 1

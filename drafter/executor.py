@@ -16,12 +16,11 @@ import functools
 import itertools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from drafter.executor_kv import KVCalls
 from drafter.kv_io import receiver_shardings
-from drafter.mixed_step import StepBatch, pack_batch, packed_output_size, unpack_outputs
+from drafter.mixed_step import StepBatch, pack_batch, unpack_outputs
 from drafter.programs import (Copies, export_step_for, import_step_for, mark_step_for,
                               packed_step_for, redraft_step_for, traced_on_mesh)
 from drafter.scheduler import StepPlan
@@ -65,10 +64,6 @@ class Executor(KVCalls):
         # a context worker's: per slot, (prompt log-probability bits on the device, rows)
         # per prefill chunk so far
         self._prompt_parts: dict[int, list] = {}
-        # StepConfig.stable_outputs: read output buffers by (variant, copy), and which
-        # (variant, copy) each unread one came from (by id: it is alive until read)
-        self._spare_outputs: dict = collections.defaultdict(list)
-        self._output_keys: dict[int, tuple] = {}
         self.bytes_imported = 0
         # Jitted calls dispatched, by kind (prefill, decode, export, import, redraft): on
         # one GPU a call's host launch, not its device time, bounds small batches.
@@ -193,10 +188,9 @@ class Executor(KVCalls):
         for width, (greedy, truncated), lp, adj, (decode, k, rows), _ in itertools.product(
                 widths, samplings, (False, True)[:1 + logprobs], (False, True)[:1 + adjusted],
                 calls, range(self.cfg.graph_copies)):
-            out = self._call(self._empty_batch(rows), table_width=width, decode=decode,
-                             greedy=greedy, truncated=truncated, decode_steps=k,
-                             logprobs=lp, adjusted=adj)
-            self.release_outputs([out])   # nothing reads it: its buffer is free
+            self._call(self._empty_batch(rows), table_width=width, decode=decode,
+                       greedy=greedy, truncated=truncated, decode_steps=k, logprobs=lp,
+                       adjusted=adj)
 
     def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
@@ -218,34 +212,9 @@ class Executor(KVCalls):
         return out
 
     def _step_fn(self, params, state, batch, **static):
-        """The jitted step (of its variant's copies, the one whose turn it is); with
-        `StepConfig.stable_outputs`, writing into an output buffer that copy returned
-        before and the host has read (`release_outputs`), else a fresh one."""
+        """The jitted step (of its variant's copies, the one whose turn it is)."""
         steps = self._steps["decode" if static["decode"] else "prefill"]
-        variant = tuple(sorted(static.items()))
-        if not self.cfg.stable_outputs:
-            return steps(variant, params, state, batch, **static)
-        key = (variant, steps.next_copy(variant))
-        if self._spare_outputs[key]:
-            into = self._spare_outputs[key].pop()
-        else:
-            self.calls["fresh output"] += 1
-            size = packed_output_size(
-                num_slots=self.spec.num_slots, block_size=self.cfg.block_size,
-                decode_steps=static["decode_steps"], num_prefill=static["num_prefill"],
-                chunk=self.spec.max_step_tokens, logprobs=static["logprobs"])
-            # made by XLA: a buffer over host memory (CPU's device_put) is not reused
-            into = jnp.zeros(size, jnp.int32, device=self._scalar_sharding)
-        state, out = steps(variant, params, state, batch, into, **static)
-        self._output_keys[id(out)] = key
-        return state, out
-
-    def release_outputs(self, arrays) -> None:
-        """Step outputs the host has read (to host copies of their own): with
-        `StepConfig.stable_outputs`, their buffers take their copies' next calls."""
-        for out in arrays:
-            if (key := self._output_keys.pop(id(out), None)) is not None:
-                self._spare_outputs[key].append(out)
+        return steps(tuple(sorted(static.items())), params, state, batch, **static)
 
     def _empty_batch(self, num_prefill: int) -> StepBatch:
         spec, dummy = self.spec, self.spec.dummy_slot

@@ -290,17 +290,11 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
                            num_prefill, chunk, width))
 
 
-def packed_output_size(**layout) -> int:
-    """Length of a call's packed outputs (`unpack_outputs`'s keywords)."""
-    return sum(_output_sizes(**layout))
-
-
-def packed_step(params, state: StepState, packed, into=None, *, cfg: StepConfig,
-                num_prefill: int, table_width: int, decode: bool, speculative: bool,
-                greedy: bool, truncated: bool = False, decode_steps: int = 1,
-                logprobs: bool = False, adjusted: bool = False):
-    """`mixed_step` on a packed batch, returning packed outputs; written into `into`
-    (i32[packed_output_size], donated: the outputs take its buffer) when given."""
+def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
+                table_width: int, decode: bool, speculative: bool, greedy: bool,
+                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
+                adjusted: bool = False):
+    """`mixed_step` on a packed batch, returning packed outputs."""
     batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_prefill=num_prefill,
                          chunk=cfg.spec.max_step_tokens,
                          bias_width=MAX_LOGIT_BIAS if adjusted else 0)
@@ -308,5 +302,4 @@ def packed_step(params, state: StepState, packed, into=None, *, cfg: StepConfig,
                             decode=decode, speculative=speculative, greedy=greedy,
                             truncated=truncated, decode_steps=decode_steps,
                             logprobs=logprobs, adjusted=adjusted)
-    packed_out = pack_outputs(out)
-    return state, packed_out if into is None else into.at[:].set(packed_out)
+    return state, pack_outputs(out)

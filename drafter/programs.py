@@ -1,8 +1,7 @@
 """The jitted programs an executor calls, built once per step config and shared by every
 executor of it, and their copies (`StepConfig.graph_copies`).
 
-    packed_step_for(cfg, kind, copy)   prefill chunks, or decode steps   (state donated; and
-                                       the output buffer, `StepConfig.stable_outputs`)
+    packed_step_for(cfg, kind, copy)   prefill chunks, or decode steps   (state donated)
     import_step_for(cfg, copy)         arrived KV into empty slots       (state donated)
     export_step_for(cfg, copy)         a slot's live pages into buffers
     redraft_step_for(cfg)              a fresh draft block for imported rows (private mode)
@@ -34,7 +33,7 @@ def packed_step_for(cfg: StepConfig, kind: str = "decode", copy: int = 0):
                    static_argnames=("num_prefill", "table_width", "decode", "speculative",
                                     "greedy", "truncated", "decode_steps", "logprobs",
                                    "adjusted"),
-                   donate_argnums=(1, 3) if cfg.stable_outputs else 1,
+                   donate_argnums=1,
                    compiler_options=cfg.compiler_options_for(kind))
 
 
@@ -76,10 +75,6 @@ class Copies:
     def __init__(self, copies):
         self.copies = tuple(copies)
         self._turns: collections.Counter = collections.Counter()
-
-    def next_copy(self, variant) -> int:
-        """The copy the next call of `variant` runs."""
-        return self._turns[variant] % len(self.copies)
 
     def __call__(self, variant, *args, **kwargs):
         turn = self._turns[variant]

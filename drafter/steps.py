@@ -114,12 +114,6 @@ class StepConfig:
     # where the call before last put its own. One: the copies did not stop the records
     # and double the steps' compiles (docs/decisions.md, Serving).
     graph_copies: int = 1
-    # Each step call writes its packed outputs into a buffer it is given (donated): with
-    # graph_copies >= 2, one a copy's earlier call returned and the host has read, so
-    # each copy's CUDA graph finds its output where it was recorded (the allocator gives
-    # a fresh output a new address). Off until measured (benchmarks/gpu_all.sh
-    # stable_outputs).
-    stable_outputs: bool = False
     # The kinds of call (CALL_KINDS) whose programs launch as CUDA graphs on GPUs; the
     # others launch their kernels one by one. A transfer's buffers are new every call,
     # so its graph is recorded every time; every kind stays a graph all the same, since

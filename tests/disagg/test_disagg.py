@@ -514,21 +514,3 @@ def test_kv_without_the_logprobs_asked_for_fails_that_request_alone(pair, aggreg
     assert "arrived without the prompt's log-probabilities" in results["prompt"].error
     assert results["kept"].tokens == aggregated[1].tokens
     assert_pair_free(engine)
-
-
-def test_stable_outputs_in_both_workers_equal_aggregated(pair, aggregated):
-    """StepConfig.stable_outputs with two copies on both sides of a pair (the context reads
-    its outputs late, and slices its exports' log-probabilities from them): tokens and
-    acceptance equal aggregated serving's, and both reuse their output buffers."""
-    params, cfg = pair
-    engine = split_engine(params, dataclasses.replace(cfg, graph_copies=2,
-                                                      stable_outputs=True))
-    got = engine.generate(PROMPTS, MAX_NEW, arrival_steps=[0, 0, 1, 4, 6])
-    assert [r.tokens for r in got] == [r.tokens for r in aggregated]
-    assert [r.acceptance for r in got] == [r.acceptance for r in aggregated]
-    # the context keeps up to 8 steps unread, so its buffers come back later
-    context = engine.kv_source.contexts[0].engine.executor
-    for executor, share in ((engine.executor, 2), (context, 1)):
-        calls = executor.calls
-        assert calls["fresh output"] < (calls["decode"] + calls["prefill"]) // share, calls
-    assert_pair_free(engine)
