@@ -368,7 +368,10 @@ class Engine:
         imported = self._import_arrived(plan.imports, plan.reset_slots)
         if any(got is not None for got in imported):
             plan.reset_slots = []  # the first import call emptied them
-        steady = not (plan.prefill or plan.imports or plan.reset_slots or plan.fetch
+        # Several decode steps a call once nothing but decoding is left to do. Imported
+        # rows arrive with their first token and draft block, as a prefill's rows leave
+        # their call, so they decode like any running row: no single step for them.
+        steady = not (plan.prefill or plan.reset_slots or plan.fetch
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
         outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
                                     decode_steps=self.decode_steps if steady else 1)

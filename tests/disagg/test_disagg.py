@@ -107,6 +107,29 @@ def test_shared_mode_equals_aggregated_token_for_token_and_step_for_step(path, p
     assert_pair_free(engine)
 
 
+def test_imported_rows_decode_several_steps_in_their_import_call(pair, aggregated):
+    """With several decode steps a call, a step that imports the last arrivals (nothing
+    waiting, no KV still in flight) runs them all, as a step after a prefill does: the
+    imported rows decode from their first call; tokens and acceptance equal aggregated
+    serving's."""
+    params, cfg = pair
+    engine = split_engine(params, cfg, decode_steps_per_call=3)
+    steps_with_imports, run = [], engine.executor.run
+
+    def spy(plan, **kwargs):
+        if (plan.imports and not engine.scheduler.waiting
+                and len(plan.decode) == engine.num_active):
+            steps_with_imports.append(kwargs["decode_steps"])
+        return run(plan, **kwargs)
+
+    engine.executor.run = spy
+    dis = engine.generate(PROMPTS[:3], MAX_NEW)
+    assert [r.tokens for r in dis] == [r.tokens for r in aggregated[:3]]
+    assert [r.acceptance for r in dis] == [r.acceptance for r in aggregated[:3]]
+    assert steps_with_imports and set(steps_with_imports) == {3}, steps_with_imports
+    assert_pair_free(engine)
+
+
 SAMPLED = [SamplingParams(MAX_NEW, temperature=0.8, seed=1),
            SamplingParams(MAX_NEW, temperature=1.2, seed=2, top_p=0.7),
            SamplingParams(MAX_NEW),
@@ -189,13 +212,14 @@ def test_a_mismatched_pair_is_refused_when_built(pair):
     assert time.monotonic() - start < 1.0
 
 
-@pytest.mark.parametrize("which", [0, -1])
-def test_a_corrupted_buffer_fails_that_request_alone(which, pair, aggregated):
+# the last pool's corruption with several decode steps in the import's call (the GPU's)
+@pytest.mark.parametrize("which, steps", [(0, 1), (-1, 3)])
+def test_a_corrupted_buffer_fails_that_request_alone(which, steps, pair, aggregated):
     """Any pool's corruption (the last one too) fails its request inside the
     import step; the others are served exactly, and no page leaks anywhere."""
     params, cfg = pair
     prompts, agg = PROMPTS, aggregated
-    engine = split_engine(params, cfg)
+    engine = split_engine(params, cfg, decode_steps_per_call=steps)
     victim = {}
 
     def corrupt(request_id, payload):
