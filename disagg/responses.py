@@ -35,7 +35,10 @@ class CompletionFormat:
     its finish_reason and, beside it, the choice's acceptance_length. With echo, a
     choice's text (its first chunk's, streamed) starts with its prompt decoded, and its
     logprobs with the prompt's tokens (the first one's null); with max_tokens 0 the
-    prompt is all it holds (`prepare`).
+    prompt is all it holds (`prepare`). With vLLM's prompt_logprobs, a choice (its first
+    chunk, streamed) carries `prompt_logprobs`: null for the first prompt token, then
+    per token {"token id": {logprob, rank, decoded_token}} for the token itself and the
+    prompt_logprobs most likely tokens at its position.
 
     A token's text is the token decoded alone (a piece of a character whose bytes span
     tokens reads U+FFFD); text offsets add up those texts."""
@@ -46,13 +49,17 @@ class CompletionFormat:
         self.tokenizer = tokenizer
         self._offsets: dict[int, int] = {}   # per choice: its tokens' text so far
         self.echo = self.echo_only = False
+        self.echo_top = self.prompt_top = None
         self._prompts: list = []
         self._echoed: set[int] = set()
+        self._prompts_scored: set[int] = set()
 
     def prepare(self, body: dict, requests) -> None:
         """Learn what a request's choices (its checked engine Requests, in order) echo."""
         self.echo = body.get("echo") is True
         self.echo_only = self.echo and body.get("max_tokens") == 0
+        # each form's own count: the engine scored the prompt with the larger
+        self.echo_top, self.prompt_top = body.get("logprobs"), body.get("prompt_logprobs")
         self._prompts = [r.prompt for r in requests]
 
     def reported(self, result):
@@ -70,18 +77,41 @@ class CompletionFormat:
         if self.echo_only:   # whatever ended the one token generated: the length did
             text, token_ids, logprobs = "", [], logprobs and []
             finish_reason = finish_reason and "length"
+        scored = None
+        if (self.prompt_top is not None and prompt_logprobs is not None
+                and index not in self._prompts_scored):
+            self._prompts_scored.add(index)
+            scored = self.scored_prompt(self._prompts[index], prompt_logprobs)
         if self.echo and index not in self._echoed:   # the prompt first, once
             self._echoed.add(index)
             prompt = list(self._prompts[index])
             text = self.tokenizer.decode(prompt) + text
             if logprobs is not None:
-                logprobs = [*prompt_logprobs, *logprobs]
+                logprobs = [None if lp is None else
+                            dataclasses.replace(lp, top=lp.top[:self.echo_top])
+                            for lp in prompt_logprobs] + list(logprobs)
             token_ids_with_prompt = prompt + list(token_ids)
         else:
             token_ids_with_prompt = token_ids
-        return {"index": index, "text": text,
-                "logprobs": self.logprobs(index, token_ids_with_prompt, logprobs),
-                "finish_reason": finish_reason, "token_ids": token_ids}
+        out = {"index": index, "text": text,
+               "logprobs": self.logprobs(index, token_ids_with_prompt, logprobs),
+               "finish_reason": finish_reason, "token_ids": token_ids}
+        if scored is not None:
+            out["prompt_logprobs"] = scored
+        return out
+
+    def scored_prompt(self, prompt, prompt_logprobs) -> list:
+        """vLLM's prompt_logprobs form: null, then per prompt token its own entry and
+        those of the prompt_logprobs most likely tokens (ranks 1, 2, ...)."""
+        out = [None]
+        for token, lp in zip(list(prompt)[1:], prompt_logprobs[1:]):
+            entries = {str(token): {"logprob": lp.logprob, "rank": lp.rank,
+                                    "decoded_token": self.token_text(token)}}
+            for rank, (t, x) in enumerate(lp.top[:self.prompt_top], start=1):
+                entries.setdefault(str(t), {"logprob": x, "rank": rank,
+                                            "decoded_token": self.token_text(t)})
+            out.append(entries)
+        return out
 
     def logprobs(self, index: int, token_ids, logprobs) -> dict | None:
         """OpenAI's legacy form; an entry None (an echoed prompt's first token) is null."""

@@ -31,7 +31,9 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "repetition_penalty",
              "min_tokens", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-             "truncate_prompt_tokens": int >= 1 (the prompt's last tokens kept)};
+             "truncate_prompt_tokens": int >= 1 (the prompt's last tokens kept),
+             "prompt_logprobs": int in [0, 20] | null (vLLM's: each choice's
+             "prompt_logprobs", [null, {"token id": {logprob, rank, decoded_token}}, ...])};
              OpenAI fields this server does not implement are accepted only at their
              neutral value (best_of = 1, suffix = null).
              Without "max_tokens": the server's default (`default_max_tokens`,
@@ -57,7 +59,7 @@ NEUTRAL = {"best_of": ((1, None), "ask for n completions instead"),
            "user": (None, "")}
 COMPLETION_FIELDS = {"model", "prompt", "n", "max_tokens", "echo", "truncate_prompt_tokens",
                      "temperature", "seed", "stop", "stream", "stream_options",
-                     "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
+                     "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias",
                      *SAMPLING_FIELDS, *NEUTRAL}
 MAX_STOP_STRINGS = 16
 # A stop string's length bound: the text stream checks every tail up to it each step.
@@ -284,7 +286,8 @@ def truncated_prompt(rid: str, prompt, obj: dict):
 
 def _echo(rid: str, obj: dict) -> dict:
     """OpenAI's echo: the prompt comes back before the completion, with its tokens'
-    log-probabilities when "logprobs" asks (the engine's prompt_logprobs); with
+    log-probabilities when "logprobs" asks (the engine's prompt_logprobs: the larger of
+    the two when vLLM's "prompt_logprobs" asks too; each form keeps its own count); with
     "max_tokens": 0, the prompt alone (the engine generates one token, not reported)."""
     echo = obj.get("echo", False)
     if echo is None or echo is False:
@@ -293,7 +296,10 @@ def _echo(rid: str, obj: dict) -> dict:
         raise RequestError(f"request {rid!r}: \"echo\" must be true or false", "echo")
     if type(obj.get("max_tokens")) is int and obj["max_tokens"] == 0:
         obj = dict(obj, max_tokens=1)
-    return dict(obj, prompt_logprobs=obj.get("logprobs"))
+    echoed, asked = obj.get("logprobs"), obj.get("prompt_logprobs")
+    if asked is None or (type(asked) is int and type(echoed) is int and echoed > asked):
+        return dict(obj, prompt_logprobs=echoed)
+    return obj   # "prompt_logprobs" covers the echo's (or is refused by its own check)
 
 
 def _room(rid: str, prompt, engine, prompt_field: str) -> int:

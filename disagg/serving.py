@@ -42,17 +42,18 @@ def answer_of(event: Event, text: str) -> dict:
               "time_to_first_token_s": r.time_to_first_token_s,
               "decode_time_s": r.decode_time_s}
     if r.logprobs is not None:
-        answer["logprobs"] = [{"token": t, "logprob": lp.logprob,
-                               "top_logprobs": [list(x) for x in lp.top]}
-                              for t, lp in zip(r.tokens, r.logprobs)]
+        answer["logprobs"] = [_logprob_entry(t, lp) for t, lp in zip(r.tokens, r.logprobs)]
     if r.prompt_logprobs is not None:   # the first prompt token's: null
-        answer["prompt_logprobs"] = [
-            None if lp is None else {"token": t, "logprob": lp.logprob,
-                                     "top_logprobs": [list(x) for x in lp.top]}
-            for t, lp in zip(r.prompt, r.prompt_logprobs)]
+        answer["prompt_logprobs"] = [None if lp is None else _logprob_entry(t, lp)
+                                     for t, lp in zip(r.prompt, r.prompt_logprobs)]
     if r.error is not None:
         answer["error"] = r.error
     return answer
+
+
+def _logprob_entry(token: int, lp) -> dict:
+    return {"token": token, "logprob": lp.logprob, "rank": lp.rank,
+            "top_logprobs": [list(x) for x in lp.top]}
 
 
 def install_drain_handlers(name: str, on_stop) -> dict:

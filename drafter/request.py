@@ -251,20 +251,22 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
-    """One generated token's log-probability under the target's raw logits, and the
-    most likely tokens at its position with theirs, most likely first (as many as the
-    request's `logprobs` asked)."""
+    """A token's log-probability under the target's raw logits, the most likely tokens
+    at its position with theirs, most likely first (as many as the request asked), and
+    the token's rank there (1: the most likely; ties share the better rank)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int
 
     @classmethod
     def of_row(cls, row, top: int) -> "TokenLogprobs":
         """From a step's row (`sampling.token_logprobs`: the token's log-probability,
-        MAX_LOGPROBS ids, their log-probabilities), keeping `top` of them."""
-        ids, logprobs = row[1:1 + MAX_LOGPROBS], row[1 + MAX_LOGPROBS:]
+        MAX_LOGPROBS ids, their log-probabilities, its rank), keeping `top` of them."""
+        ids, logprobs = row[1:1 + MAX_LOGPROBS], row[1 + MAX_LOGPROBS:1 + 2 * MAX_LOGPROBS]
         return cls(float(row[0]), tuple((int(i), float(x)) for i, x in
-                                        zip(ids[:top], logprobs[:top]) if i >= 0))
+                                        zip(ids[:top], logprobs[:top]) if i >= 0),
+                   int(row[1 + 2 * MAX_LOGPROBS]))
 
 
 def logprob_rows(bits):

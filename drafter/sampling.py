@@ -307,16 +307,18 @@ def emitted_tokens(tokens, accepted, bonus):
 
 
 # Log-probabilities a step returns with each token it emits, for requests that ask: the
-# token's own and those of the MAX_LOGPROBS most likely tokens at its position, from the
-# target's raw logits (before temperature and truncation, as vLLM reports them by
-# default). One width for every request keeps it one static variant of the step.
-LOGPROB_WIDTH = 1 + 2 * MAX_LOGPROBS
+# token's own and those of the MAX_LOGPROBS most likely tokens at its position, and its
+# rank there, from the target's raw logits (before temperature and truncation, as vLLM
+# reports them by default). One width for every request keeps it one static variant of
+# the step.
+LOGPROB_WIDTH = 2 + 2 * MAX_LOGPROBS
 
 
 def token_logprobs(logits, tokens):
     """f32[..., LOGPROB_WIDTH] per position: log_softmax(logits)[token], then the
     MAX_LOGPROBS most likely token ids (as f32: exact below 2**24), then their
-    log-probabilities, most likely first. logits [..., V]; tokens i32[...]."""
+    log-probabilities, most likely first, then the token's rank (1 + the tokens more
+    likely than it: vLLM's). logits [..., V]; tokens i32[...]."""
     if logits.shape[-1] >= 2 ** 24:
         raise ValueError(f"a vocabulary of {logits.shape[-1]} tokens has ids f32 cannot hold")
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -327,4 +329,6 @@ def token_logprobs(logits, tokens):
         widths = [(0, 0)] * (top_ids.ndim - 1) + [(0, pad)]
         top_ids = jnp.pad(top_ids, widths, constant_values=-1)
         top_logprobs = jnp.pad(top_logprobs, widths, constant_values=-jnp.inf)
-    return jnp.concatenate([chosen, top_ids.astype(jnp.float32), top_logprobs], axis=-1)
+    rank = 1 + jnp.sum(logprobs > chosen, axis=-1, keepdims=True, dtype=jnp.int32)
+    return jnp.concatenate([chosen, top_ids.astype(jnp.float32), top_logprobs,
+                            rank.astype(jnp.float32)], axis=-1)

@@ -384,6 +384,41 @@ def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(server):
     assert lp.text_offset[len(ids)] == len(prompt_text)
 
 
+def test_vllm_prompt_logprobs_score_every_prompt_token_with_its_rank(server):
+    """vLLM's prompt_logprobs: a choice (a stream's first chunk) carries null, then per
+    prompt token its own log-probability and rank and those of the k most likely tokens
+    (ranks 1..k), the engine's prompt log-probabilities; beside echo, each form keeps its
+    own count; out of range, refused by name."""
+    c, name, tok, url = server["client"], server["name"], server["tok"], server["url"]
+    ids, want = tok.encode(PROMPTS[0]), server["prompt_logprobs"]
+    ask = dict(model=name, prompt=PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS)
+    whole = json.loads(post(f"{url}/v1/completions", dict(ask, prompt_logprobs=2))[1])
+    lines = post(f"{url}/v1/completions",
+                 dict(ask, prompt_logprobs=2, stream=True))[1].splitlines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    scored = [ch["choices"][0].get("prompt_logprobs") for ch in chunks if ch["choices"]]
+    assert scored[0] is not None and not any(scored[1:])
+    for got in (whole["choices"][0]["prompt_logprobs"], scored[0]):
+        assert got[0] is None and len(got) == len(ids)
+        for token, entries, lp in zip(ids[1:], got[1:], want[1:]):
+            own = entries[str(token)]
+            assert own["rank"] == lp.rank >= 1 and own["decoded_token"] == tok.decode([token])
+            np.testing.assert_allclose(own["logprob"], lp.logprob, atol=1e-5)
+            for rank, (t, x) in enumerate(lp.top[:2], start=1):
+                assert entries[str(t)]["rank"] == rank
+                np.testing.assert_allclose(entries[str(t)]["logprob"], x, atol=1e-5)
+            assert set(entries) == {str(token), *(str(t) for t, _ in lp.top[:2])}
+            if token in [t for t, _ in lp.top[:2]]:   # its own rank is where it stands
+                assert own["rank"] == 1 + [t for t, _ in lp.top].index(token)
+    assert whole["choices"][0]["token_ids"] == server["greedy"][PROMPTS[0]]
+    both = c.completions.create(**ask, echo=True, logprobs=1,
+                                extra_body={"prompt_logprobs": 2})
+    assert all(len(d) == 1 for d in both.choices[0].logprobs.top_logprobs[1:len(ids)])
+    assert len(both.choices[0].model_extra["prompt_logprobs"][1]) >= 2
+    status, body = post(f"{url}/v1/completions", dict(ask, prompt_logprobs=21))
+    assert status == 400 and "prompt_logprobs" in json.loads(body)["error"]["message"]
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
     """vLLM's truncate_prompt_tokens: a completion of a prompt cut to its last k tokens
     equals one of those k tokens sent as the prompt; usage counts k."""

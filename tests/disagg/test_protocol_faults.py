@@ -24,6 +24,7 @@ from disagg.remote import RemoteSource
 from disagg.transfer import TransferError, TransferTimeout
 from disagg.wire import kv_format_to_wire, start_transfer_server
 from drafter.request import SamplingParams
+from drafter.sampling import LOGPROB_WIDTH
 
 FORMAT = KVFormat(page_size=16, num_target_layers=1, num_draft_layers=0,
                   layers=(("t0", "target", 1, 8, "bfloat16", None, 1.0, 1.0),),
@@ -130,10 +131,11 @@ def test_a_handoff_that_cannot_be_read_after_its_pull_fails_its_request_by_name(
         assert "its handoff from the context worker" in str(errors["r0"])
         assert "could not be received" in str(errors["r0"]) and not source._outstanding
         if "first_logprobs" in bad:
-            assert "first_logprobs must be 41 i32 bit patterns" in str(errors["r0"])
-        if bad.get("prompt_logprobs") == "AAAAAA==":   # one i32, for a 4-token prompt's 3 x 41
-            assert "prompt_logprobs hold 1 i32 values; a 4-token prompt's are 3 x 41" in \
-                str(errors["r0"])
+            assert (f"first_logprobs must be {LOGPROB_WIDTH} i32 bit patterns"
+                    in str(errors["r0"]))
+        if bad.get("prompt_logprobs") == "AAAAAA==":   # one i32, for a 4-token prompt's rows
+            assert (f"prompt_logprobs hold 1 i32 values; a 4-token prompt's are "
+                    f"3 x {LOGPROB_WIDTH}") in str(errors["r0"])
         elif "prompt_logprobs" in bad:
             assert "prompt_logprobs are not base64 i32 bits" in str(errors["r0"])
     finally:

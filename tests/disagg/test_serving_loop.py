@@ -128,6 +128,11 @@ def test_logprobs_come_with_the_tokens_kept_even_when_a_stop_string_cuts_them(tm
     assert all(len(e["top_logprobs"]) == 1 for e in whole["prompt_logprobs"][1:])
     assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0][1] >= e["logprob"] - 1e-6
                for e in whole["logprobs"])
+    # greedy: each kept token is the most likely, rank 1; a prompt token's rank counts
+    # the tokens more likely than it
+    assert all(e["rank"] == 1 for e in whole["logprobs"])
+    assert all(e["rank"] >= 1 and (e["rank"] == 1) == (e["top_logprobs"][0][0] == e["token"])
+               for e in whole["prompt_logprobs"][1:])
     stop = tokenizer.decode(whole["tokens"][3:5])
     cut_at = whole["text"].index(stop)
     assert stop and cut_at > 0

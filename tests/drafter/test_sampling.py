@@ -115,7 +115,8 @@ def test_rows_that_do_not_truncate_are_untouched_beside_one_that_does():
 @pytest.mark.parametrize("vocab", [64, 7])
 def test_token_logprobs_equal_a_float64_log_softmax(vocab):
     """The token's log-probability, then the MAX_LOGPROBS most likely ids and theirs, most
-    likely first; a vocabulary smaller than MAX_LOGPROBS pads with id -1 at -inf."""
+    likely first (a vocabulary smaller than MAX_LOGPROBS pads with id -1 at -inf), then
+    the token's rank."""
     from drafter.request import MAX_LOGPROBS, TokenLogprobs
     from drafter.sampling import LOGPROB_WIDTH, token_logprobs
     rng = np.random.default_rng(vocab)
@@ -136,6 +137,7 @@ def test_token_logprobs_equal_a_float64_log_softmax(vocab):
         assert (row[1 + top:1 + MAX_LOGPROBS] == -1).all()
         kept = TokenLogprobs.of_row(row, 25)
         assert [t for t, _ in kept.top] == order.tolist()   # the padding is not returned
+        assert kept.rank == 1 + int((want > want[tokens[b, i]]).sum())
 
 
 def with_bias(s, bias, bans=None):
