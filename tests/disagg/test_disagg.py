@@ -23,7 +23,7 @@ from unified_kv import AdmissionError
 # configuration and so compiles each of its steps once for the whole module.
 @pytest.fixture(scope="module")
 def pair():
-    params, cfg, _ = tiny_pair(num_slots=3, num_kv_heads=4)
+    params, cfg, _ = tiny_pair(num_slots=2, num_kv_heads=4)
     return params, cfg
 
 

@@ -191,7 +191,7 @@ def test_warmup_compiles_every_transfer_of_its_lengths_and_changes_nothing(caplo
     `StepConfig.graph_copies`); the warm-ups changed no state, so the requests generate
     what aggregated serving does and every page comes back."""
     # a config no other test compiles (compiled_in sees only this test's compiles)
-    params, cfg, _ = tiny_pair(num_slots=3, max_seq_len=152, block_size=3)
+    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=152, block_size=3)
     cfg = dataclasses.replace(cfg, graph_copies=graph_copies)
     lengths = (5, 20, 40)   # 1, 3 and 5 full-pool pages: buckets of 1, 4 and 8
     prompts = {f"r{i}": [(3 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate(lengths)}
