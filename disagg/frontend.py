@@ -26,6 +26,7 @@ import numpy as np
 from disagg.schema import DEFAULT_MAX_TOKENS
 from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
+from drafter.kv_io import row_shapes
 from drafter.tokenizer import TokenizerError, load_tokenizer
 from unified_kv import CacheSpecError
 
@@ -197,14 +198,15 @@ def make_engine(mode: str, pair: ModelPair, *, move_path: str = "coalesced",
 
 
 def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) -> float:
-    """Compile what a first request needs (prefill of one and of several prompts,
-    decode), and with `every_length` every step call for every prompt length up to
+    """Compile what first requests need (prefill of as many prompts as each row count a
+    prefill call pads to: 1, 2, 4, ... up to a step's most, and decode), and with
+    `every_length` every step call for every prompt length up to
     max_seq_len, greedy and sampled, with and without log-probabilities and logit
     adjustments (penalties, logit bias) (`Engine.warmup`: no request of a new length then
     waits on a compile). Returns the seconds it took."""
     start = time.perf_counter()
     prompt = tokenizer.encode("def main():") or [0]
-    for batch in (1, 2):
+    for batch in row_shapes(engine.scheduler.max_prefill_rows):
         if log:
             log(f"compiling: {batch} prompt(s), prefill and decode ...")
         engine.generate([prompt] * batch, 2, ignore_eos=True)

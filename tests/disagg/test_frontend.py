@@ -270,7 +270,8 @@ def test_layer_loop_flag_reaches_the_served_steps():
 
 def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
     """`serve --warmup all` makes warm_up run Engine.warmup(sampled=True, logprobs=True,
-    adjusted=True) after the first-request compiles (what that compiles: tests/drafter/test_engine.py::
+    adjusted=True) after the first-request compiles, a burst of each row count a prefill
+    call pads to (what Engine.warmup compiles: tests/drafter/test_engine.py::
     test_a_warmed_up_engine_compiles_no_step_for_prompts_in_its_range)."""
     import types
 
@@ -282,16 +283,18 @@ def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
     calls = []
     engine = types.SimpleNamespace(
         spec=types.SimpleNamespace(max_seq_len=9216),
+        scheduler=types.SimpleNamespace(max_prefill_rows=8),
         generate=lambda prompts, n, **kw: calls.append(("generate", len(prompts))),
         warmup=lambda **kw: calls.append(("warmup", kw)))
     said = []
     warm_up(engine, ByteTokenizer(), said.append, every_length=True)
-    assert calls == [("generate", 1), ("generate", 2),
-                     ("warmup", {"sampled": True, "logprobs": True, "adjusted": True})]
+    bursts = [("generate", n) for n in (1, 2, 4, 8)]
+    assert calls == bursts + [("warmup", {"sampled": True, "logprobs": True,
+                                          "adjusted": True})]
     assert any("every step for rows of up to 9,216 tokens" in s for s in said)
     calls.clear()
     warm_up(engine, ByteTokenizer(), said.append)
-    assert calls == [("generate", 1), ("generate", 2)]
+    assert calls == bursts
 
 
 def test_max_num_batched_tokens_reaches_every_engine_and_batches_more_prefill():
