@@ -36,7 +36,8 @@ CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "suf
 CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 CHAT_FIELDS = {*CHAT_OPTIONS, "truncate_prompt_tokens", "model", "messages", "n", "max_tokens",
                "max_completion_tokens", "temperature", "seed", "stop", "stream",
-               "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
+               "stream_options", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+               "logit_bias", *SAMPLING_FIELDS, *CHAT_NEUTRAL}
 CHAT_ROLES = ("system", "user", "assistant")
 # Template variables a request's chat_template_kwargs may not set
 TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", *SPECIAL_TOKENS})
