@@ -35,7 +35,10 @@ this machine's first device (as the demo does on one GPU). Parts:
             `compiles` lists what the stream still compiled (nothing, when the
             warm-up covers every shape the stream runs).
 
-Writes serving.json (keys in `GOAL_KEYS` first).
+Writes serving.json (keys in `GOAL_KEYS` first). `--pair 8b` runs the demo part alone on
+the Qwen3-8B-shaped pair of benchmarks/bench_scale.py (random weights: acceptance stays
+near 1, so every request decodes about one token a step) and writes serving_8b.json: how
+much of the small pair's host-bound gap is left when steps take a real model's time.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import jax
 import numpy as np
 
 from benchmarks.bench_decode_speed import engine_rate
+from benchmarks.bench_scale import step_config as scale_step_config
 from benchmarks.profile_step import traced_kernel_ms, write_host_profile
 from benchmarks.serving_stream import LOAD_MODES, close, load_part, make_engine, p
 from benchmarks.timing import report_goals, write_results
@@ -58,6 +62,7 @@ from disagg.transfer import move_payload
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from drafter.evaluate import device_rate, prefilled_engine
+from drafter.shapes import qwen3_8b_pair, random_params
 from drafter.steps import CALL_KINDS
 
 GOAL_KEYS = ("disagg_shared_over_aggregated", "disagg_shared_threaded_over_aggregated",
@@ -279,16 +284,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--graph-calls", nargs="+", choices=CALL_KINDS, default=list(CALL_KINDS),
                     help="demo, handoff and load parts: StepConfig.graph_calls (the kinds of "
                          "call that launch as CUDA graphs; the others launch kernel by kernel)")
+    ap.add_argument("--pair", choices=("embedded", "8b"), default="embedded",
+                    help="8b: the demo part on the Qwen3-8B-shaped pair (module doc)")
     args = ap.parse_args(argv)
-    params, tcfg, dcfg = load_default()
-    cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
-                              graph_loops=args.graph_loops, graph_copies=args.graph_copies)
+    if args.pair == "8b":
+        if set(args.parts) != {"demo"}:
+            ap.error("--pair 8b runs the demo part alone: give --parts demo")
+        tcfg, dcfg = qwen3_8b_pair()
+        params = random_params(tcfg, dcfg)
+        cfg = dataclasses.replace(scale_step_config(tcfg, dcfg, 15, 1024),
+                                  graph_loops=args.graph_loops, graph_copies=args.graph_copies)
+    else:
+        params, tcfg, dcfg = load_default()
+        cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
+                                  graph_loops=args.graph_loops, graph_copies=args.graph_copies)
     cfg = dataclasses.replace(cfg, graph_calls=tuple(args.graph_calls))
     held_out = load_prompts()
     by_len = {}
     for q in held_out:
         by_len.setdefault(q["length"], q["tokens"])
     report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()),
+              "pair": args.pair,
               "graph_loops": args.graph_loops, "graph_copies": args.graph_copies,
               "graph_calls": list(cfg.graph_calls)}
     if args.quick:
@@ -305,10 +321,12 @@ def main(argv=None) -> dict:
             handoff_prompts = {n: by_len[n] for n in args.handoff_lengths}
         repeats, new, batches, steps = args.repeats, 48, args.engine_batches, 32
 
+    name = "serving" if args.pair == "embedded" else "serving_8b"
+
     def save() -> None:
         """The parts so far: a run stopped at its time limit keeps what it measured."""
         if args.out:
-            write_results("serving", {"partial": True, **report}, args.out)
+            write_results(name, {"partial": True, **report}, args.out)
 
     if "demo" in args.parts:
         print("demo workload:", flush=True)
@@ -351,7 +369,7 @@ def main(argv=None) -> dict:
                                    50.0 if args.quick else args.load_rate, new, progress,
                                    args.max_num_batched_tokens, args.load_modes,
                                    args.load_passes, args.batch_invariant)
-    return report_goals("serving", report, GOAL_KEYS, args.out)
+    return report_goals(name, report, GOAL_KEYS, args.out)
 
 
 if __name__ == "__main__":

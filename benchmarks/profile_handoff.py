@@ -16,6 +16,12 @@ call, as bench_serving's handoff part), twice:
 While a profiler session is active XLA runs every CUDA graph's kernels one by one (CUPTI
 and CUDA graphs do not mix), so the profiled run's host durations are those of op-by-op
 launches: it gives the device's side and the order; the unprofiled run gives the costs.
+
+`--demo` runs bench_serving's demo workload instead (six held-out prompts of at most 512
+tokens, 48 new tokens each, the engines' own decode steps per call), unprofiled only:
+each mode's host events in order and summed by label, beside the run's wall time; a
+`collect` is mostly the host waiting for the device, the rest is host work the device
+may wait on.
 """
 
 from __future__ import annotations
@@ -101,14 +107,57 @@ def timeline(trace_dir: str) -> tuple[list[tuple], float]:
     return sorted(rows), idle
 
 
+def host_summary(events, wall_s: float) -> list[str]:
+    """Host events summed by label: calls, ms and share of the wall time."""
+    by: dict[str, list] = {}
+    for label, a, b in events:
+        got = by.setdefault(label, [0, 0.0])
+        got[0] += 1
+        got[1] += b - a
+    return [f"  {label:<20} x{n:<3d} {1e3 * t:8.3f} ms ({100 * t / wall_s:4.1f}% of the wall)"
+            for label, (n, t) in sorted(by.items(), key=lambda x: -x[1][1])]
+
+
+def demo_timelines(params, cfg, held, out_dir) -> None:
+    """The demo workload's host events per mode, unprofiled (see the module doc)."""
+    prompts = [q["tokens"] for q in held if q["length"] <= 512][:6]
+    events: list = []
+    engines = {m: instrumented(make_engine(m, params, cfg), events) for m in MODES}
+    for mode, engine in engines.items():
+        for _ in range(3):   # compile, then warm
+            engine.generate(prompts, 48)
+        events.clear()
+        start = time.perf_counter()
+        results = engine.generate(prompts, 48)
+        wall = time.perf_counter() - start
+        tokens = sum(len(r.tokens) for r in results)
+        lines = [f"{mode}, demo workload ({len(prompts)} prompts x 48 tokens), unprofiled: "
+                 f"{1e3 * wall:.2f} ms wall, {tokens / wall:.0f} tok/s; host events, ms "
+                 f"from the first submit:"]
+        lines += [f"  {1e3 * (a - start):8.3f} +{1e3 * (b - a):7.3f} {label}"
+                  for label, a, b in sorted(events, key=lambda e: e[1])]
+        lines += ["summed by label:"] + host_summary(events, wall)
+        print("\n".join(lines), flush=True)
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f"demo_{mode}.txt"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+    for engine in engines.values():
+        close(engine)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--demo", action="store_true",
+                    help="the demo workload's host events instead (module doc)")
     ap.add_argument("--out", default=None, help="write each timeline to DIR/handoff_*.txt")
     args = ap.parse_args(argv)
     params, tcfg, dcfg = load_default()
     cfg = default_step_config(tcfg, dcfg)
     held = load_prompts()
+    if args.demo:
+        return demo_timelines(params, cfg, held, args.out)
     events: list = []
     engines = {m: instrumented(make_engine(m, params, cfg, decode_steps_per_call=1), events)
                for m in MODES}
