@@ -292,7 +292,9 @@ def main(argv=None) -> dict:
             ap.error("--pair 8b runs the demo part alone: give --parts demo")
         tcfg, dcfg = qwen3_8b_pair()
         params = random_params(tcfg, dcfg)
-        cfg = dataclasses.replace(scale_step_config(tcfg, dcfg, 15, 1024),
+        # 8 slots (the demo's six prompts and the dummy): the fp8 pool stays under 2^31
+        # elements, which the fused Pallas K/V store addresses (pallas_kernels/rope_store)
+        cfg = dataclasses.replace(scale_step_config(tcfg, dcfg, 7, 1024),
                                   graph_loops=args.graph_loops, graph_copies=args.graph_copies)
     else:
         params, tcfg, dcfg = load_default()

@@ -26,7 +26,7 @@ import numpy as np
 from disagg.schema import DEFAULT_MAX_TOKENS
 from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
-from drafter.kv_io import row_shapes
+from drafter.scheduler import row_shapes
 from drafter.tokenizer import TokenizerError, load_tokenizer
 from unified_kv import CacheSpecError
 

@@ -30,9 +30,9 @@ import jax
 
 from drafter.arrivals import Arrivals
 from drafter.executor import Executor
-from drafter.kv_io import Export, KVSource, import_refusal, padded_rows
+from drafter.kv_io import Export, KVSource, import_refusal
 from drafter.request import Request, RequestError, Result, SamplingParams
-from drafter.scheduler import Phase, Scheduler, Sequence
+from drafter.scheduler import Phase, Scheduler, Sequence, padded_rows
 from drafter.steps import StepConfig
 from drafter.update import update_from_output
 from unified_kv import AdmissionError
@@ -66,10 +66,9 @@ class Engine:
       lookahead: dispatch the next step before reading the last one's outputs.
       eos_token_ids: ids that end a request (unless it sets ignore_eos).
       kv_timeout_s: a request whose KV source shows no progress for this long fails.
-      decode_steps_per_call: decode steps one call runs back to back on the
-        device while nothing waits to be admitted, prefilled or imported (one
-        host round trip per call). Default: 8 on an accelerator, 1 on CPU
-        (where compile time, not the host loop, is the cost).
+      decode_steps_per_call: decode steps one call runs back to back on the device
+        while nothing waits to be admitted or prefilled (one host round trip per call).
+        Default: 8 on an accelerator, 1 on CPU (compile time, not the host, costs there).
       batch_invariant: every prefill call runs the step's full prefill rows (a lone
         prompt's padded), so each kind of call has one shape and a request's tokens do
         not depend on what shares its steps: matmuls round by their shapes, and
@@ -307,18 +306,14 @@ class Engine:
 
     def warmup(self, max_len: int | None = None, min_len: int = 0, *,
                sampled: bool = False, logprobs: bool = False, adjusted: bool = False) -> int:
-        """Compile every call a step of this engine's role makes (decode of 1 and of
-        `decode_steps` steps, unless it exports; prefill of one prompt and of a full
-        step's rows, unless its KV comes from a source; of none: resets alone) at every
-        table width that rows of `min_len` to `max_len` tokens (default 0 to
-        max_seq_len) use; greedy, and with `sampled` also sampling; with `logprobs` each
-        of those also returning log-probabilities, and with `adjusted` each of those
-        also adjusting logits (penalties, logit bias; and the prompt marks a repetition
-        penalty makes); the exports (a
-        context worker) or imports and redrafts (a worker fed by a KV source) of
-        prompts of those lengths; and the same for an in-process KV source's context
-        engines. Runs calls whose rows all pad, which change nothing. Returns the
-        number of widths."""
+        """Compile every call this engine's role makes for rows of `min_len` to `max_len`
+        tokens (default 0 to max_seq_len), by calls whose rows all pad (they change
+        nothing): decode of 1 and `decode_steps` steps (not a context), prefill of every
+        padded row count (not a worker fed by a KV source; 0 rows: resets alone), at
+        every table width; greedy, with `sampled` also sampling, with `logprobs` also
+        returning log-probabilities, with `adjusted` also adjusting logits (and marking
+        prompts); the exports or imports and redrafts of those lengths; the same for an
+        in-process source's context engines. Returns the number of widths."""
         max_len = self.spec.max_seq_len if max_len is None else max_len
         # An in-process source's senders first: one that holds requests refuses at once,
         # before anything here compiles.

@@ -17,10 +17,9 @@ import jax
 import numpy as np
 
 from drafter.kv_io import (Export, KVPayload, call_groups, export_payloads, pack_import_index,
-                           padded_rows, row_shapes, sent_pool_ids,
-                           transfer_shapes)
+                           sent_pool_ids, transfer_shapes)
 from drafter.mixed_step import first_logprobs_bits, prompt_logprobs_bits
-from drafter.scheduler import StepPlan
+from drafter.scheduler import StepPlan, padded_rows, row_shapes
 from unified_kv import BAD_PAGE_INDEX
 
 

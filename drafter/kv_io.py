@@ -45,7 +45,9 @@ import numpy as np
 
 from drafter.request import Request
 from drafter.sampling import first_counts
+from drafter.scheduler import padded_rows
 from drafter.steps import StepConfig, StepState, at_precision, empty_slots, redraft_rows
+from pallas_kernels.pool_layout import byte_view, from_byte_view
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
                         live_logical_pages, pow2_at_least)
 
@@ -142,18 +144,6 @@ def call_groups(keys, rows_per_call: int):
             yield key, idx[j:j + rows_per_call]
 
 
-def padded_rows(n: int, most: int) -> int:
-    """Rows a call of n items runs: the next power of two, at most `most` (0 for 0). A
-    call's shape then follows its items within 2x, and a stream compiles
-    log2(most) + 1 shapes (`row_shapes`), not one per count."""
-    return 0 if n <= 0 else min(most, 1 << (n - 1).bit_length())
-
-
-def row_shapes(most: int) -> list[int]:
-    """Every row count `padded_rows` gives for 1..most items, ascending."""
-    return sorted({padded_rows(n, most) for n in range(1, most + 1)})
-
-
 def pack_export_index(rows) -> np.ndarray:
     """An export call's host inputs as one i32[rows, 1 + sum(buckets)] array (one
     transfer a call): per row its slot, then its logical pages of each sent pool.
@@ -202,8 +192,9 @@ def export_step(state: StepState, index, *, pool_ids: tuple[int, ...],
     for row in index:
         slot, *logical_pages = _split(row, (1, *buckets))
         slot = slot[0]
-        buffers = tuple(jnp.take(kv.pools[i], _physical(kv.page_tables[i][slot], logical),
-                                 axis=1) for i, logical in zip(pool_ids, logical_pages))
+        buffers = tuple(from_byte_view(jnp.take(
+            byte_view(kv.pools[i]), _physical(kv.page_tables[i][slot], logical), axis=1),
+            kv.pools[i].dtype) for i, logical in zip(pool_ids, logical_pages))
         out.append((buffers, jnp.stack([checksum_of(b) for b in buffers]),
                     state.anchors[slot], state.drafts[slot]))
     return tuple(out)
@@ -257,7 +248,7 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
             kv.page_tables[i][ids], logical, spec.pools[i].max_pages_per_seq)
     ok &= jnp.stack([jnp.all(jnp.stack([checksum_of(b) for b in buffers]) == sums)
                      for _, _, buffers, sums in payloads])
-    pools = list(kv.pools)
+    pools = [byte_view(x) for x in kv.pools]   # moved as bytes (pool_layout.byte_view)
     for pool in spec.pools:
         i = pool.pool_id
         table_rows = kv.page_tables[i][ids]
@@ -266,8 +257,8 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
                 logical = logical_pages[i][:, r]
                 pages = jnp.where((logical >= 0) & ok[r], _physical(table_rows[r], logical),
                                   pool.num_pages)
-                pools[i] = pools[i].at[:, pages].set(
-                    buffers[pool_ids.index(i)].astype(pools[i].dtype), mode="drop")
+                pools[i] = pools[i].at[:, pages].set(byte_view(
+                    buffers[pool_ids.index(i)].astype(kv.pools[i].dtype)), mode="drop")
         draft_offsets = [o for o, name in enumerate(pool.layer_names)
                          if spec.layer(name).role == "draft"]
         if mode == "private" and draft_offsets:  # the drafter starts without the prompt
@@ -277,7 +268,7 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
                 pools[i] = pools[i].at[:, pages, o].set(0, mode="drop")
     # A failed row keeps its pages, not running, until the host reads its ok and resets
     # the slot (as for any ended request): a release here added a fifth to the program.
-    kv = kv.replace(pools=tuple(pools))
+    kv = kv.replace(pools=tuple(from_byte_view(x, old.dtype) for x, old in zip(pools, kv.pools)))
     firsts = jnp.stack([first for first, _, _, _ in payloads])
     drafts = state.drafts
     if mode == "shared":  # private mode: redraft_step drafts the slot

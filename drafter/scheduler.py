@@ -31,6 +31,18 @@ from drafter.request import Request, Result, TokenLogprobs
 from unified_kv import AdmissionController, AdmissionError, CacheSpec, check_fits
 
 
+def padded_rows(n: int, most: int) -> int:
+    """Rows a call of n items (prefill chunks, exports, imports) runs: the next power of
+    two, at most `most` (0 for 0). A call's shape then follows its items within 2x, and a
+    stream compiles log2(most) + 1 shapes (`row_shapes`), not one per count."""
+    return 0 if n <= 0 else min(most, 1 << (n - 1).bit_length())
+
+
+def row_shapes(most: int) -> list[int]:
+    """Every row count `padded_rows` gives for 1..most items, ascending."""
+    return sorted({padded_rows(n, most) for n in range(1, most + 1)})
+
+
 class Phase(enum.Enum):
     WAITING = "waiting"
     AWAITING_KV = "awaiting_kv"
@@ -127,7 +139,7 @@ class Scheduler:
         """Prefill chunks one step holds at most: the budget in whole chunks (at least
         one, at most a slot each). Short chunks do not raise it: a step's prefill rows
         are padded to full chunks anyway, so the budget bounds its padded tokens (a
-        call's rows are padded to a power of two up to this: `kv_io.padded_rows`)."""
+        call's rows are padded to a power of two up to this: `padded_rows`)."""
         return min(self.spec.num_slots, max(1, self.budget // self.spec.max_step_tokens))
 
     # ----------------------------------------------------------- requests

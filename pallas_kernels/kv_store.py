@@ -10,11 +10,12 @@ V pages hold V^T (the same bytes as [page_size, head_dim], read as
 [head_dim, page_size]) so the attention kernels' P.V dot reads its key axis
 contiguous (see pool_layout.py); `layer_kv` reads both back key-major.
 
-Lowering: two XLA scatters (K rows, V columns); under a jitted step with the
-state donated they update the pool in place and move only the new tokens'
-bytes. Writes whose page is BAD (never allocated) or
-whose token is past num_tokens (padding) are dropped and reported per row, so
-a missing allocation shows up as data instead of corrupting another row.
+Lowering: two XLA scatters (K rows, V columns) on the pool's bytes (an fp8 pool's uint8
+view, `pool_layout.byte_view`: XLA would otherwise convert the whole pool); under a
+jitted step with the state donated they update the pool in place and move only the new
+tokens' bytes. Writes whose page is BAD (never allocated) or whose token is past
+num_tokens (padding) are dropped and reported per row, so a missing allocation shows up
+as data instead of corrupting another row.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.pool_layout import BAD_PAGE_INDEX, kernel_views
+from pallas_kernels.pool_layout import BAD_PAGE_INDEX, byte_view, from_byte_view, kernel_views
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value; casting beyond gives NaN
 
@@ -84,16 +85,19 @@ def _write_kv(pool, batch_table, starts, num_tokens, k, v, layer_offset, *, k_sc
     slot = (pos % page_size).reshape(-1)
     # K: rows of the pool's K-row view (pool_layout); out of range drops.
     k_rows = (k_page * page_size).reshape(-1) + slot
-    k_new = quantize(k, k_scale, pool.dtype).transpose(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim)
+    dtype = pool.dtype
+    k_new = quantize(k, k_scale, dtype).transpose(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim)
+    pool = byte_view(pool)   # scattered as bytes (byte_view)
     k_view, _ = kernel_views(pool)
-    pool = k_view.at[:, k_rows].set(k_new, mode="drop").reshape(pool.shape)
+    pool = k_view.at[:, k_rows].set(byte_view(k_new), mode="drop").reshape(pool.shape)
     # V: column `slot` of V page k_page + 1 in the V^T-row view, as [kv heads,
     # kernel_pages, head_dim, page_size].
-    v_new = quantize(v, v_scale, pool.dtype).reshape(-1, num_kv_heads, head_dim)
+    v_new = quantize(v, v_scale, dtype).reshape(-1, num_kv_heads, head_dim)
     _, v_view = kernel_views(pool)
     v_pages = v_view.reshape(num_kv_heads, kernel_pages, head_dim, page_size)
-    v_pages = v_pages.at[:, (k_page + 1).reshape(-1), :, slot].set(v_new, mode="drop")
-    return v_pages.reshape(pool.shape), ok
+    v_pages = v_pages.at[:, (k_page + 1).reshape(-1), :, slot].set(byte_view(v_new),
+                                                                    mode="drop")
+    return from_byte_view(v_pages.reshape(pool.shape), dtype), ok
 
 
 def layer_kv(pool: jax.Array, layer_offset: int) -> tuple[jax.Array, jax.Array]:

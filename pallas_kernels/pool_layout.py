@@ -23,6 +23,7 @@ The page-id constants live here, at the bottom of the package graph, and
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 BAD_PAGE_INDEX = -1  # an unallocated page, or one retired behind a window
@@ -37,6 +38,21 @@ def pow2_at_least(n: int) -> int:
     """The least power of two >= n (1 for n <= 1): table widths, transfer sizes
     and kernel blocks round up to these so each compiles for few shapes."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def byte_view(x: jax.Array) -> jax.Array:
+    """An fp8 array (a pool, or pages for it) as uint8, bits unchanged; other dtypes as
+    they are. Gathers and scatters of pages go through this view: XLA has no fp8 gather
+    or scatter, and on an fp8 operand converts the whole operand to f16 and back, a
+    pass over every page of the pool (and twice its bytes in memory) to move a few."""
+    if x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return x
+
+
+def from_byte_view(x: jax.Array, dtype) -> jax.Array:
+    """`byte_view` undone: `x` (uint8, or already `dtype`) as `dtype`, bits unchanged."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def kernel_views(pool):

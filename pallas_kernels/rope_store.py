@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_store import FP8_MAX, quantize
-from pallas_kernels.pool_layout import BAD_PAGE_INDEX, MAX_POOL_ELEMENTS, pow2_at_least
+from pallas_kernels.pool_layout import (BAD_PAGE_INDEX, MAX_POOL_ELEMENTS, byte_view,
+                                       from_byte_view, pow2_at_least)
 
 
 def store_targets(batch_table, starts, num_tokens, page_size: int, max_tokens: int):
@@ -106,13 +107,14 @@ def rope_store_reference(qkv, q_norm, k_norm, cos, sin, pool, store_pages, store
     page = jnp.where(store_pages >= 0, store_pages + 2 * jnp.asarray(layer_offset, jnp.int32),
                      kernel_pages)   # out of range: dropped
     rows = page * page_size + store_slots
-    by_head = lambda x, scale: quantize(x, scale, pool.dtype).transpose(1, 0, 2)
-    k_rows = pool.reshape(num_kv_heads, kernel_pages * page_size, head_dim)
+    # stored as bytes: XLA converts a whole fp8 pool to scatter into it (byte_view)
+    by_head = lambda x, scale: byte_view(quantize(x, scale, pool.dtype).transpose(1, 0, 2))
+    k_rows = byte_view(pool).reshape(num_kv_heads, kernel_pages * page_size, head_dim)
     k_rows = k_rows.at[:, rows].set(by_head(k, k_scale), mode="drop")
     v_pages = k_rows.reshape(num_kv_heads, kernel_pages, head_dim, page_size)
-    v_pages = v_pages.at[:, page + 1, :, store_slots].set(quantize(v, v_scale, pool.dtype),
-                                                           mode="drop")
-    return q.reshape(n, -1), v_pages.reshape(pool.shape)
+    v_pages = v_pages.at[:, page + 1, :, store_slots].set(
+        byte_view(quantize(v, v_scale, pool.dtype)), mode="drop")
+    return q.reshape(n, -1), from_byte_view(v_pages.reshape(pool.shape), pool.dtype)
 
 
 def _rope_store_kernel(q_ref, k_ref, v_ref, q_norm_ref, k_norm_ref, norm_row_ref, cos_ref,

@@ -8,6 +8,8 @@ that reads one poisons its output and `rel_err` fails on it.
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -79,3 +81,16 @@ def make_draft_case(rng, *, ctx, num_q_heads, num_kv_heads, window=None, block=8
     kw = dict(layer_offset=1, causal_in_block=causal, sliding_window=window,
               **kv_scales(pool))
     return (q, pool, table, ctx_lens, block_lens, bk, bv), kw
+
+
+def whole_pool_conversions(compiled_hlo: str, pool_elements: int) -> list[str]:
+    """Lines of a compiled program (`jax.jit(f).lower(...).compile().as_text()`) that make
+    an f16 or f32 array of at least `pool_elements` elements: an fp8 pool converted whole
+    (what XLA does to gather from or scatter into fp8 without `pool_layout.byte_view`)."""
+    found = []
+    for line in compiled_hlo.splitlines():
+        for dims in re.findall(r"\b(?:f16|f32)\[([\d,]+)\]", line.split("=", 1)[-1][:200]):
+            if int(np.prod([int(d) for d in dims.split(",")])) >= pool_elements:
+                found.append(line.strip()[:160])
+                break
+    return found

@@ -6,12 +6,16 @@ import dataclasses
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from drafter.engine import Engine
-from drafter.kv_io import live_logical_pages, padded_rows, page_bucket, row_shapes
+from drafter.kv_io import (export_step, import_step, live_logical_pages, pack_export_index,
+                           pack_import_index, page_bucket)
+from drafter.scheduler import padded_rows, row_shapes
 from drafter.steps import empty_slots
+from pallas_kernels.testing import whole_pool_conversions
 from tests.compile_log import compiled_in
 from tests.drafter.tiny import tiny_pair
 from unified_kv import BAD_PAGE_INDEX
@@ -317,3 +321,33 @@ def test_transfer_and_prefill_calls_pad_their_rows_to_a_power_of_two():
     assert [padded_rows(n, 3) for n in range(1, 4)] == [1, 2, 3]
     assert row_shapes(8) == [1, 2, 4, 8] and row_shapes(3) == [1, 2, 3]
     assert row_shapes(1) == [1]
+
+
+def test_export_and_import_move_an_fp8_pools_pages_as_bytes():
+    """XLA has no fp8 gather or scatter: on an fp8 pool it converts the whole pool to f16
+    (on the H100 an 8B cache's export asked for 6.75 GiB that way and ran out of memory).
+    export_step and import_step move the pools' uint8 views (pool_layout.byte_view)."""
+    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=64, kv_dtype="bf16",
+                               target_kv_dtype="fp8_e4m3")
+    sender = Engine(params, cfg, export=True, speculative=False)
+    sender.add_request("r", list(range(1, 21)), 4)
+    exports = []
+    while not exports:
+        sender.step()
+        exports = sender.take_exports()
+    payload, state = exports[0].payload, sender.state
+    elements = min(p.size for p in state.kv.pools if p.dtype == jnp.float8_e4m3fn)
+    slot = int(np.flatnonzero(np.asarray(state.kv.target_lens) == 20)[0])
+    buckets = tuple(len(p) for p in payload.logical_pages)
+    text = export_step.lower(state, pack_export_index([(slot, payload.logical_pages)]),
+                             pool_ids=payload.pool_ids, buckets=buckets).compile().as_text()
+    assert whole_pool_conversions(text, elements) == []
+    index = pack_import_index(np.full(cfg.spec.num_slots, cfg.spec.dummy_slot, np.int32),
+                              [(slot, payload.target_len, payload.draft_ctx_len,
+                                payload.logical_pages)])
+    rows = ((payload.first_token, payload.drafts, payload.buffers, payload.checksums),)
+    receive = jax.jit(import_step, static_argnames=("cfg", "pool_ids", "mode"))
+    text = receive.lower(state, index, rows, cfg=cfg, pool_ids=payload.pool_ids,
+                         mode="shared").compile().as_text()
+    assert whole_pool_conversions(text, elements) == []
+    sender.run()

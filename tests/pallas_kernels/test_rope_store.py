@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kv_store import write_kv
+from pallas_kernels.testing import whole_pool_conversions
 from pallas_kernels.rope_store import (rope_store, rope_store_reference, store_targets,
                                       unaddressable)
 from unified_kv import BAD_PAGE_INDEX
@@ -187,3 +188,20 @@ def test_compiled_kernel_past_4_gib_stores_what_it_stores_below():
     np.testing.assert_array_equal(big_q, small_q)
     np.testing.assert_array_equal(big_page, small_page)
     assert (small_page != 0).sum() == 2 * kv_heads * dim * n
+
+
+def test_the_reference_store_scatters_an_fp8_pool_as_bytes():
+    """XLA has no fp8 scatter: into an fp8 pool it converts the whole pool to f16 and
+    back, a pass over every page a layer. The XLA store (rope_store_reference, and
+    kv_store.write_kv under it) scatters the pool's uint8 view instead, bits alike."""
+    args, _ = case(np.random.default_rng(0), jnp.float8_e4m3fn)
+    store = lambda a: rope_store_reference(**a, layer_offset=1, num_q_heads=HEADS, eps=EPS,
+                                           k_scale=0.5, v_scale=0.125)
+    text = jax.jit(store).lower(args).compile().as_text()
+    assert whole_pool_conversions(text, args["pool"].size) == []
+    _, (table, starts, num_tokens, t) = case(np.random.default_rng(0), jnp.float8_e4m3fn)
+    k = jnp.ones((len(starts), t, KV_HEADS, DIM), jnp.float32)
+    write = lambda pool: write_kv(pool, jnp.asarray(table), jnp.asarray(starts),
+                                  jnp.asarray(num_tokens), k, k, layer_offset=1)
+    text = jax.jit(write).lower(args["pool"]).compile().as_text()
+    assert whole_pool_conversions(text, args["pool"].size) == []
