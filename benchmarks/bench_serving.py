@@ -90,18 +90,20 @@ def calls_of(engine: Engine) -> collections.Counter:
 
 def demo_part(params, cfg, prompts, max_new: int, repeats: int,
               max_num_batched_tokens: int | None = None, profile_dir: str | None = None,
-              modes=DEMO_MODES) -> dict:
+              modes=DEMO_MODES, decode_steps_per_call: int | None = None) -> dict:
     """Every mode's engine is built and compiled first; then `repeats` rounds each run
     every mode once, in an order that rotates by round, so drift (clocks, the host)
     falls on all modes alike. Per mode: median tokens/s over the rounds; `paired` ratios
     (a mode's run over the aggregated run of its round) give each mode's ratio.
     `profile_dir`: then one more run per mode under cProfile (host time by function,
     demo_profile_<mode>.txt) and one under the jax profiler (kernels and host dispatch
-    per jitted function); the timed rounds run unprofiled."""
+    per jitted function); the timed rounds run unprofiled. `decode_steps_per_call`:
+    every engine's (default: Engine's)."""
     engines = {}
     for mode in modes:
         engines[mode] = make_engine(mode, params, cfg,
-                                    max_num_batched_tokens=max_num_batched_tokens)
+                                    max_num_batched_tokens=max_num_batched_tokens,
+                                    decode_steps_per_call=decode_steps_per_call)
         for _ in range(cfg.graph_copies):  # compile (every copy) outside the timing
             engines[mode].generate(prompts, max_new)
     runs = {m: {"rates": [], "ttfts": [], "als": [], "tokens": None, "calls": {}} for m in modes}
@@ -284,6 +286,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--graph-calls", nargs="+", choices=CALL_KINDS, default=list(CALL_KINDS),
                     help="demo, handoff and load parts: StepConfig.graph_calls (the kinds of "
                          "call that launch as CUDA graphs; the others launch kernel by kernel)")
+    ap.add_argument("--demo-decode-steps", type=int, default=None,
+                    help="demo part: every engine's decode steps per call (default: the "
+                         "engine's own; 1 shows what a call of several steps adds to TTFT)")
     ap.add_argument("--pair", choices=("embedded", "8b"), default="embedded",
                     help="8b: the demo part on the Qwen3-8B-shaped pair (module doc)")
     args = ap.parse_args(argv)
@@ -334,7 +339,8 @@ def main(argv=None) -> dict:
         print("demo workload:", flush=True)
         modes = ["aggregated"] + [m for m in args.demo_modes if m != "aggregated"]
         report["demo"] = d = demo_part(params, cfg, demo_prompts, new, repeats,
-                                       args.max_num_batched_tokens, args.profile, modes)
+                                       args.max_num_batched_tokens, args.profile, modes,
+                                       args.demo_decode_steps)
         base = d["aggregated"]
         for mode, key in (("disagg-shared", "disagg_shared_over_aggregated"),
                           ("disagg-shared-threaded", "disagg_shared_threaded_over_aggregated"),
