@@ -35,10 +35,11 @@ this machine's first device (as the demo does on one GPU). Parts:
             `compiles` lists what the stream still compiled (nothing, when the
             warm-up covers every shape the stream runs).
 
-Writes serving.json (keys in `GOAL_KEYS` first). `--pair 8b` runs the demo part alone on
-the Qwen3-8B-shaped pair of benchmarks/bench_scale.py (random weights: acceptance stays
-near 1, so every request decodes about one token a step) and writes serving_8b.json: how
-much of the small pair's host-bound gap is left when steps take a real model's time.
+Writes serving.json (keys in `GOAL_KEYS` first). `--pair 8b` runs the demo and handoff
+parts on the Qwen3-8B-shaped pair of benchmarks/bench_scale.py (random weights:
+acceptance stays near 1, so every request decodes about one token a step) and writes
+serving_8b.json: how much of the small pair's host-bound gap is left when steps take a
+real model's time.
 """
 
 from __future__ import annotations
@@ -293,13 +294,16 @@ def main(argv=None) -> dict:
                     help="8b: the demo part on the Qwen3-8B-shaped pair (module doc)")
     args = ap.parse_args(argv)
     if args.pair == "8b":
-        if set(args.parts) != {"demo"}:
-            ap.error("--pair 8b runs the demo part alone: give --parts demo")
+        if not set(args.parts) <= {"demo", "handoff"}:
+            ap.error("--pair 8b runs the demo and handoff parts: give --parts demo handoff")
         tcfg, dcfg = qwen3_8b_pair()
         params = random_params(tcfg, dcfg)
-        # 8 slots (the demo's six prompts and the dummy): the fp8 pool stays under 2^31
-        # elements, which the fused Pallas K/V store addresses (pallas_kernels/rope_store)
-        cfg = dataclasses.replace(scale_step_config(tcfg, dcfg, 7, 1024),
+        # 8 slots (the demo's six prompts and the dummy): at 1K contexts the fp8 pool stays
+        # under 2^31 elements, which the fused Pallas K/V store addresses
+        # (pallas_kernels/rope_store); the handoff's longest prompt sets the context
+        context = max([1024] + (args.handoff_lengths or [8192] if "handoff" in args.parts
+                                else []))
+        cfg = dataclasses.replace(scale_step_config(tcfg, dcfg, 7, context),
                                   graph_loops=args.graph_loops, graph_copies=args.graph_copies)
     else:
         params, tcfg, dcfg = load_default()

@@ -33,6 +33,8 @@
 # steps into scale_b1_graphs_{off,on}.json.
 # graph_copies (not in the default list): the demo with one program per step variant
 # beside two alternated copies (StepConfig.graph_copies), and the copies' graph records.
+# serving_8b (not in the default list): the demo and handoff parts on the Qwen3-8B-shaped pair
+# (random weights), aggregated beside disaggregated-shared, into serving_8b.json.
 # serving_process (not in the default list): the demo with its context worker in a child
 # process on the same GPU, beside the in-process pair (serving_process/serving.json).
 # graph_calls (not in the default list): the demo and short handoffs with transfers,
@@ -59,7 +61,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -140,6 +142,9 @@ for stage in "${stages[@]}"; do
     serving)
       run 450 serving python3 benchmarks/bench_serving.py --out "$OUT" \
         --parts demo handoff --repeats 15 ;;
+    serving_8b)
+      run 450 serving_8b python3 benchmarks/bench_serving.py --out "$OUT" --pair 8b \
+        --parts demo handoff --repeats 5 --demo-modes disagg-shared ;;
     serving_process)
       # the demo with its context worker in a child process on the same GPU (two host loops
       # in two processes, KV through jax.experimental.transfer) beside the in-process pair;
