@@ -1,13 +1,15 @@
 """A generation engine's side of its KV source: requests awaiting KV, and what arrives.
 
     admitted ──fetch──> KVSource ──poll──> payload: handed to the scheduler (imported
-                                           next step); its first token booked as soon
-                                           as the sender's prefill has computed it
+                                           next step); its first token booked at the
+                                           first poll that finds it computed, at the
+                                           latest just before its import's step is read
                                   failure / silence past the timeout: the request ends
 
 The first token is the sender's (its prefill sampled it), so booking it needs
 no import: time to first token does not wait for the move, the import or the
-generation worker's step. Nothing here waits on the device.
+generation worker's step. Polls never wait on the device; `book_imported` waits only
+for tokens the step being read depends on.
 """
 
 from __future__ import annotations
@@ -116,8 +118,25 @@ class Arrivals:
                      for x in (token, logprobs, *(bits for bits, _ in prompt))):
                 del self._first[request_id]
                 ready.append((seq, token, logprobs, prompt))
+        return self._book(ready, now)
+
+    def book_imported(self, seqs) -> list[Result]:
+        """Book the unbooked first tokens of `seqs`, whose import is in the step about to
+        be read, waiting for them: an import takes its first token as an input, so the
+        token is computed before the step's outputs are, and it is dated by its own read,
+        not by the import's and its decode steps'."""
+        ready = [(seq, *self._first.pop(seq.request_id)[1:]) for seq in seqs
+                 if seq.request_id in self._first]
+        ready = [entry for entry in ready if not (entry[0].phase is Phase.DONE
+                                                   or entry[0].tokens)]
+        return self._book(ready, None) if ready else []
+
+    def _book(self, ready, now: float | None) -> list[Result]:
+        """Book (seq, first token, its log-probabilities, prompt parts) entries, read
+        together (one host read), at `now` (None: once read)."""
         results = []
         read = jax.device_get([(t, lp, p) for _, t, lp, p in ready])
+        now = time.perf_counter() if now is None else now
         for (seq, *_), (token, logprobs, prompt) in zip(ready, read):
             self.scheduler.book_prompt_logprobs(seq, prompt_logprob_rows(prompt,
                                                                          LOGPROB_WIDTH))

@@ -400,8 +400,9 @@ class Engine:
         return out
 
     def _collect(self, plan, outputs, imported) -> list[Result]:
+        results = self.arrivals.book_imported(plan.imports)   # before the step's outputs
         outputs, imported = jax.device_get((outputs, imported))
-        results = update_from_output(self.scheduler, plan, self.executor.unpack(outputs),
+        results += update_from_output(self.scheduler, plan, self.executor.unpack(outputs),
                                      imported, time.perf_counter(), export=self.export)
         for seq in plan.decode:
             if seq.phase is not Phase.DONE:

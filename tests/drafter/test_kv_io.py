@@ -351,3 +351,29 @@ def test_export_and_import_move_an_fp8_pools_pages_as_bytes():
                          mode="shared").compile().as_text()
     assert whole_pool_conversions(text, elements) == []
     sender.run()
+
+
+class NeverReady(int):
+    """A first token the device has not computed at any poll (is_ready stays False)."""
+
+    def is_ready(self):
+        return False
+
+
+def test_an_imported_first_token_is_booked_before_its_steps_outputs_are_read(pair):
+    """A first token not ready at any poll is booked when the step that imports it is
+    read, before that step's outputs (the import and its decode steps): dated by its own
+    read, so the time to first token is earlier than the first decode step's token."""
+    params, cfg, _ = pair
+    prompt = [(3 * j) % 60 + 1 for j in range(20)]
+    sender = Engine(params, cfg, export=True, speculative=False)
+    sender.add_request("r", prompt, 4)
+    (export,) = _exports(sender, 1)
+    payload = dataclasses.replace(export.payload,
+                                  first_token=NeverReady(int(export.payload.first_token)))
+    receiver = Engine(params, cfg, kv_source=OneShot({"r": payload}), decode_steps_per_call=2)
+    receiver.add_request("r", prompt, 5)
+    (result,) = receiver.run()
+    alone = Engine(params, cfg).generate([prompt], 5)[0]
+    assert result.ok and result.tokens == alone.tokens
+    assert result.token_times_s[0] < result.token_times_s[1], result.token_times_s
