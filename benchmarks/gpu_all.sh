@@ -34,7 +34,9 @@
 # graph_copies (not in the default list): the demo with one program per step variant
 # beside two alternated copies (StepConfig.graph_copies), and the copies' graph records.
 # serving_8b (not in the default list): the demo and handoff parts on the Qwen3-8B-shaped pair
-# (random weights), aggregated beside disaggregated-shared, into serving_8b.json.
+# (random weights), aggregated beside disaggregated-shared, into serving_8b.json; then the
+# demo with one decode step per call (what a call of 8 steps adds to TTFT) into
+# serving_8b_steps1/.
 # serving_process (not in the default list): the demo with its context worker in a child
 # process on the same GPU, beside the in-process pair (serving_process/serving.json).
 # graph_calls (not in the default list): the demo and short handoffs with transfers,
@@ -143,8 +145,12 @@ for stage in "${stages[@]}"; do
       run 450 serving python3 benchmarks/bench_serving.py --out "$OUT" \
         --parts demo handoff --repeats 15 ;;
     serving_8b)
-      run 450 serving_8b python3 benchmarks/bench_serving.py --out "$OUT" --pair 8b \
-        --parts demo handoff --repeats 5 --demo-modes disagg-shared ;;
+      run 400 serving_8b python3 benchmarks/bench_serving.py --out "$OUT" --pair 8b \
+        --parts demo handoff --repeats 5 --demo-modes disagg-shared
+      mkdir -p "$OUT/serving_8b_steps1"
+      run 150 serving_8b_steps1 python3 benchmarks/bench_serving.py --pair 8b --parts demo \
+        --repeats 3 --demo-modes disagg-shared --demo-decode-steps 1 \
+        --out "$OUT/serving_8b_steps1" ;;
     serving_process)
       # the demo with its context worker in a child process on the same GPU (two host loops
       # in two processes, KV through jax.experimental.transfer) beside the in-process pair;
