@@ -146,7 +146,7 @@ for stage in "${stages[@]}"; do
         --parts demo handoff --repeats 15 ;;
     serving_8b)
       run 400 serving_8b python3 benchmarks/bench_serving.py --out "$OUT" --pair 8b \
-        --parts demo handoff --repeats 5 --demo-modes disagg-shared
+        --parts demo handoff --repeats 5 --demo-modes disagg-shared --handoff-lengths 128 2048 8192
       mkdir -p "$OUT/serving_8b_steps1"
       run 150 serving_8b_steps1 python3 benchmarks/bench_serving.py --pair 8b --parts demo \
         --repeats 3 --demo-modes disagg-shared --demo-decode-steps 1 \
