@@ -57,7 +57,8 @@ import numpy as np
 from benchmarks.bench_decode_speed import engine_rate
 from benchmarks.bench_scale import step_config as scale_step_config
 from benchmarks.profile_step import traced_kernel_ms, write_host_profile
-from benchmarks.serving_stream import LOAD_MODES, close, load_part, make_engine, p
+from benchmarks.serving_stream import (DEMO_NEW_TOKENS, LOAD_MODES, close, demo_prompts,
+                                       load_part, make_engine, p)
 from benchmarks.timing import report_goals, write_results
 from disagg.transfer import move_payload
 from drafter.default import default_step_config, load_default, load_prompts
@@ -293,6 +294,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--pair", choices=("embedded", "8b"), default="embedded",
                     help="8b: the demo part on the Qwen3-8B-shaped pair (module doc)")
     args = ap.parse_args(argv)
+    held_out = load_prompts()
     if args.pair == "8b":
         if not set(args.parts) <= {"demo", "handoff"}:
             ap.error("--pair 8b runs the demo and handoff parts: give --parts demo handoff")
@@ -301,8 +303,8 @@ def main(argv=None) -> dict:
         # 8 slots (the demo's six prompts and the dummy): at 1K contexts the fp8 pool stays
         # under 2^31 elements, which the fused Pallas K/V store addresses
         # (pallas_kernels/rope_store); the handoff's longest prompt sets the context
-        context = max([1024] + (args.handoff_lengths or [8192] if "handoff" in args.parts
-                                else []))
+        longest = max(args.handoff_lengths or [q["length"] for q in held_out])
+        context = max(1024, longest if "handoff" in args.parts else 0)
         cfg = dataclasses.replace(scale_step_config(tcfg, dcfg, 7, context),
                                   graph_loops=args.graph_loops, graph_copies=args.graph_copies)
     else:
@@ -310,7 +312,6 @@ def main(argv=None) -> dict:
         cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,
                                   graph_loops=args.graph_loops, graph_copies=args.graph_copies)
     cfg = dataclasses.replace(cfg, graph_calls=tuple(args.graph_calls))
-    held_out = load_prompts()
     by_len = {}
     for q in held_out:
         by_len.setdefault(q["length"], q["tokens"])
@@ -320,17 +321,17 @@ def main(argv=None) -> dict:
               "graph_calls": list(cfg.graph_calls)}
     if args.quick:
         short = [q["tokens"][:40] for q in held_out[:4]]
-        demo_prompts, handoff_prompts, load_prompts_ = short, {24: short[0][:24]}, short
+        demo_tokens, handoff_prompts, load_prompts_ = short, {24: short[0][:24]}, short
         repeats, new, batches, steps = 1, 6, [1, 2], 4
     else:
-        demo_prompts = [q["tokens"] for q in held_out if q["length"] <= 512][:6]
+        demo_tokens = demo_prompts(held_out)
         handoff_prompts, load_prompts_ = by_len, [q["tokens"] for q in held_out]
         if args.handoff_lengths:
             if missing := sorted(set(args.handoff_lengths) - set(by_len)):
                 ap.error(f"--handoff-lengths: no held-out prompt is {missing} tokens long; "
                          f"the lengths are {sorted(by_len)}")
             handoff_prompts = {n: by_len[n] for n in args.handoff_lengths}
-        repeats, new, batches, steps = args.repeats, 48, args.engine_batches, 32
+        repeats, new, batches, steps = args.repeats, DEMO_NEW_TOKENS, args.engine_batches, 32
 
     name = "serving" if args.pair == "embedded" else "serving_8b"
 
@@ -342,7 +343,7 @@ def main(argv=None) -> dict:
     if "demo" in args.parts:
         print("demo workload:", flush=True)
         modes = ["aggregated"] + [m for m in args.demo_modes if m != "aggregated"]
-        report["demo"] = d = demo_part(params, cfg, demo_prompts, new, repeats,
+        report["demo"] = d = demo_part(params, cfg, demo_tokens, new, repeats,
                                        args.max_num_batched_tokens, args.profile, modes,
                                        args.demo_decode_steps)
         base = d["aggregated"]

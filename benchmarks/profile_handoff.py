@@ -34,7 +34,7 @@ import time
 import jax
 
 from benchmarks.profile_step import device_lines, kernel_events, outer_jit_calls
-from benchmarks.serving_stream import close, make_engine
+from benchmarks.serving_stream import DEMO_NEW_TOKENS, close, demo_prompts, make_engine
 from drafter.default import default_step_config, load_default, load_prompts
 
 MODES = ("aggregated", "disagg-shared")
@@ -120,18 +120,18 @@ def host_summary(events, wall_s: float) -> list[str]:
 
 def demo_timelines(params, cfg, held, out_dir) -> None:
     """The demo workload's host events per mode, unprofiled (see the module doc)."""
-    prompts = [q["tokens"] for q in held if q["length"] <= 512][:6]
+    prompts, new = demo_prompts(held), DEMO_NEW_TOKENS
     events: list = []
     engines = {m: instrumented(make_engine(m, params, cfg), events) for m in MODES}
     for mode, engine in engines.items():
         for _ in range(3):   # compile, then warm
-            engine.generate(prompts, 48)
+            engine.generate(prompts, new)
         events.clear()
         start = time.perf_counter()
-        results = engine.generate(prompts, 48)
+        results = engine.generate(prompts, new)
         wall = time.perf_counter() - start
         tokens = sum(len(r.tokens) for r in results)
-        lines = [f"{mode}, demo workload ({len(prompts)} prompts x 48 tokens), unprofiled: "
+        lines = [f"{mode}, demo workload ({len(prompts)} prompts x {new} tokens), unprofiled: "
                  f"{1e3 * wall:.2f} ms wall, {tokens / wall:.0f} tok/s; host events, ms "
                  f"from the first submit:"]
         lines += [f"  {1e3 * (a - start):8.3f} +{1e3 * (b - a):7.3f} {label}"

@@ -25,6 +25,16 @@ from drafter.engine import Engine
 _CHILDREN: dict = {}
 
 
+# bench_serving's demo workload: the held-out prompts of at most 512 tokens (the first
+# six), 48 new tokens each
+DEMO_NEW_TOKENS = 48
+
+
+def demo_prompts(held_out) -> list:
+    """The demo workload's prompts (token ids) from `drafter.default.load_prompts()`."""
+    return [q["tokens"] for q in held_out if q["length"] <= 512][:6]
+
+
 def make_engine(mode: str, params, cfg, **engine_kwargs) -> Engine:
     """aggregated; disagg-{shared,private}[-threaded]: a context engine in this process
     (`disagg.sources`); disagg-shared-process: a context worker in a child process on

@@ -112,7 +112,7 @@ class Arrivals:
         Ready tokens are read together (one host read, not one per request)."""
         ready = []
         for request_id, (seq, token, logprobs, prompt) in list(self._first.items()):
-            if seq.phase is Phase.DONE or seq.tokens:  # ended, or booked by the import
+            if _settled(seq):
                 del self._first[request_id]
             elif all(not hasattr(x, "is_ready") or x.is_ready()
                      for x in (token, logprobs, *(bits for bits, _ in prompt))):
@@ -125,10 +125,9 @@ class Arrivals:
         be read, waiting for them: an import takes its first token as an input, so the
         token is computed before the step's outputs are, and it is dated by its own read,
         not by the import's and its decode steps'."""
-        ready = [(seq, *self._first.pop(seq.request_id)[1:]) for seq in seqs
-                 if seq.request_id in self._first]
-        ready = [entry for entry in ready if not (entry[0].phase is Phase.DONE
-                                                   or entry[0].tokens)]
+        entries = [self._first.pop(seq.request_id) for seq in seqs
+                   if seq.request_id in self._first]
+        ready = [entry for entry in entries if not _settled(entry[0])]
         return self._book(ready, None) if ready else []
 
     def _book(self, ready, now: float | None) -> list[Result]:
@@ -144,3 +143,8 @@ class Arrivals:
                                          logprobs=logprob_rows(logprobs))):
                 results.append(r)
         return results
+
+
+def _settled(seq) -> bool:
+    """No first token left to book: the request ended, or its import booked it."""
+    return seq.phase is Phase.DONE or bool(seq.tokens)

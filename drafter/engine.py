@@ -17,8 +17,9 @@ Roles are configurations of this one loop:
 
 The device state is one pytree threaded through donated jitted calls; the
 only host reads are each step's outputs (committed tokens, ok masks), one
-`device_get` per step, and arrived first tokens (drafter/arrivals.py). Failure is data (`ok` masks) in the steps and a
-Result with finish_reason "error" for the one request it concerns.
+`device_get` per step, and arrived first tokens (drafter/arrivals.py). Failure
+is data (`ok` masks) in the steps and a Result with finish_reason "error" for
+the one request it concerns.
 """
 
 from __future__ import annotations

@@ -276,11 +276,8 @@ def test_a_payload_for_other_lengths_is_refused_in_the_step(pair):
     params, cfg, _ = pair
     sender = Engine(params, cfg, export=True, speculative=False)
     sender.add_request("a", list(range(1, 30)), 4)
-    exports = []
-    while not exports:
-        sender.step()
-        exports = sender.take_exports()
-    payload = exports[0].payload
+    (export,) = _exports(sender, 1)
+    payload = export.payload
 
     # The receiver believes the prompt is 29 tokens but is told its pages start later.
     shifted = tuple(np.where(l >= 0, l + 1, l) for l in payload.logical_pages)
@@ -331,11 +328,8 @@ def test_export_and_import_move_an_fp8_pools_pages_as_bytes():
                                target_kv_dtype="fp8_e4m3")
     sender = Engine(params, cfg, export=True, speculative=False)
     sender.add_request("r", list(range(1, 21)), 4)
-    exports = []
-    while not exports:
-        sender.step()
-        exports = sender.take_exports()
-    payload, state = exports[0].payload, sender.state
+    (export,) = _exports(sender, 1)
+    payload, state = export.payload, sender.state
     elements = min(p.size for p in state.kv.pools if p.dtype == jnp.float8_e4m3fn)
     slot = int(np.flatnonzero(np.asarray(state.kv.target_lens) == 20)[0])
     buckets = tuple(len(p) for p in payload.logical_pages)
