@@ -7,12 +7,15 @@ embedded default") and shipped as orbax checkpoints in drafter/default_pair/.
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from drafter.checkpoint import load_dflash, load_dflash_config
 from drafter.dflash import DFlashConfig, init_params as init_draft
@@ -25,6 +28,7 @@ from unified_kv import CacheSpec
 
 PAIR_DIR = Path(__file__).parent / "default_pair"
 PROMPTS_FILE = Path(__file__).parent / "data" / "eval_prompts.json"
+ACCEPTANCE_PROMPTS_FILE = Path(__file__).parent / "data" / "acceptance_prompts.json"
 
 
 def import_pair(target_dir, draft_dir, out_dir=PAIR_DIR) -> None:
@@ -78,3 +82,15 @@ def default_step_config(tcfg: Qwen3Config, dcfg: DFlashConfig | None, *, num_slo
 def load_prompts() -> list[dict]:
     """The shipped held-out prompt set: [{"length", "tokens"}, ...]."""
     return json.loads(PROMPTS_FILE.read_text())["prompts"]
+
+
+def load_acceptance_prompts() -> list[dict]:
+    """The held-out set acceptance is measured on (16 a length, the shipped prompts
+    first; drafter.make_prompts): [{"length", "tokens"}, ...]."""
+    stored = json.loads(ACCEPTANCE_PROMPTS_FILE.read_text())["prompts"]
+    return [{"length": p["length"], "tokens": decode_tokens(p["tokens"])} for p in stored]
+
+
+def decode_tokens(stored: str) -> list[int]:
+    """Token ids stored as base64 of zlib of little-endian uint16 (compact for files)."""
+    return np.frombuffer(zlib.decompress(base64.b64decode(stored)), "<u2").tolist()

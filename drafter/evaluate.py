@@ -1,13 +1,18 @@
-"""Acceptance and speed of the embedded default pair on the shipped held-out prompts.
+"""Acceptance and speed of the embedded default pair on held-out prompts.
 
     PYTHONPATH=. python -m drafter.evaluate [--quick] [--max-new N] [--impl I] [--json FILE]
-        [--lengths N ...] [--context N] [--draft DIR]
+        [--prompts acceptance|shipped] [--lengths N ...] [--context N] [--draft DIR]
 
-Per prompt length: mean acceptance length (AL, tokens committed per decode
-step, block 8), per-position acceptance (how often draft k was accepted),
-and a check that speculative output equals plain greedy output. Then plain
-vs speculative decode tokens/s at batch 1 and batch 16 on this device (device
-time of the jitted steps, rows prefilled with the 128-token prompts).
+Per prompt length: acceptance length (AL: tokens committed per decode step, block 8,
+over every step of the length's prompts) with a 95% interval over prompts, each
+prompt's AL, per-position acceptance (how often draft k was accepted), and a check
+that speculative output equals plain greedy output. Then plain vs speculative decode
+tokens/s at batch 1 and batch 16 on this device (device time of the jitted steps,
+rows prefilled with the shipped 128-token prompts).
+
+Acceptance is measured on the acceptance set (16 prompts a length; the shipped
+demo prompts are its first few): a continuation's AL varies from 2 to 8 from prompt
+to prompt, so a few prompts a length say little about the length.
 
 `--context N` cuts every prompt to its first token and its last N: the same
 continuation points with less context, which tells what a length costs in AL
@@ -25,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from drafter.checkpoint import load_dflash
-from drafter.default import default_step_config, load_default, load_prompts
+from drafter.default import (default_step_config, load_acceptance_prompts, load_default,
+                             load_prompts)
 from drafter.engine import Engine
 from drafter.inspect import pair_checks
 from drafter.uniform_steps import decode_step, plain_decode_step
@@ -48,9 +54,23 @@ def cut_to_context(prompts: list[dict], context: int) -> list[dict]:
             if len(p["tokens"]) > context + 1 else p for p in prompts]
 
 
-def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto"):
-    speculative_cfg = default_step_config(tcfg, dcfg, num_slots=4, impl=impl)
-    plain_cfg = default_step_config(tcfg, None, num_slots=4, impl=impl)
+def interval(per_prompt_steps: list[list[int]], level: float = 0.95,
+             resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap interval over prompts for AL (committed tokens over steps, pooled):
+    prompts drawn with replacement, `level` of the resampled ALs inside."""
+    committed = np.array([sum(s) for s in per_prompt_steps], float)
+    steps = np.array([len(s) for s in per_prompt_steps], float)
+    picks = np.random.default_rng(0).integers(0, len(steps), (resamples, len(steps)))
+    als = committed[picks].sum(1) / steps[picks].sum(1)
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(als, tail)), float(np.percentile(als, 100 - tail))
+
+
+def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto", num_slots=16):
+    """Per prompt length, speculative beside plain greedy decoding of its prompts (in
+    batches of `num_slots`)."""
+    speculative_cfg = default_step_config(tcfg, dcfg, num_slots=num_slots, impl=impl)
+    plain_cfg = default_step_config(tcfg, None, num_slots=num_slots, impl=impl)
     rows = []
     for length in sorted({p["length"] for p in prompts}):
         group = [p["tokens"] for p in prompts if p["length"] == length]
@@ -59,10 +79,13 @@ def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto"):
         steps = [a for r in speculative for a in r.acceptance]
         row = {"prompt_length": length, "num_prompts": len(group),
                "acceptance_length": float(np.mean(steps)),
+               "acceptance_length_95": interval([r.acceptance for r in speculative]),
                "per_prompt_al": [r.acceptance_length for r in speculative],
                "per_position_acceptance": per_position_acceptance(steps, dcfg.block_size),
                "lossless": [r.tokens for r in speculative] == [r.tokens for r in plain]}
-        print(f"  prompt {length:>5}: AL {row['acceptance_length']:.2f}  per-position "
+        low, high = row["acceptance_length_95"]
+        print(f"  prompt {length:>5}: AL {row['acceptance_length']:.2f} (95% over its "
+              f"{len(group)} prompts: {low:.2f}-{high:.2f})  per-position "
               f"{[round(x, 2) for x in row['per_position_acceptance']]}  "
               f"lossless={row['lossless']}", flush=True)
         rows.append(row)
@@ -142,6 +165,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="output file (default eval_default_<backend>[_quick].json here)")
     ap.add_argument("--impl", choices=IMPLS, default="auto",
                     help="attention kernels (models/attention.py)")
+    ap.add_argument("--prompts", choices=("acceptance", "shipped"), default="acceptance",
+                    help="the acceptance set (16 a length) or the demo's shipped prompts")
     ap.add_argument("--lengths", type=int, nargs="+", default=None,
                     help="only the prompts of these lengths (default: every length)")
     ap.add_argument("--context", type=int, default=None,
@@ -157,12 +182,12 @@ def main(argv=None):
             raise SystemExit(f"--draft {args.draft}: it does not fit the shipped target: "
                              f"{'; '.join(problems)}; give a drafter trained for it "
                              f"(python -m drafter.make_default --from-default)")
-    prompts = load_prompts()
+    prompts = load_acceptance_prompts() if args.prompts == "acceptance" else load_prompts()
     if args.lengths:
+        lengths = sorted({p["length"] for p in prompts})
         prompts = [p for p in prompts if p["length"] in args.lengths]
         if not prompts:
-            raise SystemExit(f"--lengths {args.lengths}: the shipped prompts have lengths "
-                             f"{sorted({p['length'] for p in load_prompts()})}")
+            raise SystemExit(f"--lengths {args.lengths}: the prompts have lengths {lengths}")
     if args.context is not None:
         prompts = cut_to_context(prompts, args.context)
     if args.quick:
@@ -172,12 +197,13 @@ def main(argv=None):
                    and len(keep[p["length"]]) <= 2]
     print(f"device: {jax.devices()[0].device_kind}; {len(prompts)} held-out prompts", flush=True)
     report = {"machine": machine(), "impl": args.impl, "block_size": dcfg.block_size,
+              "prompts": args.prompts,
               "draft": args.draft or "shipped",
               "max_new": args.max_new, "context": args.context,
               "by_length": acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
                                                 args.impl)}
-    short = [p["tokens"] for p in prompts if p["length"] == 128]
-    if short and args.context is None:   # speed: rows prefilled with the 128-token prompts
+    short = [p["tokens"] for p in load_prompts() if p["length"] == 128]
+    if args.context is None and (not args.lengths or 128 in args.lengths):  # speed: shipped 128s
         report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b, impl=args.impl)
                            for b in ((1,) if args.quick else (1, 16))]
     path = Path(args.json) if args.json else Path(
