@@ -2,6 +2,7 @@
 context) and device rate."""
 
 import collections
+import types
 
 import numpy as np
 import pytest
@@ -9,8 +10,10 @@ import pytest
 from drafter.corpus import BOS
 from drafter.default import decode_tokens, load_acceptance_prompts, load_prompts
 from drafter.engine import Engine
-from drafter.evaluate import cut_to_context, device_rate, interval
+from drafter.evaluate import (cut_to_context, device_rate, divergences, first_divergence,
+                              interval)
 from drafter.make_prompts import ACCEPTANCE_PER_LENGTH, SHIPPED, encode, prompt_sets
+from models.qwen3 import dense_forward
 from tests.drafter.tiny import tiny_pair
 
 
@@ -82,3 +85,31 @@ def test_device_rate_refuses_an_engine_without_requests():
     engine = Engine({"target": params["target"]}, plain_cfg, speculative=False)
     with pytest.raises(ValueError, match="holding requests"):
         device_rate(engine, steps=2, repeats=1)
+
+
+def test_first_divergence_finds_a_parting_or_an_early_end():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2   # one stopped, the other went on
+
+
+def test_divergences_judge_a_parting_by_the_exact_logits_there():
+    """Plain greedy output from the engine; a 'speculative' output that takes the worst
+    token at position 2 is no near-tie, and one that ends early is reported as a stop."""
+    params, cfg, plain_cfg = tiny_pair(num_slots=2)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    plain = Engine({"target": params["target"]}, plain_cfg, speculative=False).generate(
+        prompts, 6)
+    logits = np.asarray(dense_forward(params["target"], plain_cfg.target,
+                                      np.asarray([prompts[0] + plain[0].tokens[:2]]))[0][0, -1])
+    assert int(logits.argmax()) == plain[0].tokens[2]
+    worst = int(logits.argmin())
+    wrong = types.SimpleNamespace(tokens=plain[0].tokens[:2] + [worst] + plain[0].tokens[3:])
+    short = types.SimpleNamespace(tokens=plain[1].tokens[:3])
+    assert divergences(params, plain_cfg.target, prompts, plain, plain) == []
+    parted = divergences(params, plain_cfg.target, prompts, [wrong, short], plain)
+    assert parted[0]["prompt"] == 0 and parted[0]["at"] == 2
+    assert parted[0]["tokens"] == [worst, plain[0].tokens[2]]
+    assert parted[0]["gap_std"] > 1 and not parted[0]["near_tie"]
+    assert parted[1] == {"prompt": 1, "at": 3, "tokens": None, "gap_std": None,
+                         "near_tie": False}
