@@ -51,8 +51,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from benchmarks.timing import write_results
 from disagg.transfer import move_payload, pinned_host_sharding
 from drafter.kv_io import (KVPayload, checksum, export_step, import_step, live_logical_pages,
-                           pack_export_index, pack_import_index, padded_pages,
-                           receiver_shardings, sent_pool_ids)
+                           padded_pages, receiver_shardings, sent_pool_ids)
+from drafter.transfer_calls import pack_export_index, pack_import_index
 from drafter.steps import StepState, StepConfig
 from unified_kv import NULL_PAGE, CacheSpec, LayerSpec, grow, init_state, layer_name
 

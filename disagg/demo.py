@@ -66,6 +66,9 @@ def explanation(block_size: int, on_cpu: bool, limit_note: str | None) -> list[s
         "disagg-private: only the target's KV moves; the generation worker drafts without "
         "the prompt's context KV. Tokens stay the same (verification is lossless); AL drops: "
         "the table above gives the loss per prompt length (shared - private AL).",
+        "A prompt's AL varies from 2 to 8 with its continuation, so a few prompts a length "
+        "show the shared-private loss, not the length's AL: `python -m drafter.evaluate` "
+        "measures that over 16 held-out prompts a length, with a 95% interval.",
         "tok/s: generated tokens per wall-clock second, all requests together (median and "
         "min..max over repeats); TTFT: submit to first token, ms; moved: KV bytes imported "
         "by the generation worker, MiB (2^20 bytes).",

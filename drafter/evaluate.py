@@ -105,6 +105,13 @@ def divergences(params, tcfg, prompts, speculative, plain) -> list[dict]:
     return out
 
 
+def _parting(d: dict) -> str:
+    if d["tokens"] is None:
+        return "a stop"
+    tie = "" if d["near_tie"] else ": NOT a near-tie"
+    return f"{d['tokens']} ({d['gap_std']:.3f} sd{tie})"
+
+
 def interval(per_prompt_steps: list[list[int]], level: float = 0.95,
              resamples: int = 2000) -> tuple[float, float]:
     """A bootstrap interval over prompts for AL (committed tokens over steps, pooled):
@@ -141,9 +148,7 @@ def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto", num_
         low, high = row["acceptance_length_95"]
         equal = f"{len(group) - len(parted)} of {len(group)} equal to plain greedy"
         if parted:
-            equal += "; parting at " + ", ".join(
-                f"{d['tokens']} ({d['gap_std']:.3f} sd{'' if d['near_tie'] else ': NOT a near-tie'})"
-                if d["tokens"] else "a stop" for d in parted)
+            equal += "; parting at " + ", ".join(_parting(d) for d in parted)
         print(f"  prompt {length:>5}: AL {row['acceptance_length']:.2f} (95% over its "
               f"{len(group)} prompts: {low:.2f}-{high:.2f})  per-position "
               f"{[round(x, 2) for x in row['per_position_acceptance']]}  {equal}",

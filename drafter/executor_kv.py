@@ -16,10 +16,10 @@ import functools
 import jax
 import numpy as np
 
-from drafter.kv_io import (Export, KVPayload, call_groups, export_payloads, pack_import_index,
-                           sent_pool_ids, transfer_shapes)
+from drafter.kv_io import Export, KVPayload, export_payloads, sent_pool_ids, transfer_shapes
 from drafter.mixed_step import first_logprobs_bits, prompt_logprobs_bits
-from drafter.scheduler import StepPlan, padded_rows, row_shapes
+from drafter.scheduler import StepPlan, row_shapes
+from drafter.transfer_calls import call_groups, call_rows, pack_import_index
 from unified_kv import BAD_PAGE_INDEX
 
 
@@ -58,10 +58,10 @@ class KVCalls:
             self.bytes_imported += payload.nbytes
         out = [None] * len(arrivals)
         keys = [tuple(len(p) for p in payload.logical_pages) for _, payload, _ in arrivals]
-        for key, idx in call_groups(keys, self.transfer_rows):
-            pad = padded_rows(len(idx), self.transfer_rows) - len(idx)
+        for key, idx, padded in call_groups(keys, self.transfer_rows):
             rows = [arrivals[i][:2] for i in idx] + [(self.spec.dummy_slot,
-                                                      self._empty_payload(key))] * pad
+                                                      self._empty_payload(key))] * (
+                padded - len(idx))
             for i, ok in zip(idx, self._import_rows(rows, resets)):
                 out[i] = ok
             resets = self._no_slots()
@@ -118,7 +118,7 @@ class KVCalls:
         shapes = transfer_shapes(self.spec, self.mode, lengths, with_draft=with_draft)
         dummy = self.spec.dummy_slot
         for buckets, n in shapes.items():
-            for rows in row_shapes(self.transfer_rows):
+            for rows in row_shapes(call_rows(buckets, self.transfer_rows)):
                 for _ in self._exports.copies if exports else ():
                     self.export([(dummy, n)] * rows)
                 for _ in self._imports.copies if imports else ():

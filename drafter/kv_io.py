@@ -15,12 +15,11 @@
 In shared mode the receiver starts from exactly the draft block aggregated
 serving would have (the sender's prefill computed it), so a handoff needs no
 call beyond the export and the import. Requests of one page bucket
-(`page_bucket`) share an export or import call, up to `rows_per_call` of
-them, padded with rows that change nothing to a power of two (`padded_rows`);
-in private mode one redraft call per step covers its arrivals (shape: the
-table width). So a stream of prompts of any length runs a few programs, all
-compiled before the first request (`transfer_shapes` lists the buckets;
-`Engine.warmup` compiles them).
+(`page_bucket`) share an export or import call, padded with rows that change
+nothing (drafter/transfer_calls.py); in private mode one redraft call per step
+covers its arrivals (shape: the table width). So a stream of prompts of any
+length runs a few programs, all compiled before the first request
+(`transfer_shapes` lists the buckets; `Engine.warmup` compiles them).
 
 All run on the device with no host sync: the live logical pages of a row
 follow from its lengths and the pool's window (`live_logical_pages`), so the
@@ -28,9 +27,7 @@ host computes them without reading the page tables. A receiver whose cache
 disagrees (windows, page size) or a buffer corrupted in transit comes back
 as `ok` False; the slot then does not run, and the next step's reset empties it.
 A call's host inputs (slots, lengths, logical pages, resets) travel packed in
-one i32 array (`pack_export_index`, `pack_import_index`): on a GPU every
-host array a call takes is a transfer of its own, which costs more host time
-than the call's kernels.
+one i32 array (`transfer_calls.pack_export_index`, `pack_import_index`).
 """
 
 from __future__ import annotations
@@ -45,8 +42,8 @@ import numpy as np
 
 from drafter.request import Request
 from drafter.sampling import first_counts
-from drafter.scheduler import padded_rows
 from drafter.steps import StepConfig, StepState, at_precision, empty_slots, redraft_rows
+from drafter.transfer_calls import call_groups, pack_export_index
 from pallas_kernels.pool_layout import byte_view, from_byte_view
 from unified_kv import (BAD_PAGE_INDEX, NULL_PAGE, CacheSpec, allocate_pages,
                         live_logical_pages, pow2_at_least)
@@ -130,37 +127,6 @@ def _physical(row, logical):
     """Physical pages of `logical` entries of a table row; padding -> NULL_PAGE."""
     pages = row[jnp.clip(logical, 0, row.shape[0] - 1)]
     return jnp.where(logical >= 0, pages, NULL_PAGE)
-
-
-def call_groups(keys, rows_per_call: int):
-    """(key, indices) per transfer call: items of one key (page bucket) together, at
-    most `rows_per_call` a call. A call of n items runs `padded_rows(n, rows_per_call)`
-    rows (`row_shapes` a bucket)."""
-    by_key: dict = {}
-    for i, key in enumerate(keys):
-        by_key.setdefault(key, []).append(i)
-    for key, idx in by_key.items():
-        for j in range(0, len(idx), rows_per_call):
-            yield key, idx[j:j + rows_per_call]
-
-
-def pack_export_index(rows) -> np.ndarray:
-    """An export call's host inputs as one i32[rows, 1 + sum(buckets)] array (one
-    transfer a call): per row its slot, then its logical pages of each sent pool.
-    rows: (slot, logical_pages: per pool i32[n_bucket]) per request."""
-    return np.stack([np.concatenate([np.int32([slot]), *logical]).astype(np.int32)
-                     for slot, logical in rows])
-
-
-def pack_import_index(reset_slots, rows) -> np.ndarray:
-    """An import call's host inputs as one i32 vector (one transfer a call): the
-    slots to empty first (i32[num_slots], dummy pads), then per row its slot,
-    target_len, draft_ctx_len and logical pages of each sent pool.
-    rows: (slot, target_len, draft_ctx_len, logical_pages) per request."""
-    parts = [np.asarray(reset_slots, np.int32)]
-    for slot, target_len, draft_ctx_len, logical in rows:
-        parts += [np.int32([slot, target_len, draft_ctx_len]), *logical]
-    return np.concatenate(parts).astype(np.int32)
 
 
 def _split(vector, sizes):
@@ -338,11 +304,10 @@ def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
     pool_ids, out = sent_pool_ids(spec, mode), [None] * len(rows)
     logicals = [sent_logical_pages(spec, pool_ids, t, d) for _, t, d in rows]
     keys = [tuple(len(p) for p in logical) for logical in logicals]
-    for key, idx in call_groups(keys, rows_per_call):
+    for key, idx, padded in call_groups(keys, rows_per_call):
         pad = (spec.dummy_slot, tuple(np.full(n, BAD_PAGE_INDEX, np.int32) for n in key))
         args = [(rows[i][0], logicals[i]) for i in idx]
-        index = pack_export_index(args + [pad] * (padded_rows(len(idx), rows_per_call)
-                                                  - len(idx)))
+        index = pack_export_index(args + [pad] * (padded - len(idx)))
         got = export(state, index, pool_ids=pool_ids, buckets=key)
         for i, (buffers, sums, first, drafts) in zip(idx, got):
             _, t, d = rows[i]

@@ -41,6 +41,7 @@ def test_demo_writes_the_table_and_explains_it(tmp_path, capsys):
     assert "disagg-shared" in text and "AL per prompt length" in text
     assert "AL (acceptance length): tokens a request keeps per decode step" in text
     assert "best = 8" in text and "higher is better" in text
+    assert "python -m drafter.evaluate` measures that over 16 held-out prompts" in text
     assert "tok/s: generated tokens per wall-clock second" in text
     assert "CPU: attention runs in Pallas interpret mode" in text
     assert "programs compiled" in text

@@ -10,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from drafter import transfer_calls
 from drafter.engine import Engine
-from drafter.kv_io import (export_step, import_step, live_logical_pages, pack_export_index,
-                           pack_import_index, page_bucket)
+from drafter.kv_io import (export_step, import_step, live_logical_pages, page_bucket,
+                           transfer_shapes)
+from drafter.transfer_calls import (CALL_PAGES, call_groups, call_rows, pack_export_index,
+                                    pack_import_index)
 from drafter.scheduler import padded_rows, row_shapes
 from drafter.steps import empty_slots
 from pallas_kernels.testing import whole_pool_conversions
@@ -311,6 +314,56 @@ def test_a_failed_import_leaves_its_slot_not_running_until_the_reset_returns_its
     resets[0] = slot   # what the next step's reset does
     receiver.state = empty_slots(cfg, state, resets)
     assert np.asarray(receiver.state.kv.num_free).tolist() == usable
+
+
+def test_a_transfer_calls_rows_hold_a_bounded_number_of_pages():
+    # short buckets: every row a step may export; long ones fewer, down to one
+    assert call_rows((16, 16, 16), 8) == 8 and call_rows((16,), 3) == 3
+    assert call_rows((20, 32, 4), 8) == 4 and call_rows((40,), 8) == 2
+    assert call_rows((CALL_PAGES,), 8) == 1 and call_rows((1024, 16), 8) == 1
+    assert call_rows((0, 0), 8) == 8
+    keys = [(16,), (64,), (16,), (64,), (64,), (16,)]
+    assert list(call_groups(keys, 8)) == [((16,), [0, 2, 5], 4), ((64,), [1, 3], 2),
+                                          ((64,), [4], 1)]
+
+
+def test_requests_of_a_long_bucket_move_one_a_call_and_warm_up_compiles_that(
+        pair, monkeypatch, caplog):
+    """With a call's rows bounded to 8 pages, two 70-token prompts (16-page bucket) and a
+    17-token one prefilled in one step move in three export and three import calls, and
+    generate their aggregated tokens; the warm-up compiled every call they ran."""
+    monkeypatch.setattr(transfer_calls, "CALL_PAGES", 8)
+    params, cfg, _ = pair
+    prompts = {"a": [(3 * j) % 60 + 1 for j in range(17)],
+               "long1": [(5 * j) % 60 + 1 for j in range(70)],
+               "long2": [(7 * j) % 60 + 1 for j in range(75)]}
+    sender = Engine(params, cfg, export=True, speculative=False)
+    sender.warmup(80)
+    warm_exports = sender.executor.calls["export"]
+    # one call per bucket and row count it can run: the long buckets' at one row only
+    buckets = transfer_shapes(cfg.spec, "shared", range(1, 81), with_draft=True)
+    assert warm_exports == sum(len(row_shapes(call_rows(b, 3))) for b in buckets)
+    assert warm_exports < 3 * len(buckets)
+    with compiled_in(caplog, "export") as compiles:
+        for rid, prompt in prompts.items():
+            sender.add_request(rid, prompt, 4)
+        exports = _exports(sender, 3)
+    assert sender.executor.calls["export"] - warm_exports == 3
+    assert not compiles, compiles
+    receiver = Engine(params, cfg, kv_source=OneShot({e.request.request_id: e.payload
+                                                      for e in exports}))
+    receiver.warmup(80)
+    warm_imports = receiver.executor.calls["import"]
+    with compiled_in(caplog, "import") as compiles:
+        for rid, prompt in prompts.items():
+            receiver.add_request(rid, prompt, 6)
+        results = {r.request_id: r for r in receiver.run()}
+    assert receiver.executor.calls["import"] - warm_imports == 3
+    assert not compiles, compiles
+    alone = Engine(params, cfg).generate(list(prompts.values()), 6)
+    assert [results[rid].tokens for rid in prompts] == [r.tokens for r in alone]
+    assert np.asarray(receiver.state.kv.num_free).tolist() == [p.num_usable_pages
+                                                               for p in cfg.spec.pools]
 
 
 def test_transfer_and_prefill_calls_pad_their_rows_to_a_power_of_two():
