@@ -38,7 +38,8 @@ def call_groups(keys, most: int):
     for key, idx in by_key.items():
         limit = call_rows(key, most)
         for j in range(0, len(idx), limit):
-            yield key, idx[j:j + limit], padded_rows(len(idx[j:j + limit]), limit)
+            group = idx[j:j + limit]
+            yield key, group, padded_rows(len(group), limit)
 
 
 def pack_export_index(rows) -> np.ndarray:
