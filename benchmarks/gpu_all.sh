@@ -45,18 +45,22 @@
 # handoff_timeline, graph_records (not in the default list): one handoff's calls and reads
 # in order (benchmarks/profile_handoff.py), and how often the demo's calls record their
 # CUDA graphs again (benchmarks/graph_records.py).
-# train_draft (not in the default list): a candidate drafter for long prompts, a new
-# 4-layer one (the shipped drafter trained on further loses acceptance: docs/decisions.md)
-# for the shipped target, on 1K and 8K windows in turn, into $OUT/draft_long/draft
-# (12,000 steps: what the 450 s budget holds on the H200, about 28 a second, so the
-# learning rate's cosine schedule ends annealed);
-# measure it with `python -m drafter.evaluate --draft DIR` beside the shipped drafter on
-# the same machine
-# (on the acceptance set: 16 held-out prompts a length, with 95% intervals)
-# and ship it with drafter.default.import_draft only if it is better at every length.
+# train_draft (not in the default list): a candidate drafter for the shipped target, a new
+# 4-layer one by default (the shipped drafter trained on further keeps its acceptance:
+# docs/decisions.md), on 1K and 8K windows in turn, over DRAFT_STEPS (default 12,000:
+# what 450 s holds on the H200, about 28 a second) on one warm-up-and-cosine schedule
+# that may span several device calls: each call trains for 450 s, and the run (its
+# training state, the drafter so far as draft_long/draft, its loss curve) comes back as
+# $OUT/train_draft.tar.* (15 MiB pieces: what a call hands back). To go on, put those
+# pieces in a folder of the checkout that git ignores, carry it, and give TRAIN_FROM=that
+# folder with the same DRAFT_STEPS (and DRAFT_FROM, if any); `cat train_draft.tar.* | tar x`
+# unpacks the drafter.
+# Measure it with `python -m drafter.evaluate --draft DIR/draft_long/draft` beside the
+# shipped drafter on the same machine (on the acceptance set: 16 held-out prompts a
+# length, with 95% intervals) and ship it with drafter.default.import_draft only if it is
+# better at every length.
 # DRAFT_FROM=DIR (a candidate's draft directory in the checkout) trains that candidate on
-# instead of a new one (peak learning rate 5e-4, against 2e-3 for a new one), so one
-# drafter can train over several device calls.
+# instead of a new one (peak learning rate 5e-4, against 2e-3 for a new one).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}
@@ -132,11 +136,19 @@ for stage in "${stages[@]}"; do
         --contexts 4096 131072 1048576
       run 230 decode_speed python3 benchmarks/bench_decode_speed.py --out "$OUT" ;;
     train_draft)
+      rm -rf "$OUT/draft_long" "$OUT"/train_draft.tar.*
+      if [ -n "${TRAIN_FROM:-}" ] && [ -z "${DRY_RUN:-}" ]; then
+        cat "$TRAIN_FROM"/train_draft.tar.* | tar -xf - -C "$OUT" || { echo "TRAIN_FROM=$TRAIN_FROM: no train_draft.tar.* pieces there"; exit 1; }
+      fi
       run 540 train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
         --from-default ${DRAFT_FROM:+--draft-from "$DRAFT_FROM"} \
         $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft --draft-layers 4) --windows 1024x16 8192x2 \
-        --draft-steps 12000 --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" \
-        --budget-s 450 ;;
+        --draft-steps "${DRAFT_STEPS:-12000}" --state-dir "$OUT/draft_long/state" \
+        --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" --budget-s 450
+      # the newest saved step alone (orbax keeps two), so the pieces stay within what a call hands back
+      [ -z "${DRY_RUN:-}" ] && (cd "$OUT/draft_long/state/state" && ls -d [0-9]* | sort -n | head -n -1 | xargs -r rm -rf)
+      [ -z "${DRY_RUN:-}" ] && tar -C "$OUT" -cf - draft_long | split -b 15m - "$OUT/train_draft.tar." \
+        && rm -rf "$OUT/draft_long" ;;
     eval)
       run 450 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" ;;
     transfer)

@@ -62,10 +62,13 @@ def load_split(split: str, root: str | None = None) -> list[np.ndarray]:
 
 
 def random_windows(docs: list[np.ndarray], batch: int, length: int,
-                   seed: int = 0) -> Iterator[np.ndarray]:
-    """Endless batches i32[batch, length] of random windows of the concatenated corpus."""
+                   seed: int = 0, skip: int = 0) -> Iterator[np.ndarray]:
+    """Endless batches i32[batch, length] of random windows of the concatenated corpus,
+    after the first `skip` of them (a resumed training run's)."""
     stream = np.concatenate(docs).astype(np.int32)
     rng = np.random.default_rng(seed)
+    for _ in range(skip):
+        rng.integers(0, len(stream) - length, batch)
     while True:
         starts = rng.integers(0, len(stream) - length, batch)
         yield np.stack([stream[s:s + length] for s in starts])

@@ -26,7 +26,7 @@ from drafter.checkpoint import load_dflash, save_dflash
 from drafter.inspect import pair_checks
 from models.checkpoint import load_qwen3, save_qwen3
 from models.qwen3 import Qwen3Config, init_params as init_target
-from models.training import train_target
+from models.training import saved_step, train_target
 
 
 def target_config() -> Qwen3Config:
@@ -50,8 +50,8 @@ def draft_config(num_layers: int = 2, attention: str = "sliding") -> DFlashConfi
                         sliding_window=256, rope_theta=100_000.0)
 
 
-def batches(docs, batch, length, seed):
-    for x in random_windows(docs, batch, length, seed):
+def batches(docs, batch, length, seed, skip=0):
+    for x in random_windows(docs, batch, length, seed, skip):
         yield jnp.asarray(x)
 
 
@@ -69,13 +69,57 @@ def parse_windows(specs: list[str]) -> list[tuple[int, int]]:
     return out
 
 
-def mixed_batches(docs, windows: list[tuple[int, int]], seed):
-    """Batches of each (length, batch) in turn: one jitted shape per window kind."""
-    streams = [batches(docs, batch, length, seed + k) for k, (length, batch) in
-               enumerate(windows)]
+def mixed_batches(docs, windows: list[tuple[int, int]], seed, skip=0):
+    """Batches of each (length, batch) in turn: one jitted shape per window kind; after
+    `skip` batches, the ones an uninterrupted run draws from there."""
+    streams = [batches(docs, batch, length, seed + k, len(range(k, skip, len(windows))))
+               for k, (length, batch) in enumerate(windows)]
+    for _ in range(skip % len(windows)):  # take up the turn where the saved run stopped
+        streams.append(streams.pop(0))
     while True:
         for stream in streams:
             yield next(stream)
+
+
+# What fixes a drafter's training run: a resumed run must give the same.
+RUN_SETTINGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
+                "draft_attention", "windows", "draft_steps", "draft_lr", "draft_labels")
+
+
+def resumable_run(args, windows) -> int:
+    """Check --state-dir / --run-steps; record the run's settings in a new state directory,
+    or compare them with the recorded ones. Returns the step the drafter's training goes
+    on from (0 for a new run)."""
+    if args.state_dir is None:
+        if args.run_steps is not None:
+            raise SystemExit("--run-steps stops a run to go on later: give --state-dir too")
+        return 0
+    if args.run_steps is not None and args.run_steps < 1:
+        raise SystemExit(f"--run-steps {args.run_steps}: give at least 1")
+    if not (args.from_default or args.target_from):
+        raise SystemExit("--state-dir keeps the drafter's training state: give --from-default "
+                         "or --target-from (a target trained in the same run is not kept)")
+    settings = {k: getattr(args, k) for k in RUN_SETTINGS} | {"windows": windows}
+    settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
+    record = Path(args.state_dir) / "run.json"
+    step = saved_step(args.state_dir)
+    if record.exists():
+        saved = json.loads(record.read_text())
+        if changed := [k for k in RUN_SETTINGS if saved.get(k) != settings[k]]:
+            raise SystemExit(
+                f"--state-dir {args.state_dir} holds a run with other settings: "
+                + "; ".join(f"{k} was {saved.get(k)!r}, now {settings[k]!r}" for k in changed)
+                + ". Give the same settings, or another directory for a new run.")
+    elif step:
+        raise SystemExit(f"--state-dir {args.state_dir} holds a training state but no "
+                         f"run.json: its settings are unknown; give another directory")
+    else:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(settings, indent=1))
+    if step:
+        print(f"drafter: going on from step {step} of {args.draft_steps} "
+              f"({args.state_dir})", flush=True)
+    return step
 
 
 def main(argv=None):
@@ -114,6 +158,14 @@ def main(argv=None):
                          "DFlash recipe) or the target's greedy choices (distillation)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
+    ap.add_argument("--state-dir", default=None, metavar="DIR",
+                    help="keep the drafter's training state (weights, AdamW moments, step) "
+                         "here, saved every 500 steps and when the run stops; a run given "
+                         "a DIR that holds one goes on from it, with the schedule and the "
+                         "windows of an uninterrupted run (the settings must match: "
+                         "DIR/run.json)")
+    ap.add_argument("--run-steps", type=int, default=None, metavar="N",
+                    help="with --state-dir: stop after N drafter steps in this run")
     args = ap.parse_args(argv)
     if args.fresh_draft and not args.from_default:
         raise SystemExit("--fresh-draft trains a new drafter for the shipped target: give "
@@ -124,6 +176,7 @@ def main(argv=None):
     if args.draft_layers < 1:
         raise SystemExit(f"--draft-layers {args.draft_layers}: give at least 1")
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
+    resume_from = resumable_run(args, windows)
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
     print(f"train corpus: {len(train_docs)} files, {sum(map(len, train_docs)) / 1e6:.1f}M bytes",
@@ -156,10 +209,12 @@ def main(argv=None):
     # A continued run draws other windows than the first (seed 2, not 1).
     continued = args.from_default and not args.fresh_draft
     draft, d_losses = train_drafter(target, tcfg, dcfg, draft,
-                                    mixed_batches(train_docs, windows, 2 if continued else 1),
+                                    mixed_batches(train_docs, windows, 2 if continued else 1,
+                                                  skip=resume_from),
                                     steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
                                     gamma=4.0, labels=args.draft_labels,
-                                    time_budget_s=args.budget_s)
+                                    time_budget_s=args.budget_s, ckpt_dir=args.state_dir,
+                                    run_steps=args.run_steps)
     print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "
           f"{np.mean(d_losses[:20]):.3f} -> {np.mean(d_losses[-50:]):.3f}", flush=True)
     bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)

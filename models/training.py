@@ -21,16 +21,33 @@ from tqdm.auto import tqdm
 from models.qwen3 import Qwen3Config, dense_forward
 
 
+def saved_step(ckpt_dir: str | Path | None) -> int:
+    """The step of the newest training checkpoint in `ckpt_dir` (0 when there is none):
+    where a resumed `train_loop` goes on."""
+    if ckpt_dir is None or not (Path(ckpt_dir) / "state").exists():
+        return 0
+    import orbax.checkpoint as ocp
+    manager = ocp.CheckpointManager(Path(ckpt_dir).absolute() / "state")
+    try:
+        return int(manager.latest_step() or 0)
+    finally:
+        manager.close()
+
+
 def train_loop(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: float,
                ckpt_dir: str | Path | None = None, save_every: int = 500,
                desc: str = "train", warmup: int = 50, seed: int = 0,
-               time_budget_s: float | None = None):
+               time_budget_s: float | None = None, run_steps: int | None = None):
     """Minimise `loss_fn(params, batch, key)` over `steps` AdamW updates.
 
     Returns (params, losses) where losses has one float per step run (a
     resumed run returns the whole curve, from the checkpoint's loss.json).
     With `time_budget_s`, training stops early (saying so) when the budget is
-    spent, so a run on a lent machine always ends with a checkpoint.
+    spent, and with `run_steps` after that many updates in this call, so a run
+    on a lent machine always ends with a checkpoint. A resumed run follows the
+    same schedule (one warm-up and cosine over `steps`) and the same per-step
+    keys as an uninterrupted one; `batches` must continue where the saved run's
+    left off (`saved_step` says where).
     """
     import time
     started = time.monotonic()
@@ -67,16 +84,21 @@ def train_loop(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: 
         losses.append(float(loss))
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-10:]):.4f}")
-        out_of_time = (time_budget_s is not None
-                       and time.monotonic() - started > time_budget_s)
+        out_of_time = ((time_budget_s is not None
+                        and time.monotonic() - started > time_budget_s)
+                       or (run_steps is not None and step + 1 - start >= run_steps
+                           and step + 1 < steps))
         if manager is not None and ((step + 1) % save_every == 0 or step + 1 == steps
                                     or out_of_time):
             import orbax.checkpoint as ocp
             manager.save(step + 1, args=ocp.args.StandardSave(state))
             (ckpt_dir / "loss.json").write_text(json.dumps(losses))
         if out_of_time:
-            print(f"{desc}: time budget {time_budget_s:.0f}s spent, stopping at step "
-                  f"{step + 1} of {steps}", flush=True)
+            spent = (f"{run_steps} steps" if run_steps is not None
+                     and step + 1 - start >= run_steps else f"time budget {time_budget_s:.0f}s")
+            print(f"{desc}: {spent} spent, stopping at step {step + 1} of {steps}"
+                  + (f" (saved in {ckpt_dir}: a run with the same directory goes on)"
+                     if manager is not None else ""), flush=True)
             break
     if manager is not None:
         manager.wait_until_finished()

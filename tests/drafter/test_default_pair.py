@@ -102,6 +102,40 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
     assert row["draft"] == str(out / "draft") and row["by_length"][0]["lossless"]
 
 
+def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
+    """`make_default --state-dir DIR --run-steps N` stops after N drafter steps with its
+    training state saved; the same command again goes on from there, with the schedule,
+    keys and windows (two lengths in turn, stopped mid-turn) of an uninterrupted run:
+    the drafter and loss curve are bit for bit the uninterrupted run's. Other settings
+    on the same directory are refused by name, before any training."""
+    import json
+
+    from drafter import make_default
+    from drafter.checkpoint import load_dflash
+
+    stdlib = small_stdlib(tmp_path, "def f(x):\n    return x + 1\n", files=3)
+    args = ["--from-default", "--fresh-draft", "--draft-layers", "1", "--windows", "48x2",
+            "32x2", "--draft-steps", "5", "--stdlib", str(stdlib)]
+    whole, parts, state = tmp_path / "whole", tmp_path / "parts", tmp_path / "state"
+    make_default.main(["--out", str(whole), *args])
+    make_default.main(["--out", str(parts), *args, "--state-dir", str(state),
+                       "--run-steps", "3"])
+    assert make_default.saved_step(state) == 3
+    make_default.main(["--out", str(parts), *args, "--state-dir", str(state)])
+    (_, p_whole), (_, p_parts) = (load_dflash(d / "draft") for d in (whole, parts))
+    for a, b in zip(jax.tree.leaves(p_whole), jax.tree.leaves(p_parts), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    curves = [json.loads((d / "losses.json").read_text())["draft"] for d in (whole, parts)]
+    assert len(curves[0]) == 5 and curves[1] == curves[0]
+    changed = [a if a != "5" else "6" for a in args]          # --draft-steps 6
+    with pytest.raises(SystemExit, match="draft_steps was 5, now 6"):
+        make_default.main(["--out", str(parts), *changed, "--state-dir", str(state)])
+    with pytest.raises(SystemExit, match="give --state-dir too"):
+        make_default.main(["--out", str(parts), *args, "--run-steps", "2"])
+    with pytest.raises(SystemExit, match="give --from-default or --target-from"):
+        make_default.main(["--out", str(parts), "--state-dir", str(tmp_path / "new")])
+
+
 def test_a_candidate_drafter_trains_on_from_its_checkpoint(tmp_path):
     """`make_default --from-default --draft-from DIR` continues a candidate (an earlier
     run's DIR/draft) rather than the shipped drafter; a drafter of another target is
