@@ -49,7 +49,7 @@
 # 4-layer one by default (the shipped drafter trained on further keeps its acceptance:
 # docs/decisions.md), on 1K and 8K windows in turn, over DRAFT_STEPS (default 12,000:
 # what 450 s holds on the H200, about 28 a second) on one warm-up-and-cosine schedule
-# that may span several device calls: each call trains for 450 s, and the run (its
+# that may span several device calls: each call trains for TRAIN_S (450) s, and the run (its
 # training state, the drafter so far as draft_long/draft, its loss curve) comes back as
 # $OUT/train_draft.tar.* (15 MiB pieces: what a call hands back). To go on, put those
 # pieces in a folder of the checkout that git ignores, carry it, and give TRAIN_FROM=that
@@ -140,11 +140,11 @@ for stage in "${stages[@]}"; do
       if [ -n "${TRAIN_FROM:-}" ] && [ -z "${DRY_RUN:-}" ]; then
         cat "$TRAIN_FROM"/train_draft.tar.* | tar -xf - -C "$OUT" || { echo "TRAIN_FROM=$TRAIN_FROM: no train_draft.tar.* pieces there"; exit 1; }
       fi
-      run 540 train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
+      run $(( ${TRAIN_S:-450} + 90 )) train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
         --from-default ${DRAFT_FROM:+--draft-from "$DRAFT_FROM"} \
         $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft --draft-layers 4) --windows 1024x16 8192x2 \
         --draft-steps "${DRAFT_STEPS:-12000}" --state-dir "$OUT/draft_long/state" \
-        --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" --budget-s 450
+        --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" --budget-s "${TRAIN_S:-450}"
       # the newest saved step alone (orbax keeps two), so the pieces stay within what a call hands back
       [ -z "${DRY_RUN:-}" ] && (cd "$OUT/draft_long/state/state" && ls -d [0-9]* | sort -n | head -n -1 | xargs -r rm -rf)
       [ -z "${DRY_RUN:-}" ] && tar -C "$OUT" -cf - draft_long | split -b 15m - "$OUT/train_draft.tar." \
