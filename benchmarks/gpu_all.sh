@@ -59,6 +59,8 @@
 # shipped drafter on the same machine (on the acceptance set: 16 held-out prompts a
 # length, with 95% intervals) and ship it with drafter.default.import_draft only if it is
 # better at every length.
+# DRAFT_SHAPE: the new drafter's make_default arguments (default "--draft-layers 4"; e.g.
+# "--draft-layers 4 --draft-target-layers 1 3 5 --draft-attention full").
 # DRAFT_FROM=DIR (a candidate's draft directory in the checkout) trains that candidate on
 # instead of a new one (peak learning rate 5e-4, against 2e-3 for a new one).
 set -uo pipefail
@@ -142,7 +144,8 @@ for stage in "${stages[@]}"; do
       fi
       run $(( ${TRAIN_S:-450} + 90 )) train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
         --from-default ${DRAFT_FROM:+--draft-from "$DRAFT_FROM"} \
-        $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft --draft-layers 4) --windows 1024x16 8192x2 \
+        $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft ${DRAFT_SHAPE:---draft-layers 4}) \
+        --windows 1024x16 8192x2 \
         --draft-steps "${DRAFT_STEPS:-12000}" --state-dir "$OUT/draft_long/state" \
         --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" --budget-s "${TRAIN_S:-450}"
       # the newest saved step alone (orbax keeps two), so the pieces stay within what a call hands back

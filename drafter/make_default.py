@@ -40,12 +40,14 @@ def target_config() -> Qwen3Config:
 DRAFT_ATTENTION = {"sliding": "sliding_attention", "full": "full_attention"}
 
 
-def draft_config(num_layers: int = 2, attention: str = "sliding") -> DFlashConfig:
-    """The shipped drafter's shape (2 sliding-window layers), or a deeper one / one whose
-    layers attend to the whole context."""
+def draft_config(num_layers: int = 2, attention: str = "sliding",
+                 target_layer_ids: tuple[int, ...] = (1, 4)) -> DFlashConfig:
+    """The shipped drafter's shape (2 sliding-window layers reading target layers 1 and
+    4), or a deeper one / one whose layers attend to the whole context / one that reads
+    other target layers."""
     return DFlashConfig(num_layers=num_layers, hidden_size=256, intermediate_size=768,
                         num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
-                        mask_token_id=MASK, num_target_layers=6, target_layer_ids=(1, 4),
+                        mask_token_id=MASK, num_target_layers=6, target_layer_ids=target_layer_ids,
                         layer_types=(DRAFT_ATTENTION[attention],) * num_layers,
                         sliding_window=256, rope_theta=100_000.0)
 
@@ -83,7 +85,8 @@ def mixed_batches(docs, windows: list[tuple[int, int]], seed, skip=0):
 
 # What fixes a drafter's training run: a resumed run must give the same.
 RUN_SETTINGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
-                "draft_attention", "windows", "draft_steps", "draft_lr", "draft_labels")
+                "draft_attention", "draft_target_layers", "windows", "draft_steps", "draft_lr",
+                "draft_labels")
 
 
 def resumable_run(args, windows) -> int:
@@ -148,6 +151,9 @@ def main(argv=None):
     ap.add_argument("--draft-attention", choices=tuple(DRAFT_ATTENTION), default="sliding",
                     help="the draft layers' attention over the context: a 256-token "
                          "window or all of it")
+    ap.add_argument("--draft-target-layers", type=int, nargs="+", default=[1, 4],
+                    metavar="I", help="with --fresh-draft: the target layers whose outputs "
+                                      "the new drafter reads (default: 1 4, the shipped one's)")
     ap.add_argument("--windows", nargs="+", default=None, metavar="LENGTHxBATCH",
                     help="the drafter's training windows, taken in turn (e.g. 1024x16 "
                          "8192x2: long windows show it the target's features far into a "
@@ -175,13 +181,23 @@ def main(argv=None):
                          "give --from-default, and not --fresh-draft")
     if args.draft_layers < 1:
         raise SystemExit(f"--draft-layers {args.draft_layers}: give at least 1")
+    if args.draft_target_layers != [1, 4] and not args.fresh_draft:
+        raise SystemExit("--draft-target-layers shapes a new drafter: give --from-default "
+                         "--fresh-draft too")
+    num_target = target_config().num_layers
+    if bad := [i for i in args.draft_target_layers if not 0 <= i < num_target]:
+        raise SystemExit(f"--draft-target-layers {bad}: the target's layers are 0 to "
+                         f"{num_target - 1}")
+    if len(set(args.draft_target_layers)) != len(args.draft_target_layers):
+        raise SystemExit(f"--draft-target-layers {args.draft_target_layers}: each layer once")
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
     resume_from = resumable_run(args, windows)
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
     print(f"train corpus: {len(train_docs)} files, {sum(map(len, train_docs)) / 1e6:.1f}M bytes",
           flush=True)
-    tcfg, dcfg = target_config(), draft_config(args.draft_layers, args.draft_attention)
+    tcfg = target_config()
+    dcfg = draft_config(args.draft_layers, args.draft_attention, tuple(args.draft_target_layers))
     t0 = time.time()
     draft = init_draft(dcfg, jax.random.key(1))
     if args.from_default:

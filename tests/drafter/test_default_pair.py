@@ -78,9 +78,10 @@ def test_the_shipped_drafter_trains_on_in_turn_windows(tmp_path):
 
 
 def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_path):
-    """`make_default --from-default --fresh-draft` trains a new drafter of the asked depth
-    and attention for the shipped target; `evaluate --draft` measures that candidate (not
-    the shipped drafter), losslessly."""
+    """`make_default --from-default --fresh-draft` trains a new drafter of the asked depth,
+    attention and target layers for the shipped target (layers it does not have are
+    refused by name); `evaluate --draft` measures that candidate (not the shipped
+    drafter), losslessly."""
     import json
 
     from drafter import evaluate, make_default
@@ -89,12 +90,21 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
     stdlib = small_stdlib(tmp_path, "for i in range(3):\n    print(i)\n", files=3)
     with pytest.raises(SystemExit, match="give --from-default too"):
         make_default.main(["--out", str(tmp_path / "x"), "--fresh-draft"])
+    for layers, message in ((["1", "6"], r"\[6\]: the target's layers are 0 to 5"),
+                            (["2", "2"], "each layer once")):
+        with pytest.raises(SystemExit, match=message):
+            make_default.main(["--out", str(tmp_path / "x"), "--from-default",
+                               "--fresh-draft", "--draft-target-layers", *layers])
+    with pytest.raises(SystemExit, match="shapes a new drafter"):
+        make_default.main(["--out", str(tmp_path / "x"), "--from-default",
+                           "--draft-target-layers", "1", "3", "5"])
     out = tmp_path / "pair"
     make_default.main(["--out", str(out), "--from-default", "--fresh-draft", "--draft-layers",
-                       "3", "--draft-attention", "full", "--windows", "64x2",
-                       "--draft-steps", "2", "--stdlib", str(stdlib)])
+                       "3", "--draft-attention", "full", "--draft-target-layers", "1", "3",
+                       "5", "--windows", "64x2", "--draft-steps", "2", "--stdlib", str(stdlib)])
     dcfg = load_dflash_config(out / "draft")
     assert dcfg.num_layers == 3 and set(dcfg.layer_types) == {"full_attention"}
+    assert dcfg.target_layer_ids == (1, 3, 5)
     report = tmp_path / "eval.json"
     evaluate.main(["--draft", str(out / "draft"), "--lengths", "128", "--max-new", "8",
                    "--context", "16", "--json", str(report)])
