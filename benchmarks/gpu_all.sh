@@ -59,6 +59,7 @@
 # shipped drafter on the same machine (on the acceptance set: 16 held-out prompts a
 # length, with 95% intervals) and ship it with drafter.default.import_draft only if it is
 # better at every length.
+# TRAIN_WINDOWS: the windows, LENGTHxBATCH each (default "1024x16 8192x2").
 # DRAFT_SHAPE: the new drafter's make_default arguments (default "--draft-layers 4"; e.g.
 # "--draft-layers 4 --draft-target-layers 1 3 5 --draft-attention full").
 # DRAFT_FROM=DIR (a candidate's draft directory in the checkout) trains that candidate on
@@ -145,13 +146,16 @@ for stage in "${stages[@]}"; do
       run $(( ${TRAIN_S:-450} + 90 )) train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
         --from-default ${DRAFT_FROM:+--draft-from "$DRAFT_FROM"} \
         $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft ${DRAFT_SHAPE:---draft-layers 4}) \
-        --windows 1024x16 8192x2 \
+        --windows ${TRAIN_WINDOWS:-1024x16 8192x2} \
         --draft-steps "${DRAFT_STEPS:-12000}" --state-dir "$OUT/draft_long/state" \
         --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" --budget-s "${TRAIN_S:-450}"
-      # the newest saved step alone (orbax keeps two), so the pieces stay within what a call hands back
-      [ -z "${DRY_RUN:-}" ] && (cd "$OUT/draft_long/state/state" && ls -d [0-9]* | sort -n | head -n -1 | xargs -r rm -rf)
-      [ -z "${DRY_RUN:-}" ] && tar -C "$OUT" -cf - draft_long | split -b 15m - "$OUT/train_draft.tar." \
-        && rm -rf "$OUT/draft_long" ;;
+      if [ -z "${DRY_RUN:-}" ] && [ -d "$OUT/draft_long/state/state" ]; then
+        # the newest saved step alone (orbax keeps two), so the pieces stay within what a
+        # call hands back
+        (cd "$OUT/draft_long/state/state" && ls -d [0-9]* | sort -n | head -n -1 | xargs -r rm -rf)
+        tar -C "$OUT" -cf - draft_long | split -b 15m - "$OUT/train_draft.tar." \
+          && rm -rf "$OUT/draft_long"
+      fi ;;
     eval)
       run 450 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" ;;
     transfer)

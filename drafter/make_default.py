@@ -86,11 +86,12 @@ def mixed_batches(docs, windows: list[tuple[int, int]], seed, skip=0):
 # What fixes a drafter's training run: a resumed run must give the same.
 RUN_SETTINGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
                 "draft_attention", "draft_target_layers", "windows", "draft_steps", "draft_lr",
-                "draft_labels")
+                "draft_labels", "corpus")
 
 
-def resumable_run(args, windows) -> int:
-    """Check --state-dir / --run-steps; record the run's settings in a new state directory,
+def resumable_run(args, windows, corpus: dict) -> int:
+    """Check --state-dir / --run-steps; record the run's settings (the training corpus's
+    size among them: another machine's stdlib is other data) in a new state directory,
     or compare them with the recorded ones. Returns the step the drafter's training goes
     on from (0 for a new run)."""
     if args.state_dir is None:
@@ -102,7 +103,8 @@ def resumable_run(args, windows) -> int:
     if not (args.from_default or args.target_from):
         raise SystemExit("--state-dir keeps the drafter's training state: give --from-default "
                          "or --target-from (a target trained in the same run is not kept)")
-    settings = {k: getattr(args, k) for k in RUN_SETTINGS} | {"windows": windows}
+    settings = ({k: getattr(args, k) for k in RUN_SETTINGS if hasattr(args, k)}
+                | {"windows": windows, "corpus": corpus})
     settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
     record = Path(args.state_dir) / "run.json"
     step = saved_step(args.state_dir)
@@ -191,11 +193,12 @@ def main(argv=None):
     if len(set(args.draft_target_layers)) != len(args.draft_target_layers):
         raise SystemExit(f"--draft-target-layers {args.draft_target_layers}: each layer once")
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
-    resume_from = resumable_run(args, windows)
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
-    print(f"train corpus: {len(train_docs)} files, {sum(map(len, train_docs)) / 1e6:.1f}M bytes",
+    corpus = {"files": len(train_docs), "bytes": int(sum(map(len, train_docs)))}
+    print(f"train corpus: {corpus['files']} files, {corpus['bytes'] / 1e6:.1f}M bytes",
           flush=True)
+    resume_from = resumable_run(args, windows, corpus)
     tcfg = target_config()
     dcfg = draft_config(args.draft_layers, args.draft_attention, tuple(args.draft_target_layers))
     t0 = time.time()

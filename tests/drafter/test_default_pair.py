@@ -117,7 +117,7 @@ def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path
     training state saved; the same command again goes on from there, with the schedule,
     keys and windows (two lengths in turn, stopped mid-turn) of an uninterrupted run:
     the drafter and loss curve are bit for bit the uninterrupted run's. Other settings
-    on the same directory are refused by name, before any training."""
+    or another corpus on the same directory are refused by name, before any training."""
     import json
 
     from drafter import make_default
@@ -140,6 +140,11 @@ def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path
     changed = [a if a != "5" else "6" for a in args]          # --draft-steps 6
     with pytest.raises(SystemExit, match="draft_steps was 5, now 6"):
         make_default.main(["--out", str(parts), *changed, "--state-dir", str(state)])
+    (tmp_path / "other").mkdir()
+    other = small_stdlib(tmp_path / "other", "x = 1\n", files=2)      # another machine's
+    with pytest.raises(SystemExit, match="corpus was"):
+        make_default.main(["--out", str(parts), *args[:-1], str(other), "--state-dir",
+                           str(state)])
     with pytest.raises(SystemExit, match="give --state-dir too"):
         make_default.main(["--out", str(parts), *args, "--run-steps", "2"])
     with pytest.raises(SystemExit, match="give --from-default or --target-from"):
