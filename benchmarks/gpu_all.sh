@@ -52,9 +52,9 @@
 # that may span several device calls: each call trains for TRAIN_S (450) s, and the run (its
 # training state, the drafter so far as draft_long/draft, its loss curve) comes back as
 # $OUT/train_draft.tar.* (15 MiB pieces: what a call hands back). To go on, put those
-# pieces in a folder of the checkout that git ignores, carry it, and give TRAIN_FROM=that
-# folder with the same DRAFT_STEPS (and DRAFT_FROM, if any); `cat train_draft.tar.* | tar x`
-# unpacks the drafter.
+# pieces in .train/ (git ignores it), carry it, and give TRAIN_FROM=.train with the same
+# DRAFT_STEPS, DRAFT_SHAPE and TRAIN_WINDOWS (and DRAFT_FROM, if any: make_default refuses
+# other settings by name); `cat train_draft.tar.* | tar x` unpacks the drafter.
 # Measure it with `python -m drafter.evaluate --draft DIR/draft_long/draft` beside the
 # shipped drafter on the same machine (on the acceptance set: 16 held-out prompts a
 # length, with 95% intervals) and ship it with drafter.default.import_draft only if it is
