@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python -m drafter.evaluate [--quick] [--max-new N] [--impl I] [--json FILE]
         [--prompts acceptance|shipped] [--lengths N ...] [--context N] [--draft DIR]
+        [--compare-to JSON]
 
 Per prompt length: acceptance length (AL: tokens committed per decode step, block 8,
 over every step of the length's prompts) with a 95% interval over prompts, each
@@ -17,6 +18,10 @@ to prompt, so a few prompts a length say little about the length.
 `--context N` cuts every prompt to its first token and its last N: the same
 continuation points with less context, which tells what a length costs in AL
 apart from what its continuations' content costs.
+
+`--compare-to JSON` pairs this run with an earlier report over the same prompts (a
+candidate drafter against the shipped one's report from the same machine): per length,
+the AL difference with a bootstrap interval over prompts drawn for both runs at once.
 """
 
 from __future__ import annotations
@@ -124,6 +129,56 @@ def interval(per_prompt_steps: list[list[int]], level: float = 0.95,
     return float(np.percentile(als, tail)), float(np.percentile(als, 100 - tail))
 
 
+def paired_difference(base: list[list[int]], other: list[list[int]], level: float = 0.95,
+                      resamples: int = 2000) -> tuple[float, float, float]:
+    """AL of `other` minus AL of `base` over the same prompts, each given per prompt as
+    [committed tokens, steps] (AL pooled as in `interval`), with a bootstrap interval
+    that draws prompts with replacement for both at once. Paired, it is far tighter than
+    the two ALs' own intervals: how hard a prompt is weighs on both alike."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"paired prompts: {len(base)} against {len(other)}")
+    (bc, bs), (oc, os_) = (np.array(x, float).T for x in (base, other))
+    picks = np.random.default_rng(0).integers(0, len(bs), (resamples, len(bs)))
+    diffs = oc[picks].sum(1) / os_[picks].sum(1) - bc[picks].sum(1) / bs[picks].sum(1)
+    tail = 100 * (1 - level) / 2
+    return (float(oc.sum() / os_.sum() - bc.sum() / bs.sum()),
+            float(np.percentile(diffs, tail)), float(np.percentile(diffs, 100 - tail)))
+
+
+# What two reports must share for their prompts to pair.
+PAIRED_KEYS = ("prompts", "max_new", "context", "block_size")
+
+
+def unpaired(base: dict, report: dict) -> str:
+    """Why two reports' prompts do not pair ("" when they do)."""
+    if differing := [k for k in PAIRED_KEYS if base.get(k) != report.get(k)]:
+        return "it is over other prompts: " + "; ".join(
+            f"{k} {base.get(k)!r} there, {report.get(k)!r} here" for k in differing)
+    return ""
+
+
+def compare(base: dict, report: dict, base_name: str = "the baseline") -> list[dict]:
+    """Per prompt length both reports hold: `report`'s AL minus `base`'s over the same
+    prompts (`paired_difference`). Reports of other prompts, or without per-prompt steps,
+    are refused by name."""
+    if differing := unpaired(base, report):
+        raise ValueError(f"{base_name}: {differing}")
+    theirs = {row["prompt_length"]: row for row in base["by_length"]}
+    rows = []
+    for row in report["by_length"]:
+        if (other := theirs.get(row["prompt_length"])) is None:
+            continue
+        if "per_prompt_steps" not in other:
+            raise ValueError(f"{base_name} has no per-prompt steps (a report written before "
+                             f"they were kept): evaluate the baseline again")
+        diff, low, high = paired_difference(other["per_prompt_steps"], row["per_prompt_steps"])
+        rows.append({"prompt_length": row["prompt_length"], "difference": diff,
+                     "difference_95": [low, high]})
+    if not rows:
+        raise ValueError(f"{base_name} shares no prompt length with this report")
+    return rows
+
+
 def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto", num_slots=16):
     """Per prompt length, speculative beside plain greedy decoding of its prompts (in
     batches of `num_slots`)."""
@@ -140,6 +195,8 @@ def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto", num_
                "acceptance_length": float(np.mean(steps)),
                "acceptance_length_95": interval([r.acceptance for r in speculative]),
                "per_prompt_al": [r.acceptance_length for r in speculative],
+               "per_prompt_steps": [[sum(r.acceptance), len(r.acceptance)]
+                                    for r in speculative],
                "per_position_acceptance": per_position_acceptance(steps, dcfg.block_size),
                "lossless": not parted,
                # prompts whose outputs part only at near-ties of the exact logits
@@ -239,7 +296,17 @@ def main(argv=None):
     ap.add_argument("--draft", default=None, metavar="DIR",
                     help="a candidate drafter for the shipped target (a DFlash checkpoint "
                          "directory, e.g. make_default's DIR/draft) instead of the shipped one")
+    ap.add_argument("--compare-to", default=None, metavar="JSON",
+                    help="an earlier report over the same prompts (e.g. the shipped "
+                         "drafter's, same machine): print and keep this one's AL minus "
+                         "its, per length, with a paired 95%% interval over prompts")
     args = ap.parse_args(argv)
+    base = None
+    if args.compare_to is not None:
+        try:
+            base = json.loads(Path(args.compare_to).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--compare-to {args.compare_to}: not a readable report: {e}")
     params, tcfg, dcfg = load_default()
     if args.draft is not None:
         dcfg, params["draft"] = load_dflash(args.draft, jnp.float32)
@@ -264,9 +331,22 @@ def main(argv=None):
     report = {"machine": machine(), "impl": args.impl, "block_size": dcfg.block_size,
               "prompts": args.prompts,
               "draft": args.draft or "shipped",
-              "max_new": args.max_new, "context": args.context,
-              "by_length": acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
-                                                args.impl)}
+              "max_new": args.max_new, "context": args.context}
+    if base is not None and (differing := unpaired(base, report)):  # before any decoding
+        raise SystemExit(f"--compare-to {args.compare_to}: {differing}")
+    report["by_length"] = acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
+                                               args.impl)
+    if base is not None:
+        try:
+            rows = compare(base, report, f"--compare-to {args.compare_to}")
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        report["compared_to"] = {"file": args.compare_to, "draft": base.get("draft"),
+                                 "by_length": rows}
+        for row in rows:
+            low, high = row["difference_95"]
+            print(f"  prompt {row['prompt_length']:>5}: AL {row['difference']:+.2f} against "
+                  f"{args.compare_to} (paired 95%: {low:+.2f} to {high:+.2f})", flush=True)
     short = [p["tokens"] for p in load_prompts() if p["length"] == 128]
     if args.context is None and (not args.lengths or 128 in args.lengths):  # speed: shipped 128s
         report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b, impl=args.impl)

@@ -110,6 +110,8 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
                    "--context", "16", "--json", str(report)])
     row = json.loads(report.read_text())
     assert row["draft"] == str(out / "draft") and row["by_length"][0]["lossless"]
+    (paired,) = evaluate.compare(row, row)   # a real report's per-prompt steps pair
+    assert paired["difference"] == 0 and paired["difference_95"] == [0, 0]
 
 
 def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):

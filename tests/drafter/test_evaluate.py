@@ -2,6 +2,7 @@
 context) and device rate."""
 
 import collections
+import json
 import types
 
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 from drafter.corpus import BOS
 from drafter.default import decode_tokens, load_acceptance_prompts, load_prompts
 from drafter.engine import Engine
-from drafter.evaluate import (cut_to_context, device_rate, divergences, first_divergence,
-                              interval)
+from drafter.evaluate import (compare, cut_to_context, device_rate, divergences,
+                              first_divergence, interval, paired_difference)
 from drafter.make_prompts import ACCEPTANCE_PER_LENGTH, SHIPPED, encode, prompt_sets
 from models.qwen3 import dense_forward
 from tests.drafter.tiny import tiny_pair
@@ -52,6 +53,69 @@ def test_the_al_interval_pools_steps_and_narrows_with_agreeing_prompts():
     # more prompts of the same kinds: a narrower interval
     low4, high4 = interval(mixed * 4)
     assert high4 - low4 < high - low
+
+
+def test_a_paired_difference_is_exact_and_tighter_than_the_two_intervals():
+    """Prompts from easy (AL 7) to hard (AL 2), a candidate one token a step better on
+    each but the first: the pooled difference exactly, an interval above zero though the
+    two runs' own intervals overlap; the same run against itself: 0, 0 to 0."""
+    rng = np.random.default_rng(3)
+    base = [[int(a) * 20, 20] for a in rng.integers(2, 8, 16)]
+    better = [[c + (20 if k else 0), s] for k, (c, s) in enumerate(base)]
+    diff, low, high = paired_difference(base, better)
+    pooled = lambda rows: sum(c for c, _ in rows) / sum(s for _, s in rows)
+    assert diff == pytest.approx(pooled(better) - pooled(base))
+    assert 0 < low <= diff <= high <= 1
+    as_steps = lambda rows: [[c // s] * s for c, s in rows]
+    (_, base_high), (better_low, _) = interval(as_steps(base)), interval(as_steps(better))
+    assert better_low < base_high                      # apart, they would not tell
+    assert paired_difference(base, base) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="16 against 15"):
+        paired_difference(base, better[1:])
+
+
+def test_compare_pairs_lengths_and_refuses_other_prompts_or_missing_steps():
+    row = lambda length, steps: {"prompt_length": length, "per_prompt_steps": steps}
+    head = {"prompts": "acceptance", "max_new": 64, "context": None, "block_size": 8}
+    base = head | {"by_length": [row(128, [[30, 10], [20, 10]]), row(512, [[9, 3]])]}
+    cand = head | {"by_length": [row(128, [[40, 10], [30, 10]]), row(8192, [[9, 3]])]}
+    (only,) = compare(base, cand)                      # the length both hold
+    assert only["prompt_length"] == 128 and only["difference"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="max_new 64 there, 32 here"):
+        compare(base, cand | {"max_new": 32})
+    old = head | {"by_length": [{"prompt_length": 128, "per_prompt_al": [3.0, 2.0]}]}
+    with pytest.raises(ValueError, match="no per-prompt steps.*evaluate the baseline again"):
+        compare(old, cand)
+    with pytest.raises(ValueError, match="shares no prompt length"):
+        compare(base, head | {"by_length": [row(2048, [[9, 3]])]})
+
+
+def test_compare_to_keeps_the_paired_difference_and_refuses_other_prompts_first(
+        tmp_path, monkeypatch, capsys):
+    """`evaluate --compare-to JSON` writes and prints this run's AL minus the baseline's
+    per length; a baseline of other prompts or no report at all is refused before any
+    decoding."""
+    from drafter import evaluate
+    rows = [{"prompt_length": 128, "acceptance_length": 3.5,
+             "per_prompt_steps": [[40, 10], [30, 10]]}]
+    monkeypatch.setattr(evaluate, "acceptance_by_length", lambda *a, **k: rows)
+    head = {"prompts": "acceptance", "max_new": 8, "context": 16, "block_size": 8}
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(head | {"draft": "shipped", "by_length": [
+        {"prompt_length": 128, "per_prompt_steps": [[30, 10], [20, 10]]}]}))
+    out = tmp_path / "cand.json"
+    evaluate.main(["--compare-to", str(base), "--max-new", "8", "--context", "16",
+                   "--lengths", "128", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["compared_to"]["by_length"]
+    assert row["prompt_length"] == 128 and row["difference"] == pytest.approx(1.0)
+    assert "AL +1.00 against" in capsys.readouterr().out
+    monkeypatch.setattr(evaluate, "acceptance_by_length",
+                        lambda *a, **k: pytest.fail("decoded before the check"))
+    with pytest.raises(SystemExit, match="max_new 8 there, 64 here"):
+        evaluate.main(["--compare-to", str(base), "--context", "16", "--json", str(out)])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="not a readable report"):
+        evaluate.main(["--compare-to", str(tmp_path / "bad.json")])
 
 
 def test_a_cut_prompt_keeps_its_first_token_its_tail_and_its_length_label():
