@@ -117,16 +117,24 @@ def _parting(d: dict) -> str:
     return f"{d['tokens']} ({d['gap_std']:.3f} sd{tie})"
 
 
+def _bootstrap(num_prompts: int, statistic, level: float,
+               resamples: int) -> tuple[float, float]:
+    """The `level` interval of `statistic(picks)` over resamples of the prompts, drawn
+    with replacement (picks: i[resamples, num_prompts])."""
+    picks = np.random.default_rng(0).integers(0, num_prompts, (resamples, num_prompts))
+    values = statistic(picks)
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
+
+
 def interval(per_prompt_steps: list[list[int]], level: float = 0.95,
              resamples: int = 2000) -> tuple[float, float]:
     """A bootstrap interval over prompts for AL (committed tokens over steps, pooled):
     prompts drawn with replacement, `level` of the resampled ALs inside."""
     committed = np.array([sum(s) for s in per_prompt_steps], float)
     steps = np.array([len(s) for s in per_prompt_steps], float)
-    picks = np.random.default_rng(0).integers(0, len(steps), (resamples, len(steps)))
-    als = committed[picks].sum(1) / steps[picks].sum(1)
-    tail = 100 * (1 - level) / 2
-    return float(np.percentile(als, tail)), float(np.percentile(als, 100 - tail))
+    return _bootstrap(len(steps), lambda p: committed[p].sum(1) / steps[p].sum(1), level,
+                      resamples)
 
 
 def paired_difference(base: list[list[int]], other: list[list[int]], level: float = 0.95,
@@ -138,11 +146,10 @@ def paired_difference(base: list[list[int]], other: list[list[int]], level: floa
     if len(base) != len(other) or not base:
         raise ValueError(f"paired prompts: {len(base)} against {len(other)}")
     (bc, bs), (oc, os_) = (np.array(x, float).T for x in (base, other))
-    picks = np.random.default_rng(0).integers(0, len(bs), (resamples, len(bs)))
-    diffs = oc[picks].sum(1) / os_[picks].sum(1) - bc[picks].sum(1) / bs[picks].sum(1)
-    tail = 100 * (1 - level) / 2
-    return (float(oc.sum() / os_.sum() - bc.sum() / bs.sum()),
-            float(np.percentile(diffs, tail)), float(np.percentile(diffs, 100 - tail)))
+    low, high = _bootstrap(
+        len(bs), lambda p: oc[p].sum(1) / os_[p].sum(1) - bc[p].sum(1) / bs[p].sum(1),
+        level, resamples)
+    return float(oc.sum() / os_.sum() - bc.sum() / bs.sum()), low, high
 
 
 # What two reports must share for their prompts to pair.

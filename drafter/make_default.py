@@ -83,10 +83,10 @@ def mixed_batches(docs, windows: list[tuple[int, int]], seed, skip=0):
             yield next(stream)
 
 
-# What fixes a drafter's training run: a resumed run must give the same.
-RUN_SETTINGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
-                "draft_attention", "draft_target_layers", "windows", "draft_steps", "draft_lr",
-                "draft_labels", "corpus")
+# The arguments that fix a drafter's training run (with its windows and corpus): a
+# resumed run must give the same.
+RUN_ARGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
+            "draft_attention", "draft_target_layers", "draft_steps", "draft_lr", "draft_labels")
 
 
 def resumable_run(args, windows, corpus: dict) -> int:
@@ -103,14 +103,14 @@ def resumable_run(args, windows, corpus: dict) -> int:
     if not (args.from_default or args.target_from):
         raise SystemExit("--state-dir keeps the drafter's training state: give --from-default "
                          "or --target-from (a target trained in the same run is not kept)")
-    settings = ({k: getattr(args, k) for k in RUN_SETTINGS if hasattr(args, k)}
+    settings = ({k: getattr(args, k) for k in RUN_ARGS}
                 | {"windows": windows, "corpus": corpus})
     settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
     record = Path(args.state_dir) / "run.json"
     step = saved_step(args.state_dir)
     if record.exists():
         saved = json.loads(record.read_text())
-        if changed := [k for k in RUN_SETTINGS if saved.get(k) != settings[k]]:
+        if changed := [k for k in settings if saved.get(k) != settings[k]]:
             raise SystemExit(
                 f"--state-dir {args.state_dir} holds a run with other settings: "
                 + "; ".join(f"{k} was {saved.get(k)!r}, now {settings[k]!r}" for k in changed)
@@ -153,7 +153,7 @@ def main(argv=None):
     ap.add_argument("--draft-attention", choices=tuple(DRAFT_ATTENTION), default="sliding",
                     help="the draft layers' attention over the context: a 256-token "
                          "window or all of it")
-    ap.add_argument("--draft-target-layers", type=int, nargs="+", default=[1, 4],
+    ap.add_argument("--draft-target-layers", type=int, nargs="+", default=None,
                     metavar="I", help="with --fresh-draft: the target layers whose outputs "
                                       "the new drafter reads (default: 1 4, the shipped one's)")
     ap.add_argument("--windows", nargs="+", default=None, metavar="LENGTHxBATCH",
@@ -183,15 +183,18 @@ def main(argv=None):
                          "give --from-default, and not --fresh-draft")
     if args.draft_layers < 1:
         raise SystemExit(f"--draft-layers {args.draft_layers}: give at least 1")
-    if args.draft_target_layers != [1, 4] and not args.fresh_draft:
+    layer_ids = args.draft_target_layers
+    if layer_ids is not None and not args.fresh_draft:
         raise SystemExit("--draft-target-layers shapes a new drafter: give --from-default "
                          "--fresh-draft too")
-    num_target = target_config().num_layers
-    if bad := [i for i in args.draft_target_layers if not 0 <= i < num_target]:
-        raise SystemExit(f"--draft-target-layers {bad}: the target's layers are 0 to "
-                         f"{num_target - 1}")
-    if len(set(args.draft_target_layers)) != len(args.draft_target_layers):
-        raise SystemExit(f"--draft-target-layers {args.draft_target_layers}: each layer once")
+    if layer_ids is not None and len(set(layer_ids)) != len(layer_ids):
+        raise SystemExit(f"--draft-target-layers {layer_ids}: each layer once")
+    tcfg = target_config()
+    try:  # the config checks the layers against the target's
+        dcfg = draft_config(args.draft_layers, args.draft_attention,
+                            *([tuple(layer_ids)] if layer_ids else []))
+    except ValueError as e:
+        raise SystemExit(f"--draft-target-layers {layer_ids}: {e}") from None
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
@@ -199,8 +202,6 @@ def main(argv=None):
     print(f"train corpus: {corpus['files']} files, {corpus['bytes'] / 1e6:.1f}M bytes",
           flush=True)
     resume_from = resumable_run(args, windows, corpus)
-    tcfg = target_config()
-    dcfg = draft_config(args.draft_layers, args.draft_attention, tuple(args.draft_target_layers))
     t0 = time.time()
     draft = init_draft(dcfg, jax.random.key(1))
     if args.from_default:

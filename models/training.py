@@ -84,18 +84,16 @@ def train_loop(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: 
         losses.append(float(loss))
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-10:]):.4f}")
-        out_of_time = ((time_budget_s is not None
-                        and time.monotonic() - started > time_budget_s)
-                       or (run_steps is not None and step + 1 - start >= run_steps
-                           and step + 1 < steps))
+        run_done = run_steps is not None and step + 1 - start >= run_steps and step + 1 < steps
+        out_of_time = time_budget_s is not None and time.monotonic() - started > time_budget_s
+        stopping = run_done or out_of_time
         if manager is not None and ((step + 1) % save_every == 0 or step + 1 == steps
-                                    or out_of_time):
+                                    or stopping):
             import orbax.checkpoint as ocp
             manager.save(step + 1, args=ocp.args.StandardSave(state))
             (ckpt_dir / "loss.json").write_text(json.dumps(losses))
-        if out_of_time:
-            spent = (f"{run_steps} steps" if run_steps is not None
-                     and step + 1 - start >= run_steps else f"time budget {time_budget_s:.0f}s")
+        if stopping:
+            spent = f"{run_steps} steps" if run_done else f"time budget {time_budget_s:.0f}s"
             print(f"{desc}: {spent} spent, stopping at step {step + 1} of {steps}"
                   + (f" (saved in {ckpt_dir}: a run with the same directory goes on)"
                      if manager is not None else ""), flush=True)

@@ -90,7 +90,8 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
     stdlib = small_stdlib(tmp_path, "for i in range(3):\n    print(i)\n", files=3)
     with pytest.raises(SystemExit, match="give --from-default too"):
         make_default.main(["--out", str(tmp_path / "x"), "--fresh-draft"])
-    for layers, message in ((["1", "6"], r"\[6\]: the target's layers are 0 to 5"),
+    for layers, message in ((["1", "6"], r"target_layer_ids \[6\] outside the target's 6 "
+                                         r"layers"),
                             (["2", "2"], "each layer once")):
         with pytest.raises(SystemExit, match=message):
             make_default.main(["--out", str(tmp_path / "x"), "--from-default",
