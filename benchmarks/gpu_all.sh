@@ -65,6 +65,8 @@
 # "--draft-layers 4 --draft-target-layers 1 3 5 --draft-attention full").
 # DRAFT_FROM=DIR (a candidate's draft directory in the checkout) trains that candidate on
 # instead of a new one (peak learning rate 5e-4, against 2e-3 for a new one).
+# TRAIN_ARGS: further make_default arguments for the run (e.g. "--anchor-spacing 8
+# --draft-labels target"); part of its settings like the others.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}
@@ -149,7 +151,8 @@ for stage in "${stages[@]}"; do
         $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft ${DRAFT_SHAPE:---draft-layers 4}) \
         --windows ${TRAIN_WINDOWS:-1024x16 8192x2} \
         --draft-steps "${DRAFT_STEPS:-12000}" --state-dir "$OUT/draft_long/state" \
-        --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" --budget-s "${TRAIN_S:-450}"
+        --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" --budget-s "${TRAIN_S:-450}" \
+        ${TRAIN_ARGS:-}
       if [ -z "${DRY_RUN:-}" ] && [ -d "$OUT/draft_long/state/state" ]; then
         # the newest saved step alone (orbax keeps two), so the pieces stay within what a
         # call hands back

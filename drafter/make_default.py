@@ -86,7 +86,8 @@ def mixed_batches(docs, windows: list[tuple[int, int]], seed, skip=0):
 # The arguments that fix a drafter's training run (with its windows and corpus): a
 # resumed run must give the same.
 RUN_ARGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
-            "draft_attention", "draft_target_layers", "draft_steps", "draft_lr", "draft_labels")
+            "draft_attention", "draft_target_layers", "draft_steps", "draft_lr", "draft_labels",
+            "anchor_spacing")
 
 
 def resumable_run(args, windows, corpus: dict) -> int:
@@ -164,6 +165,9 @@ def main(argv=None):
     ap.add_argument("--draft-labels", choices=LABELS, default="data",
                     help="what the drafter learns to predict: the data's next tokens (the "
                          "DFlash recipe) or the target's greedy choices (distillation)")
+    ap.add_argument("--anchor-spacing", type=int, default=None, metavar="N",
+                    help="train one draft block per N tokens of each window (default: 32 "
+                         "blocks a window, whatever its length)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
     ap.add_argument("--state-dir", default=None, metavar="DIR",
@@ -195,6 +199,8 @@ def main(argv=None):
                             *([tuple(layer_ids)] if layer_ids else []))
     except ValueError as e:
         raise SystemExit(f"--draft-target-layers {layer_ids}: {e}") from None
+    if args.anchor_spacing is not None and args.anchor_spacing < 1:
+        raise SystemExit(f"--anchor-spacing {args.anchor_spacing}: give at least 1 token")
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
@@ -232,7 +238,8 @@ def main(argv=None):
                                     mixed_batches(train_docs, windows, 2 if continued else 1,
                                                   skip=resume_from),
                                     steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
-                                    gamma=4.0, labels=args.draft_labels,
+                                    anchor_spacing=args.anchor_spacing, gamma=4.0,
+                                    labels=args.draft_labels,
                                     time_budget_s=args.budget_s, ckpt_dir=args.state_dir,
                                     run_steps=args.run_steps)
     print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "

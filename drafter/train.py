@@ -48,26 +48,33 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
     ctx_positions = jnp.broadcast_to(jnp.arange(t), (n, t))
     c = rms_norm(features @ draft_params["fc"], draft_params["hidden_norm"], cfg.rms_norm_eps)
     x = jax.lax.stop_gradient(target_params["embed"])[ids]
-    k_pos = jnp.arange(t)[None, None, :]
     q_pos = positions[:, :, None]
     j = jnp.arange(block)
     for i, p in enumerate(draft_params["layers"]):
         _, k_ctx, v_ctx = qkv(p, c, ctx_positions, cfg.num_heads, cfg.num_kv_heads,
                               cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.rope_scaling)
-        ctx_ok = jnp.broadcast_to(k_pos < anchor[:, None, None],        # strictly before a
-                                  (anchor.shape[0], block, t))
-        blk_ok = jnp.ones((1, block, block), bool)
+        window = cfg.window(i)
+        if window is None:  # the whole context
+            k_pos = jnp.broadcast_to(jnp.arange(t)[None], (anchor.shape[0], t))
+            k_sel, v_sel = k_ctx[rows], v_ctx[rows]
+        else:  # the window's keys alone: a sliding layer gives older ones no weight, so
+            # a block's cost does not grow with the window's length
+            k_pos = anchor[:, None] - window + jnp.arange(window)[None]  # [R, W]
+            k_sel, v_sel = (a[rows[:, None], jnp.maximum(k_pos, 0)] for a in (k_ctx, v_ctx))
+        ctx_ok = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] < anchor[:, None, None])
+        blk_ok = jnp.ones((1, block, block), bool)                     # ^ strictly before a
         if cfg.causal(i):
             blk_ok &= j[None, None, :] <= j[None, :, None]
-        if cfg.window(i) is not None:
-            ctx_ok &= k_pos > q_pos - cfg.window(i)
-            blk_ok &= j[None, None, :] > j[None, :, None] - cfg.window(i)
-        allowed = jnp.concatenate(
-            [ctx_ok, jnp.broadcast_to(blk_ok, (anchor.shape[0], block, block))], axis=2)
+        if window is not None:
+            ctx_ok &= k_pos[:, None, :] > q_pos - window
+            blk_ok &= j[None, None, :] > j[None, :, None] - window
+        r = anchor.shape[0]
+        allowed = jnp.concatenate([jnp.broadcast_to(ctx_ok, (r, block, k_pos.shape[1])),
+                                   jnp.broadcast_to(blk_ok, (r, block, block))], axis=2)
 
         def dense_block(q, k_blk, v_blk):  # context before the anchor + the block itself
-            keys = jnp.concatenate([k_ctx[rows], k_blk], axis=1)
-            values = jnp.concatenate([v_ctx[rows], v_blk], axis=1)
+            keys = jnp.concatenate([k_sel, k_blk], axis=1)
+            values = jnp.concatenate([v_sel, v_blk], axis=1)
             return dense_attention(q, keys, values, allowed)
 
         x = decoder_layer(p, x, cfg, rotated(dense_block, positions, cfg))
@@ -90,24 +97,33 @@ LABELS = ("data", "target")
 
 
 def dflash_loss(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, *,
-                anchors_per_seq: int = 8, gamma: float = 4.0, labels: str = "data"):
+                anchors_per_seq: int = 8, anchor_spacing: int | None = None,
+                gamma: float = 4.0, labels: str = "data"):
     """loss(draft_params, tokens i32[N, T], key) by the DFlash recipe; `labels`:
-    "data" (the next tokens) or "target" (the target's greedy next tokens)."""
+    "data" (the next tokens) or "target" (the target's greedy next tokens).
+
+    Each window gets `anchors_per_seq` blocks, or with `anchor_spacing` one block per
+    that many tokens (T // anchor_spacing, at least 1), so a long window trains as many
+    blocks per token as a short one: the target's features over the window, its
+    costliest part, are computed once for all of them."""
     if labels not in LABELS:
         raise ValueError(f"labels {labels!r} is unknown; use one of {LABELS}")
+    if anchor_spacing is not None and anchor_spacing < 1:
+        raise ValueError(f"anchor_spacing {anchor_spacing}: give at least 1 token")
     weights = jnp.exp(-jnp.arange(cfg.block_size - 1) / gamma)          # slot k=1.. -> k-1
 
     def loss(draft_params, tokens, key):
         n, t = tokens.shape
+        num_anchors = max(1, t // anchor_spacing) if anchor_spacing else anchors_per_seq
         if labels == "target":
             feats, choices = target_features(target_params, target_cfg, cfg, tokens,
                                              with_choices=True)
         else:
             feats = target_features(target_params, target_cfg, cfg, tokens)
-        anchors = jax.random.randint(key, (n, anchors_per_seq), 0, t - 1)
+        anchors = jax.random.randint(key, (n, num_anchors), 0, t - 1)
         logits = block_logits(draft_params, cfg, target_params, target_cfg, tokens, feats,
                               anchors)
-        rows = jnp.repeat(jnp.arange(n), anchors_per_seq)
+        rows = jnp.repeat(jnp.arange(n), num_anchors)
         label_pos = anchors.reshape(-1)[:, None] + jnp.arange(1, cfg.block_size)[None]
         valid = label_pos < t
         if labels == "target":  # the target's choice for position p is made at p - 1
@@ -122,9 +138,10 @@ def dflash_loss(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, *,
 
 def train_drafter(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, draft_params,
                   batches, *, steps: int, lr: float = 3e-3, anchors_per_seq: int = 8,
-                  gamma: float = 4.0, labels: str = "data", **kw):
+                  anchor_spacing: int | None = None, gamma: float = 4.0,
+                  labels: str = "data", **kw):
     """Train `draft_params` for the frozen target; see `train_loop` for
     checkpointing (orbax), resuming and the saved loss curve."""
     loss = dflash_loss(target_params, target_cfg, cfg, anchors_per_seq=anchors_per_seq,
-                       gamma=gamma, labels=labels)
+                       anchor_spacing=anchor_spacing, gamma=gamma, labels=labels)
     return train_loop(loss, draft_params, batches, steps=steps, lr=lr, desc="drafter", **kw)

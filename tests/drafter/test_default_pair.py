@@ -128,7 +128,7 @@ def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path
 
     stdlib = small_stdlib(tmp_path, "def f(x):\n    return x + 1\n", files=3)
     args = ["--from-default", "--fresh-draft", "--draft-layers", "1", "--windows", "48x2",
-            "32x2", "--draft-steps", "5", "--stdlib", str(stdlib)]
+            "32x2", "--anchor-spacing", "8", "--draft-steps", "5", "--stdlib", str(stdlib)]
     whole, parts, state = tmp_path / "whole", tmp_path / "parts", tmp_path / "state"
     make_default.main(["--out", str(whole), *args])
     make_default.main(["--out", str(parts), *args, "--state-dir", str(state),
@@ -140,6 +140,8 @@ def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     curves = [json.loads((d / "losses.json").read_text())["draft"] for d in (whole, parts)]
     assert len(curves[0]) == 5 and curves[1] == curves[0]
+    with pytest.raises(SystemExit, match="--anchor-spacing 0: give at least 1 token"):
+        make_default.main(["--out", str(parts), *[a if a != "8" else "0" for a in args]])
     changed = [a if a != "5" else "6" for a in args]          # --draft-steps 6
     with pytest.raises(SystemExit, match="draft_steps was 5, now 6"):
         make_default.main(["--out", str(parts), *changed, "--state-dir", str(state)])

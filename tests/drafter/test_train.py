@@ -91,3 +91,23 @@ def test_unknown_label_kind_is_refused():
     params, cfg, _ = tiny_pair(num_slots=2)
     with pytest.raises(ValueError, match="labels 'teacher' is unknown"):
         dflash_loss(params["target"], cfg.target, cfg.draft, labels="teacher")
+
+
+def test_anchor_spacing_gives_a_window_one_block_per_that_many_tokens():
+    """With the same key, spacing s over a T-token window draws the T // s anchors that
+    anchors_per_seq=T // s draws: equal losses; a spacing past the window's length still
+    trains one block, and another count gives another loss."""
+    params, cfg, _ = tiny_pair(num_slots=2)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 63, (2, 48)), jnp.int32)
+    key = jax.random.key(5)
+
+    def loss(**kw):
+        return float(jax.jit(dflash_loss(params["target"], cfg.target, cfg.draft, **kw))(
+            params["draft"], tokens, key))
+
+    spaced = loss(anchor_spacing=8)
+    assert spaced == loss(anchors_per_seq=6)
+    assert spaced != loss(anchors_per_seq=5)
+    assert loss(anchor_spacing=100) == loss(anchors_per_seq=1)
+    with pytest.raises(ValueError, match="anchor_spacing 0: give at least 1 token"):
+        dflash_loss(params["target"], cfg.target, cfg.draft, anchor_spacing=0)
