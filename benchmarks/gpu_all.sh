@@ -56,10 +56,10 @@
 # DRAFT_STEPS, DRAFT_SHAPE and TRAIN_WINDOWS (and DRAFT_FROM, if any: make_default refuses
 # other settings by name); `cat train_draft.tar.* | tar x` unpacks the drafter.
 # Measure it with `python -m drafter.evaluate --draft DIR/draft_long/draft --compare-to
-# SHIPPED.json`, SHIPPED.json being `python -m drafter.evaluate`'s report for the shipped
-# drafter on the same kind of machine (the acceptance set: 16 held-out prompts a length;
-# the difference per length with a paired 95% interval over prompts), and ship it with
-# drafter.default.import_draft only if it is better at every length.
+# shipped` (one call: the shipped drafter evaluated first in the same run; the acceptance
+# set, 16 held-out prompts a length; the difference per length with a paired 95% interval
+# over prompts), and ship it with drafter.default.import_draft only if it is better at
+# every length.
 # TRAIN_WINDOWS: the windows, LENGTHxBATCH each (default "1024x16 8192x2").
 # DRAFT_SHAPE: the new drafter's make_default arguments (default "--draft-layers 4"; e.g.
 # "--draft-layers 4 --draft-target-layers 1 3 5 --draft-attention full").

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python -m drafter.evaluate [--quick] [--max-new N] [--impl I] [--json FILE]
         [--prompts acceptance|shipped] [--lengths N ...] [--context N] [--draft DIR]
-        [--compare-to JSON]
+        [--compare-to JSON|shipped]
 
 Per prompt length: acceptance length (AL: tokens committed per decode step, block 8,
 over every step of the length's prompts) with a 95% interval over prompts, each
@@ -22,6 +22,8 @@ apart from what its continuations' content costs.
 `--compare-to JSON` pairs this run with an earlier report over the same prompts (a
 candidate drafter against the shipped one's report from the same machine): per length,
 the AL difference with a bootstrap interval over prompts drawn for both runs at once.
+`--draft DIR --compare-to shipped` evaluates the shipped drafter first in the same run,
+so one run pairs a candidate with it (the plain decodes serve both).
 """
 
 from __future__ import annotations
@@ -186,16 +188,23 @@ def compare(base: dict, report: dict, base_name: str = "the baseline") -> list[d
     return rows
 
 
-def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto", num_slots=16):
+def acceptance_by_length(params, tcfg, dcfg, prompts, max_new, impl="auto", num_slots=16,
+                         plain_outputs: dict | None = None):
     """Per prompt length, speculative beside plain greedy decoding of its prompts (in
-    batches of `num_slots`)."""
+    batches of `num_slots`). `plain_outputs` (length -> plain results) keeps the plain
+    decodes for another drafter's evaluation over the same prompts and target: one
+    already there is used instead of decoding again."""
     speculative_cfg = default_step_config(tcfg, dcfg, num_slots=num_slots, impl=impl)
     plain_cfg = default_step_config(tcfg, None, num_slots=num_slots, impl=impl)
+    plain_outputs = {} if plain_outputs is None else plain_outputs
     rows = []
     for length in sorted({p["length"] for p in prompts}):
         group = [p["tokens"] for p in prompts if p["length"] == length]
         speculative = Engine(params, speculative_cfg).generate(group, max_new)
-        plain = Engine(params, plain_cfg, speculative=False).generate(group, max_new)
+        if length not in plain_outputs:
+            plain_outputs[length] = Engine(params, plain_cfg, speculative=False).generate(
+                group, max_new)
+        plain = plain_outputs[length]
         steps = [a for r in speculative for a in r.acceptance]
         parted = divergences(params, tcfg, group, speculative, plain)
         row = {"prompt_length": length, "num_prompts": len(group),
@@ -303,18 +312,24 @@ def main(argv=None):
     ap.add_argument("--draft", default=None, metavar="DIR",
                     help="a candidate drafter for the shipped target (a DFlash checkpoint "
                          "directory, e.g. make_default's DIR/draft) instead of the shipped one")
-    ap.add_argument("--compare-to", default=None, metavar="JSON",
+    ap.add_argument("--compare-to", default=None, metavar="JSON|shipped",
                     help="an earlier report over the same prompts (e.g. the shipped "
-                         "drafter's, same machine): print and keep this one's AL minus "
-                         "its, per length, with a paired 95%% interval over prompts")
+                         "drafter's, same machine), or `shipped` to evaluate the shipped "
+                         "drafter first in this run (with --draft; the plain decodes "
+                         "serve both): print and keep this one's AL minus its, per "
+                         "length, with a paired 95%% interval over prompts")
     args = ap.parse_args(argv)
     base = None
-    if args.compare_to is not None:
+    if args.compare_to == "shipped" and args.draft is None:
+        raise SystemExit("--compare-to shipped evaluates the shipped drafter beside a "
+                         "candidate: give the candidate with --draft DIR")
+    if args.compare_to not in (None, "shipped"):
         try:
             base = json.loads(Path(args.compare_to).read_text())
         except (OSError, ValueError) as e:
             raise SystemExit(f"--compare-to {args.compare_to}: not a readable report: {e}")
     params, tcfg, dcfg = load_default()
+    shipped_params, shipped_dcfg = dict(params), dcfg
     if args.draft is not None:
         dcfg, params["draft"] = load_dflash(args.draft, jnp.float32)
         if problems := pair_checks(tcfg, dcfg):
@@ -341,15 +356,25 @@ def main(argv=None):
               "max_new": args.max_new, "context": args.context}
     if base is not None and (differing := unpaired(base, report)):  # before any decoding
         raise SystemExit(f"--compare-to {args.compare_to}: {differing}")
+    plain_outputs = {}
+    if args.compare_to == "shipped":
+        print("the shipped drafter:", flush=True)
+        base = report | {"draft": "shipped", "by_length": acceptance_by_length(
+            shipped_params, tcfg, shipped_dcfg, prompts, args.max_new, args.impl,
+            plain_outputs=plain_outputs)}
+        print(f"the candidate, {args.draft}:", flush=True)
     report["by_length"] = acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
-                                               args.impl)
+                                               args.impl, plain_outputs=plain_outputs)
     if base is not None:
         try:
             rows = compare(base, report, f"--compare-to {args.compare_to}")
         except ValueError as e:
             raise SystemExit(str(e)) from None
-        report["compared_to"] = {"file": args.compare_to, "draft": base.get("draft"),
-                                 "by_length": rows}
+        in_run = args.compare_to == "shipped"
+        report["compared_to"] = {"file": None if in_run else args.compare_to,
+                                 "draft": base.get("draft"), "by_length": rows}
+        if in_run:  # the baseline's own figures, measured here
+            report["compared_to"]["baseline_by_length"] = base["by_length"]
         for row in rows:
             low, high = row["difference_95"]
             print(f"  prompt {row['prompt_length']:>5}: AL {row['difference']:+.2f} against "

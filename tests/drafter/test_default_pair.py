@@ -80,8 +80,8 @@ def test_the_shipped_drafter_trains_on_in_turn_windows(tmp_path):
 def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_path):
     """`make_default --from-default --fresh-draft` trains a new drafter of the asked depth,
     attention and target layers for the shipped target (layers it does not have are
-    refused by name); `evaluate --draft` measures that candidate (not the shipped
-    drafter), losslessly."""
+    refused by name); `evaluate --draft --compare-to shipped` measures that candidate
+    (not the shipped drafter), losslessly, paired with the shipped drafter in one run."""
     import json
 
     from drafter import evaluate, make_default
@@ -108,11 +108,18 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
     assert dcfg.target_layer_ids == (1, 3, 5)
     report = tmp_path / "eval.json"
     evaluate.main(["--draft", str(out / "draft"), "--lengths", "128", "--max-new", "8",
-                   "--context", "16", "--json", str(report)])
+                   "--context", "16", "--compare-to", "shipped", "--json", str(report)])
     row = json.loads(report.read_text())
-    assert row["draft"] == str(out / "draft") and row["by_length"][0]["lossless"]
-    (paired,) = evaluate.compare(row, row)   # a real report's per-prompt steps pair
-    assert paired["difference"] == 0 and paired["difference_95"] == [0, 0]
+    (mine,) = row["by_length"]
+    assert row["draft"] == str(out / "draft") and mine["lossless"]
+    # the shipped drafter, evaluated first in the same run, is the paired baseline: a
+    # trained drafter, it accepts more than one trained for 2 steps
+    compared = row["compared_to"]
+    (base,), (paired,) = compared["baseline_by_length"], compared["by_length"]
+    assert compared["draft"] == "shipped" and compared["file"] is None and base["lossless"]
+    assert base["acceptance_length"] > mine["acceptance_length"]
+    assert paired["difference"] == pytest.approx(
+        mine["acceptance_length"] - base["acceptance_length"])
 
 
 def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):

@@ -116,6 +116,8 @@ def test_compare_to_keeps_the_paired_difference_and_refuses_other_prompts_first(
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(SystemExit, match="not a readable report"):
         evaluate.main(["--compare-to", str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit, match="give the candidate with --draft DIR"):
+        evaluate.main(["--compare-to", "shipped"])
 
 
 def test_a_cut_prompt_keeps_its_first_token_its_tail_and_its_length_label():
