@@ -65,6 +65,8 @@
 # "--draft-layers 4 --draft-target-layers 1 3 5 --draft-attention full").
 # DRAFT_FROM=DIR (a candidate's draft directory in the checkout) trains that candidate on
 # instead of a new one (peak learning rate 5e-4, against 2e-3 for a new one).
+# eval_candidate (not in the default list): that measurement in one call, for the drafter
+# in CANDIDATE (default .train/draft_long/draft: carry it), into eval_candidate_gpu.json.
 # TRAIN_ARGS: further make_default arguments for the run (e.g. "--anchor-spacing 8
 # --draft-labels target"); part of its settings like the others.
 set -uo pipefail
@@ -73,7 +75,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft)
+    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft|eval_candidate)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -162,6 +164,9 @@ for stage in "${stages[@]}"; do
       fi ;;
     eval)
       run 450 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" ;;
+    eval_candidate)
+      run 570 eval_candidate python3 -m drafter.evaluate --draft "${CANDIDATE:-.train/draft_long/draft}" \
+        --compare-to shipped --json "$OUT/eval_candidate_gpu.json" ;;
     transfer)
       run 270 transfer python3 benchmarks/bench_transfer.py --out "$OUT" ;;
     serving)

@@ -379,14 +379,16 @@ def main(argv=None):
             low, high = row["difference_95"]
             print(f"  prompt {row['prompt_length']:>5}: AL {row['difference']:+.2f} against "
                   f"{args.compare_to} (paired 95%: {low:+.2f} to {high:+.2f})", flush=True)
+    path = Path(args.json) if args.json else Path(
+        f"eval_default_{jax.default_backend()}{'_quick' if args.quick else ''}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # written now and again with the speeds: a run cut short keeps its acceptance figures
+    path.write_text(json.dumps(report, indent=2))
     short = [p["tokens"] for p in load_prompts() if p["length"] == 128]
     if args.context is None and (not args.lengths or 128 in args.lengths):  # speed: shipped 128s
         report["speed"] = [tokens_per_second(params, tcfg, dcfg, short, b, impl=args.impl)
                            for b in ((1,) if args.quick else (1, 16))]
-    path = Path(args.json) if args.json else Path(
-        f"eval_default_{jax.default_backend()}{'_quick' if args.quick else ''}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
+        path.write_text(json.dumps(report, indent=2))
     print("wrote", path)
 
 
