@@ -42,7 +42,8 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
     num_anchors, block = anchors.shape[1], cfg.block_size
     rows = jnp.repeat(jnp.arange(n), num_anchors)                     # block -> sequence
     anchor = anchors.reshape(-1)                                       # [R]
-    ids = jnp.full((rows.shape[0], block), cfg.mask_token_id, jnp.int32)
+    r = anchor.shape[0]
+    ids = jnp.full((r, block), cfg.mask_token_id, jnp.int32)
     ids = ids.at[:, 0].set(tokens[rows, anchor])
     positions = anchor[:, None] + jnp.arange(block)[None]              # [R, B]
     ctx_positions = jnp.broadcast_to(jnp.arange(t), (n, t))
@@ -55,7 +56,7 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
                               cfg.head_dim, cfg.rope_theta, cfg.rms_norm_eps, cfg.rope_scaling)
         window = cfg.window(i)
         if window is None:  # the whole context
-            k_pos = jnp.broadcast_to(jnp.arange(t)[None], (anchor.shape[0], t))
+            k_pos = jnp.broadcast_to(jnp.arange(t)[None], (r, t))
             k_sel, v_sel = k_ctx[rows], v_ctx[rows]
         else:  # the window's keys alone: a sliding layer gives older ones no weight, so
             # a block's cost does not grow with the window's length
@@ -68,7 +69,6 @@ def block_logits(draft_params, cfg: DFlashConfig, target_params, target_cfg: Qwe
         if window is not None:
             ctx_ok &= k_pos[:, None, :] > q_pos - window
             blk_ok &= j[None, None, :] > j[None, :, None] - window
-        r = anchor.shape[0]
         allowed = jnp.concatenate([jnp.broadcast_to(ctx_ok, (r, block, k_pos.shape[1])),
                                    jnp.broadcast_to(blk_ok, (r, block, block))], axis=2)
 
@@ -104,8 +104,8 @@ def dflash_loss(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, *,
 
     Each window gets `anchors_per_seq` blocks, or with `anchor_spacing` one block per
     that many tokens (T // anchor_spacing, at least 1), so a long window trains as many
-    blocks per token as a short one: the target's features over the window, its
-    costliest part, are computed once for all of them."""
+    blocks per token as a short one: the target's features over the window are computed
+    once for all of them."""
     if labels not in LABELS:
         raise ValueError(f"labels {labels!r} is unknown; use one of {LABELS}")
     if anchor_spacing is not None and anchor_spacing < 1:
