@@ -68,7 +68,8 @@
 # eval_candidate (not in the default list): that measurement in one call, for the drafter
 # in CANDIDATE (default .train/draft_long/draft: carry it), into eval_candidate_gpu.json.
 # TRAIN_ARGS: further make_default arguments for the run (e.g. "--anchor-spacing 8
-# --draft-labels target"); part of its settings like the others.
+# --draft-labels target", or "--greedy-tail 128": windows ending in the target's own greedy
+# continuation, blocks anchored there); part of its settings like the others.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}

@@ -67,9 +67,9 @@ def default_step_config(tcfg: Qwen3Config, dcfg: DFlashConfig | None, *, num_slo
                         max_seq_len: int = 9216, impl: str = "auto",
                         memory_budget_bytes: int = 1 << 30,
                         layer_loop: str = "auto", graph_loops: bool = False,
-                        graph_copies: int = 1) -> StepConfig:
+                        graph_copies: int = 1, target_kv_dtype: str = "fp8_e4m3") -> StepConfig:
     """The default cache: fp8 target KV (window and full pools), bf16 draft KV."""
-    layers = tcfg.layer_specs("fp8_e4m3")
+    layers = tcfg.layer_specs(target_kv_dtype)
     if dcfg is not None:
         layers += dcfg.layer_specs("bf16")
     spec = CacheSpec(page_size=16, layers=tuple(layers), num_slots=num_slots,

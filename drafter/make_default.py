@@ -83,11 +83,34 @@ def mixed_batches(docs, windows: list[tuple[int, int]], seed, skip=0):
             yield next(stream)
 
 
+def greedy_tail_batches(batches, params, tcfg: Qwen3Config, tail: int,
+                        kv_dtype: str = "fp8_e4m3"):
+    """Each window's last `tail` tokens replaced by the target's own greedy continuation
+    of the rest, as the plain engine serves it (by default the shipped cache's fp8 target
+    KV), so a drafter trains on the sequences it will be asked to draft. A function of
+    the windows alone: a resumed run draws the same batches."""
+    from drafter.default import default_step_config
+    from drafter.engine import Engine
+    engines = {}  # one per window shape: its programs compile once
+    for x in batches:
+        n, t = x.shape
+        if (n, t) not in engines:
+            # room past the window for the engine's lookahead rows
+            cfg = default_step_config(tcfg, None, num_slots=n,
+                                      max_seq_len=-(-(t + 32) // 16) * 16,
+                                      target_kv_dtype=kv_dtype)
+            engines[n, t] = Engine(params, cfg, speculative=False)
+        heads = np.asarray(x)[:, :t - tail]
+        outs = engines[n, t].generate([h.tolist() for h in heads], tail)
+        yield jnp.asarray(np.concatenate([heads, np.asarray([r.tokens for r in outs])], 1),
+                          jnp.int32)
+
+
 # The arguments that fix a drafter's training run (with its windows and corpus): a
 # resumed run must give the same.
 RUN_ARGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
             "draft_attention", "draft_target_layers", "draft_steps", "draft_lr", "draft_labels",
-            "anchor_spacing")
+            "anchor_spacing", "greedy_tail")
 
 
 def resumable_run(args, windows, corpus: dict) -> int:
@@ -168,6 +191,9 @@ def main(argv=None):
     ap.add_argument("--anchor-spacing", type=int, default=None, metavar="N",
                     help="train one draft block per N tokens of each window (default: 32 "
                          "blocks a window, whatever its length)")
+    ap.add_argument("--greedy-tail", type=int, default=None, metavar="N",
+                    help="end every drafter window in N tokens of the target's own greedy "
+                         "continuation (the plain engine's) and anchor blocks there alone")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
     ap.add_argument("--state-dir", default=None, metavar="DIR",
@@ -202,6 +228,9 @@ def main(argv=None):
     if args.anchor_spacing is not None and args.anchor_spacing < 1:
         raise SystemExit(f"--anchor-spacing {args.anchor_spacing}: give at least 1 token")
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
+    if args.greedy_tail is not None and not 2 <= args.greedy_tail < min(w for w, _ in windows):
+        raise SystemExit(f"--greedy-tail {args.greedy_tail}: give at least 2 tokens and fewer "
+                         f"than the shortest window's {min(w for w, _ in windows)}")
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
     corpus = {"files": len(train_docs), "bytes": int(sum(map(len, train_docs)))}
@@ -234,12 +263,15 @@ def main(argv=None):
     t0 = time.time()
     # A continued run draws other windows than the first (seed 2, not 1).
     continued = args.from_default and not args.fresh_draft
-    draft, d_losses = train_drafter(target, tcfg, dcfg, draft,
-                                    mixed_batches(train_docs, windows, 2 if continued else 1,
-                                                  skip=resume_from),
+    windows_in_turn = mixed_batches(train_docs, windows, 2 if continued else 1,
+                                    skip=resume_from)
+    if args.greedy_tail is not None:
+        windows_in_turn = greedy_tail_batches(windows_in_turn, {"target": target}, tcfg,
+                                              args.greedy_tail)
+    draft, d_losses = train_drafter(target, tcfg, dcfg, draft, windows_in_turn,
                                     steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
                                     anchor_spacing=args.anchor_spacing, gamma=4.0,
-                                    labels=args.draft_labels,
+                                    labels=args.draft_labels, tail=args.greedy_tail,
                                     time_budget_s=args.budget_s, ckpt_dir=args.state_dir,
                                     run_steps=args.run_steps)
     print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "

@@ -96,31 +96,46 @@ def target_features(target_params, target_cfg, cfg: DFlashConfig, tokens, *,
 LABELS = ("data", "target")
 
 
+def draw_anchors(key, n: int, t: int, count: int, first: int = 0):
+    """i32[n, count]: block anchors drawn uniformly from positions first .. t - 2 of
+    each T-token window, so every block has at least one label inside its window."""
+    return jax.random.randint(key, (n, count), first, t - 1)
+
+
 def dflash_loss(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, *,
                 anchors_per_seq: int = 8, anchor_spacing: int | None = None,
-                gamma: float = 4.0, labels: str = "data"):
+                gamma: float = 4.0, labels: str = "data", tail: int | None = None):
     """loss(draft_params, tokens i32[N, T], key) by the DFlash recipe; `labels`:
     "data" (the next tokens) or "target" (the target's greedy next tokens).
 
     Each window gets `anchors_per_seq` blocks, or with `anchor_spacing` one block per
     that many tokens (T // anchor_spacing, at least 1), so a long window trains as many
     blocks per token as a short one: the target's features over the window are computed
-    once for all of them."""
+    once for all of them. With `tail`, blocks are anchored in the window's last `tail`
+    tokens alone (one per `anchor_spacing` of them): where a window ends in the
+    target's own continuation of the rest, the drafter trains on what serving asks of
+    it, blocks anchored at generated tokens."""
     if labels not in LABELS:
         raise ValueError(f"labels {labels!r} is unknown; use one of {LABELS}")
     if anchor_spacing is not None and anchor_spacing < 1:
         raise ValueError(f"anchor_spacing {anchor_spacing}: give at least 1 token")
+    if tail is not None and tail < 2:
+        raise ValueError(f"tail {tail}: give at least 2 tokens (an anchor and a label)")
     weights = jnp.exp(-jnp.arange(cfg.block_size - 1) / gamma)          # slot k=1.. -> k-1
 
     def loss(draft_params, tokens, key):
         n, t = tokens.shape
-        num_anchors = max(1, t // anchor_spacing) if anchor_spacing else anchors_per_seq
+        if tail is not None and tail >= t:
+            raise ValueError(f"tail {tail}: the window ({t} tokens) has no context before it")
+        first = 0 if tail is None else t - tail                         # the earliest anchor
+        num_anchors = (max(1, (t - first) // anchor_spacing) if anchor_spacing
+                       else anchors_per_seq)
         if labels == "target":
             feats, choices = target_features(target_params, target_cfg, cfg, tokens,
                                              with_choices=True)
         else:
             feats = target_features(target_params, target_cfg, cfg, tokens)
-        anchors = jax.random.randint(key, (n, num_anchors), 0, t - 1)
+        anchors = draw_anchors(key, n, t, num_anchors, first)
         logits = block_logits(draft_params, cfg, target_params, target_cfg, tokens, feats,
                               anchors)
         rows = jnp.repeat(jnp.arange(n), num_anchors)
@@ -139,9 +154,9 @@ def dflash_loss(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, *,
 def train_drafter(target_params, target_cfg: Qwen3Config, cfg: DFlashConfig, draft_params,
                   batches, *, steps: int, lr: float = 3e-3, anchors_per_seq: int = 8,
                   anchor_spacing: int | None = None, gamma: float = 4.0,
-                  labels: str = "data", **kw):
+                  labels: str = "data", tail: int | None = None, **kw):
     """Train `draft_params` for the frozen target; see `train_loop` for
     checkpointing (orbax), resuming and the saved loss curve."""
     loss = dflash_loss(target_params, target_cfg, cfg, anchors_per_seq=anchors_per_seq,
-                       anchor_spacing=anchor_spacing, gamma=gamma, labels=labels)
+                       anchor_spacing=anchor_spacing, gamma=gamma, labels=labels, tail=tail)
     return train_loop(loss, draft_params, batches, steps=steps, lr=lr, desc="drafter", **kw)

@@ -8,10 +8,55 @@ import pytest
 from drafter.dflash import draft_block
 from drafter.steps import init_step_state
 from drafter.uniform_steps import prefill_step
-from drafter.train import LABELS, block_logits, dflash_loss, target_features, train_drafter
+from drafter.train import (LABELS, block_logits, dflash_loss, draw_anchors, target_features,
+                           train_drafter)
 from models.qwen3 import dense_forward
 from tests.drafter.tiny import tiny_pair
 from unified_kv import admit_slots, init_state
+
+
+def test_a_tail_anchors_every_block_in_the_windows_last_tokens():
+    """draw_anchors keeps to first .. T - 2 and reaches both ends; with `tail` the loss
+    draws its blocks there, one per `anchor_spacing` tokens of the tail (the same loss as
+    that many anchors a window), not over the whole window; a tail must leave context."""
+    anchors = np.asarray(draw_anchors(jax.random.key(0), 64, 48, 8, first=32))
+    assert anchors.min() == 32 and anchors.max() == 46 and anchors.shape == (64, 8)
+    params, cfg, _ = tiny_pair(num_slots=2)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 63, (2, 48)), jnp.int32)
+    key = jax.random.key(5)
+
+    def loss(**kw):
+        return float(jax.jit(dflash_loss(params["target"], cfg.target, cfg.draft, **kw))(
+            params["draft"], tokens, key))
+
+    tail = loss(tail=16, anchor_spacing=8)
+    assert tail == loss(tail=16, anchors_per_seq=2)
+    assert tail != loss(anchors_per_seq=2)
+    with pytest.raises(ValueError, match="tail 1: give at least 2 tokens"):
+        dflash_loss(params["target"], cfg.target, cfg.draft, tail=1)
+    with pytest.raises(ValueError, match="tail 48: the window .48 tokens. has no context"):
+        loss(tail=48)
+
+
+def test_greedy_tails_are_the_targets_own_continuations():
+    """greedy_tail_batches keeps each window's head and ends it in the plain engine's
+    greedy continuation: with f32 KV every tail token is the target's argmax after the
+    tokens before it, and the same window gives the same tail again. (Over the served
+    fp8 KV, this random tiny target's flat logits part from the exact ones.)"""
+    from drafter.make_default import greedy_tail_batches
+
+    params, cfg, _ = tiny_pair(num_slots=2)
+    windows = np.random.default_rng(4).integers(0, 63, (3, 40)).astype(np.int32)
+    batches = [jnp.asarray(windows[:2]), jnp.asarray(windows[1:])]
+    out = list(greedy_tail_batches(iter(batches), params, cfg.target, 12, kv_dtype="f32"))
+    assert [b.shape for b in out] == [(2, 40), (2, 40)]
+    np.testing.assert_array_equal(np.asarray(out[0])[:, :28], windows[:2, :28])
+    np.testing.assert_array_equal(np.asarray(out[0])[1], np.asarray(out[1])[0])
+    assert not np.array_equal(np.asarray(out[0])[:, 28:], windows[:2, 28:])
+    for row in np.concatenate([np.asarray(b) for b in out]):
+        logits, _ = dense_forward(params["target"], cfg.target, jnp.asarray(row[None]))
+        for p in range(28, 40):
+            assert int(jnp.argmax(logits[0, p - 1])) == row[p]
 
 
 def test_dense_training_block_matches_paged_draft_block():
