@@ -63,8 +63,9 @@
 # TRAIN_WINDOWS: the windows, LENGTHxBATCH each (default "1024x16 8192x2").
 # DRAFT_SHAPE: the new drafter's make_default arguments (default "--draft-layers 4"; e.g.
 # "--draft-layers 4 --draft-target-layers 1 3 5 --draft-attention full").
-# DRAFT_FROM=DIR (a candidate's draft directory in the checkout) trains that candidate on
-# instead of a new one (peak learning rate 5e-4, against 2e-3 for a new one).
+# DRAFT_FROM=DIR (a candidate's draft directory in the checkout), or DRAFT_FROM=shipped (the
+# shipped drafter), trains that drafter on instead of a new one (peak learning rate 5e-4,
+# against 2e-3 for a new one).
 # eval_candidate (not in the default list): that measurement in one call, for the drafter
 # in CANDIDATE (default .train/draft_long/draft: carry it), into eval_candidate_gpu.json.
 # TRAIN_ARGS: further make_default arguments for the run (e.g. "--anchor-spacing 8
@@ -150,7 +151,7 @@ for stage in "${stages[@]}"; do
         cat "$TRAIN_FROM"/train_draft.tar.* | tar -xf - -C "$OUT" || { echo "TRAIN_FROM=$TRAIN_FROM: no train_draft.tar.* pieces there"; exit 1; }
       fi
       run $(( ${TRAIN_S:-450} + 90 )) train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
-        --from-default ${DRAFT_FROM:+--draft-from "$DRAFT_FROM"} \
+        --from-default $([ -n "${DRAFT_FROM:-}" ] && [ "$DRAFT_FROM" != shipped ] && echo --draft-from "$DRAFT_FROM") \
         $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft ${DRAFT_SHAPE:---draft-layers 4}) \
         --windows ${TRAIN_WINDOWS:-1024x16 8192x2} \
         --draft-steps "${DRAFT_STEPS:-12000}" --state-dir "$OUT/draft_long/state" \
