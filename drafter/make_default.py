@@ -228,9 +228,10 @@ def main(argv=None):
     if args.anchor_spacing is not None and args.anchor_spacing < 1:
         raise SystemExit(f"--anchor-spacing {args.anchor_spacing}: give at least 1 token")
     windows = parse_windows(args.windows or [f"{args.length}x{args.draft_batch}"])
-    if args.greedy_tail is not None and not 2 <= args.greedy_tail < min(w for w, _ in windows):
+    shortest = min(length for length, _ in windows)
+    if args.greedy_tail is not None and not 2 <= args.greedy_tail < shortest:
         raise SystemExit(f"--greedy-tail {args.greedy_tail}: give at least 2 tokens and fewer "
-                         f"than the shortest window's {min(w for w, _ in windows)}")
+                         f"than the shortest window's {shortest}")
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
     corpus = {"files": len(train_docs), "bytes": int(sum(map(len, train_docs)))}

@@ -15,25 +15,31 @@ from tests.drafter.tiny import tiny_pair
 from unified_kv import admit_slots, init_state
 
 
+def loss_on_random_windows(seed: int):
+    """loss(**dflash_loss kwargs) -> float: the tiny pair's drafter loss on two random
+    48-token windows, with one key for every call (so two calls differ only by kwargs)."""
+    params, cfg, _ = tiny_pair(num_slots=2)
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 63, (2, 48)), jnp.int32)
+    key = jax.random.key(5)
+
+    def loss(**kw):
+        return float(jax.jit(dflash_loss(params["target"], cfg.target, cfg.draft, **kw))(
+            params["draft"], tokens, key))
+    return loss
+
+
 def test_a_tail_anchors_every_block_in_the_windows_last_tokens():
     """draw_anchors keeps to first .. T - 2 and reaches both ends; with `tail` the loss
     draws its blocks there, one per `anchor_spacing` tokens of the tail (the same loss as
     that many anchors a window), not over the whole window; a tail must leave context."""
     anchors = np.asarray(draw_anchors(jax.random.key(0), 64, 48, 8, first=32))
     assert anchors.min() == 32 and anchors.max() == 46 and anchors.shape == (64, 8)
-    params, cfg, _ = tiny_pair(num_slots=2)
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 63, (2, 48)), jnp.int32)
-    key = jax.random.key(5)
-
-    def loss(**kw):
-        return float(jax.jit(dflash_loss(params["target"], cfg.target, cfg.draft, **kw))(
-            params["draft"], tokens, key))
-
+    loss = loss_on_random_windows(3)
     tail = loss(tail=16, anchor_spacing=8)
     assert tail == loss(tail=16, anchors_per_seq=2)
     assert tail != loss(anchors_per_seq=2)
     with pytest.raises(ValueError, match="tail 1: give at least 2 tokens"):
-        dflash_loss(params["target"], cfg.target, cfg.draft, tail=1)
+        loss(tail=1)
     with pytest.raises(ValueError, match="tail 48: the window .48 tokens. has no context"):
         loss(tail=48)
 
@@ -142,17 +148,10 @@ def test_anchor_spacing_gives_a_window_one_block_per_that_many_tokens():
     """With the same key, spacing s over a T-token window draws the T // s anchors that
     anchors_per_seq=T // s draws: equal losses; a spacing past the window's length still
     trains one block, and another count gives another loss."""
-    params, cfg, _ = tiny_pair(num_slots=2)
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 63, (2, 48)), jnp.int32)
-    key = jax.random.key(5)
-
-    def loss(**kw):
-        return float(jax.jit(dflash_loss(params["target"], cfg.target, cfg.draft, **kw))(
-            params["draft"], tokens, key))
-
+    loss = loss_on_random_windows(2)
     spaced = loss(anchor_spacing=8)
     assert spaced == loss(anchors_per_seq=6)
     assert spaced != loss(anchors_per_seq=5)
     assert loss(anchor_spacing=100) == loss(anchors_per_seq=1)
     with pytest.raises(ValueError, match="anchor_spacing 0: give at least 1 token"):
-        dflash_loss(params["target"], cfg.target, cfg.draft, anchor_spacing=0)
+        loss(anchor_spacing=0)
