@@ -70,7 +70,8 @@
 # in CANDIDATE (default .train/draft_long/draft: carry it), into eval_candidate_gpu.json.
 # TRAIN_ARGS: further make_default arguments for the run (e.g. "--anchor-spacing 8
 # --draft-labels target", or "--greedy-tail 128": windows ending in the target's own greedy
-# continuation, blocks anchored there); part of its settings like the others.
+# continuation, blocks anchored there; "--sampled-context 256" before it: the tail continues
+# the target's own draws); part of its settings like the others.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 OUT=${OUT:-benchmarks/results}

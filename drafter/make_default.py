@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -84,11 +85,14 @@ def mixed_batches(docs, windows: list[tuple[int, int]], seed, skip=0):
 
 
 def greedy_tail_batches(batches, params, tcfg: Qwen3Config, tail: int,
-                        kv_dtype: str = "fp8_e4m3"):
+                        kv_dtype: str = "fp8_e4m3", sampled: int = 0):
     """Each window's last `tail` tokens replaced by the target's own greedy continuation
     of the rest, as the plain engine serves it (by default the shipped cache's fp8 target
-    KV), so a drafter trains on the sequences it will be asked to draft. A function of
-    the windows alone: a resumed run draws the same batches."""
+    KV), so a drafter trains on the sequences it will be asked to draft. With `sampled`,
+    the `sampled` tokens before the tail are drawn from the target at temperature 1 first:
+    a context the target never trained on, as a held-out prompt is, where the window's
+    own text is one it may have learnt by heart. A function of the windows alone (the
+    draws' seed is the window's checksum): a resumed run draws the same batches."""
     from drafter.default import default_step_config
     from drafter.engine import Engine
     engines = {}  # one per window shape: its programs compile once
@@ -100,7 +104,12 @@ def greedy_tail_batches(batches, params, tcfg: Qwen3Config, tail: int,
                                       max_seq_len=-(-(t + 32) // 16) * 16,
                                       target_kv_dtype=kv_dtype)
             engines[n, t] = Engine(params, cfg, speculative=False)
-        heads = np.asarray(x)[:, :t - tail]
+        heads = np.asarray(x)[:, :t - tail - sampled]
+        if sampled:
+            seed = zlib.crc32(heads.tobytes())
+            drawn = engines[n, t].generate([h.tolist() for h in heads], sampled,
+                                           temperature=1.0, seed=seed)
+            heads = np.concatenate([heads, np.asarray([r.tokens for r in drawn])], 1)
         outs = engines[n, t].generate([h.tolist() for h in heads], tail)
         yield jnp.asarray(np.concatenate([heads, np.asarray([r.tokens for r in outs])], 1),
                           jnp.int32)
@@ -110,7 +119,7 @@ def greedy_tail_batches(batches, params, tcfg: Qwen3Config, tail: int,
 # resumed run must give the same.
 RUN_ARGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
             "draft_attention", "draft_target_layers", "draft_steps", "draft_lr", "draft_labels",
-            "anchor_spacing", "greedy_tail")
+            "anchor_spacing", "greedy_tail", "sampled_context")
 
 
 def resumable_run(args, windows, corpus: dict) -> int:
@@ -194,6 +203,10 @@ def main(argv=None):
     ap.add_argument("--greedy-tail", type=int, default=None, metavar="N",
                     help="end every drafter window in N tokens of the target's own greedy "
                          "continuation (the plain engine's) and anchor blocks there alone")
+    ap.add_argument("--sampled-context", type=int, default=None, metavar="M",
+                    help="with --greedy-tail: draw the M tokens before the tail from the "
+                         "target at temperature 1, so the tail continues text the target "
+                         "never trained on, as it does after a held-out prompt")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget per model; training stops early when spent")
     ap.add_argument("--state-dir", default=None, metavar="DIR",
@@ -232,6 +245,14 @@ def main(argv=None):
     if args.greedy_tail is not None and not 2 <= args.greedy_tail < shortest:
         raise SystemExit(f"--greedy-tail {args.greedy_tail}: give at least 2 tokens and fewer "
                          f"than the shortest window's {shortest}")
+    if args.sampled_context is not None:
+        if args.greedy_tail is None:
+            raise SystemExit("--sampled-context comes before a greedy tail: give "
+                             "--greedy-tail too")
+        if not 1 <= args.sampled_context < shortest - args.greedy_tail:
+            raise SystemExit(f"--sampled-context {args.sampled_context}: give at least 1 "
+                             f"token, and fewer than the shortest window's {shortest} less "
+                             f"the tail's {args.greedy_tail}")
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
     corpus = {"files": len(train_docs), "bytes": int(sum(map(len, train_docs)))}
@@ -268,7 +289,8 @@ def main(argv=None):
                                     skip=resume_from)
     if args.greedy_tail is not None:
         windows_in_turn = greedy_tail_batches(windows_in_turn, {"target": target}, tcfg,
-                                              args.greedy_tail)
+                                              args.greedy_tail,
+                                              sampled=args.sampled_context or 0)
     draft, d_losses = train_drafter(target, tcfg, dcfg, draft, windows_in_turn,
                                     steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
                                     anchor_spacing=args.anchor_spacing, gamma=4.0,

@@ -125,8 +125,8 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
 def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     """`make_default --state-dir DIR --run-steps N` stops after N drafter steps with its
     training state saved; the same command again goes on from there, with the schedule,
-    keys and windows (two lengths in turn, stopped mid-turn, each ending in the target's
-    greedy continuation) of an uninterrupted run:
+    keys and windows (two lengths in turn, stopped mid-turn, each ending in target draws
+    and the target's greedy continuation) of an uninterrupted run:
     the drafter and loss curve are bit for bit the uninterrupted run's. Other settings
     or another corpus on the same directory are refused by name, before any training."""
     import json
@@ -136,8 +136,8 @@ def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path
 
     stdlib = small_stdlib(tmp_path, "def f(x):\n    return x + 1\n", files=3)
     args = ["--from-default", "--fresh-draft", "--draft-layers", "1", "--windows", "48x2",
-            "32x2", "--anchor-spacing", "8", "--greedy-tail", "16", "--draft-steps", "5",
-            "--stdlib", str(stdlib)]
+            "32x2", "--anchor-spacing", "8", "--greedy-tail", "16", "--sampled-context", "6",
+            "--draft-steps", "5", "--stdlib", str(stdlib)]
     whole, parts, state = tmp_path / "whole", tmp_path / "parts", tmp_path / "state"
     make_default.main(["--out", str(whole), *args])
     make_default.main(["--out", str(parts), *args, "--state-dir", str(state),
@@ -154,6 +154,9 @@ def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path
     with pytest.raises(SystemExit, match="--greedy-tail 32: give at least 2 tokens and fewer "
                                          "than the shortest window's 32"):
         make_default.main(["--out", str(parts), *[a if a != "16" else "32" for a in args]])
+    with pytest.raises(SystemExit, match="--sampled-context 16: give at least 1 token, and "
+                                         "fewer than the shortest window's 32 less the tail's 16"):
+        make_default.main(["--out", str(parts), *[a if a != "6" else "16" for a in args]])
     changed = [a if a != "5" else "6" for a in args]          # --draft-steps 6
     with pytest.raises(SystemExit, match="draft_steps was 5, now 6"):
         make_default.main(["--out", str(parts), *changed, "--state-dir", str(state)])

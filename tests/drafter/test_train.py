@@ -65,6 +65,26 @@ def test_greedy_tails_are_the_targets_own_continuations():
             assert int(jnp.argmax(logits[0, p - 1])) == row[p]
 
 
+def test_a_sampled_context_comes_before_the_greedy_tail():
+    """With `sampled`, the tokens between the window's head and its greedy tail are the
+    target's draws at temperature 1 (not the window's text), the tail is the greedy
+    continuation of head and draws together, and the same windows draw the same again."""
+    from drafter.make_default import greedy_tail_batches
+
+    params, cfg, _ = tiny_pair(num_slots=2)
+    windows = np.random.default_rng(5).integers(0, 63, (2, 40)).astype(np.int32)
+    out, again = (np.asarray(next(greedy_tail_batches(iter([jnp.asarray(windows)]), params,
+                                                      cfg.target, 8, kv_dtype="f32",
+                                                      sampled=10)))
+                  for _ in range(2))
+    np.testing.assert_array_equal(out, again)
+    np.testing.assert_array_equal(out[:, :22], windows[:, :22])
+    assert not np.array_equal(out[:, 22:32], windows[:, 22:32])
+    for row in out:
+        logits, _ = dense_forward(params["target"], cfg.target, jnp.asarray(row[None]))
+        assert [int(t) for t in jnp.argmax(logits[0, 31:39], -1)] == row[32:].tolist()
+
+
 def test_dense_training_block_matches_paged_draft_block():
     params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=96)
     # Jitted as serving and training run them: one compile each, not one per op.
