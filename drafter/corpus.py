@@ -61,6 +61,29 @@ def load_split(split: str, root: str | None = None) -> list[np.ndarray]:
     return out
 
 
+def load_code(roots, root: str | None = None) -> list[np.ndarray]:
+    """Token arrays of every .py file under `roots` (e.g. site-packages: training text
+    beside the stdlib's), less any whose text is a held-out stdlib file's or whose name
+    is one (a vendored or backported copy of a held-out module), so that the held-out
+    prompts stay unseen."""
+    root_path = Path(root or sysconfig.get_paths()["stdlib"])
+    held_out = [p for p in stdlib_files(str(root_path)) if is_held_out(p, root_path)]
+    names = {p.name for p in held_out} - {"__init__.py", "__main__.py"}
+    texts = {hashlib.sha256(p.read_bytes()).digest() for p in held_out}
+    tok = ByteTokenizer()
+    out = []
+    for extra in roots:
+        for path in sorted(Path(extra).rglob("*.py")):
+            if not path.is_file() or path.name in names:
+                continue
+            data = path.read_bytes()
+            if hashlib.sha256(data).digest() in texts:
+                continue
+            text = data.decode("utf-8", errors="replace")
+            out.append(np.asarray(tok.encode(text) + [EOS], np.uint16))
+    return out
+
+
 def random_windows(docs: list[np.ndarray], batch: int, length: int,
                    seed: int = 0, skip: int = 0) -> Iterator[np.ndarray]:
     """Endless batches i32[batch, length] of random windows of the concatenated corpus,

@@ -42,6 +42,7 @@ from drafter.default import (default_step_config, load_acceptance_prompts, load_
 from drafter.engine import Engine
 from drafter.inspect import pair_checks
 from drafter.uniform_steps import decode_step, plain_decode_step
+from models.checkpoint import load_qwen3
 from drafter.timing import machine, time_step_loop
 from models.attention import IMPLS
 from models.qwen3 import dense_forward
@@ -312,6 +313,9 @@ def main(argv=None):
     ap.add_argument("--draft", default=None, metavar="DIR",
                     help="a candidate drafter for the shipped target (a DFlash checkpoint "
                          "directory, e.g. make_default's DIR/draft) instead of the shipped one")
+    ap.add_argument("--target", default=None, metavar="DIR",
+                    help="a candidate target (make_default's DIR/target) instead of the "
+                         "shipped one, with a drafter trained for it (--draft)")
     ap.add_argument("--compare-to", default=None, metavar="JSON|shipped",
                     help="an earlier report over the same prompts (e.g. the shipped "
                          "drafter's, same machine), or `shipped` to evaluate the shipped "
@@ -328,14 +332,19 @@ def main(argv=None):
             base = json.loads(Path(args.compare_to).read_text())
         except (OSError, ValueError) as e:
             raise SystemExit(f"--compare-to {args.compare_to}: not a readable report: {e}")
+    if args.target is not None and args.draft is None:
+        raise SystemExit(f"--target {args.target}: give its drafter with --draft DIR too")
     params, tcfg, dcfg = load_default()
-    shipped_params, shipped_dcfg = dict(params), dcfg
+    shipped_params, shipped_tcfg, shipped_dcfg = dict(params), tcfg, dcfg
+    if args.target is not None:
+        tcfg, params["target"] = load_qwen3(args.target, jnp.float32)
     if args.draft is not None:
         dcfg, params["draft"] = load_dflash(args.draft, jnp.float32)
         if problems := pair_checks(tcfg, dcfg):
-            raise SystemExit(f"--draft {args.draft}: it does not fit the shipped target: "
+            which = f"the target {args.target}" if args.target else "the shipped target"
+            raise SystemExit(f"--draft {args.draft}: it does not fit {which}: "
                              f"{'; '.join(problems)}; give a drafter trained for it "
-                             f"(python -m drafter.make_default --from-default)")
+                             f"(python -m drafter.make_default)")
     prompts = load_acceptance_prompts() if args.prompts == "acceptance" else load_prompts()
     if args.lengths:
         lengths = sorted({p["length"] for p in prompts})
@@ -352,17 +361,21 @@ def main(argv=None):
     print(f"device: {jax.devices()[0].device_kind}; {len(prompts)} held-out prompts", flush=True)
     report = {"machine": machine(), "impl": args.impl, "block_size": dcfg.block_size,
               "prompts": args.prompts,
-              "draft": args.draft or "shipped",
+              "target": args.target or "shipped", "draft": args.draft or "shipped",
               "max_new": args.max_new, "context": args.context}
     if base is not None and (differing := unpaired(base, report)):  # before any decoding
         raise SystemExit(f"--compare-to {args.compare_to}: {differing}")
     plain_outputs = {}
     if args.compare_to == "shipped":
         print("the shipped drafter:", flush=True)
-        base = report | {"draft": "shipped", "by_length": acceptance_by_length(
-            shipped_params, tcfg, shipped_dcfg, prompts, args.max_new, args.impl,
-            plain_outputs=plain_outputs)}
-        print(f"the candidate, {args.draft}:", flush=True)
+        base = report | {"target": "shipped", "draft": "shipped",
+                         "by_length": acceptance_by_length(
+                             shipped_params, shipped_tcfg, shipped_dcfg, prompts,
+                             args.max_new, args.impl, plain_outputs=plain_outputs)}
+        print(f"the candidate, {args.target or 'the shipped target'} with {args.draft}:",
+              flush=True)
+    if args.target is not None:  # plain decodes are the shipped target's: not this one's
+        plain_outputs = {}
     report["by_length"] = acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
                                                args.impl, plain_outputs=plain_outputs)
     if base is not None:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from drafter.corpus import MASK, VOCAB_SIZE, load_split, random_windows
+from drafter.corpus import MASK, VOCAB_SIZE, load_code, load_split, random_windows
 from drafter.dflash import DFlashConfig, init_params as init_draft
 from drafter.train import LABELS, train_drafter
 from drafter.checkpoint import load_dflash, save_dflash
@@ -119,7 +119,7 @@ def greedy_tail_batches(batches, params, tcfg: Qwen3Config, tail: int,
 # resumed run must give the same.
 RUN_ARGS = ("from_default", "fresh_draft", "draft_from", "target_from", "draft_layers",
             "draft_attention", "draft_target_layers", "draft_steps", "draft_lr", "draft_labels",
-            "anchor_spacing", "greedy_tail", "sampled_context")
+            "anchor_spacing", "greedy_tail", "sampled_context", "extra_code")
 
 
 def resumable_run(args, windows, corpus: dict) -> int:
@@ -169,6 +169,9 @@ def main(argv=None):
     ap.add_argument("--draft-batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--stdlib", default=None, help="stdlib root (default: this Python's)")
+    ap.add_argument("--extra-code", nargs="+", default=None, metavar="DIR",
+                    help="train on every .py file under these directories too (e.g. "
+                         "site-packages), less copies of held-out stdlib files")
     ap.add_argument("--target-from", default=None,
                     help="load a trained target checkpoint (HF key names) instead of training one")
     ap.add_argument("--from-default", action="store_true",
@@ -255,6 +258,10 @@ def main(argv=None):
                              f"the tail's {args.greedy_tail}")
     out = Path(args.out)
     train_docs = load_split("train", args.stdlib)
+    if args.extra_code:
+        if missing := [d for d in args.extra_code if not Path(d).is_dir()]:
+            raise SystemExit(f"--extra-code {' '.join(missing)}: no such directory")
+        train_docs += load_code(args.extra_code, args.stdlib)
     corpus = {"files": len(train_docs), "bytes": int(sum(map(len, train_docs)))}
     print(f"train corpus: {corpus['files']} files, {corpus['bytes'] / 1e6:.1f}M bytes",
           flush=True)
