@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python -m drafter.evaluate [--quick] [--max-new N] [--impl I] [--json FILE]
         [--prompts acceptance|shipped] [--lengths N ...] [--context N] [--draft DIR]
-        [--compare-to JSON|shipped]
+        [--target DIR] [--compare-to JSON|shipped]
 
 Per prompt length: acceptance length (AL: tokens committed per decode step, block 8,
 over every step of the length's prompts) with a 95% interval over prompts, each
@@ -23,7 +23,8 @@ apart from what its continuations' content costs.
 candidate drafter against the shipped one's report from the same machine): per length,
 the AL difference with a bootstrap interval over prompts drawn for both runs at once.
 `--draft DIR --compare-to shipped` evaluates the shipped drafter first in the same run,
-so one run pairs a candidate with it (the plain decodes serve both).
+so one run pairs a candidate with it (the plain decodes serve both). `--target DIR
+--draft DIR` evaluates a new pair instead (against its own target's plain decodes).
 """
 
 from __future__ import annotations
