@@ -67,7 +67,12 @@
 # shipped drafter), trains that drafter on instead of a new one (peak learning rate 5e-4,
 # against 2e-3 for a new one).
 # eval_candidate (not in the default list): that measurement in one call, for the drafter
-# in CANDIDATE (default .train/draft_long/draft: carry it), into eval_candidate_gpu.json.
+# in CANDIDATE (default .train/draft_long/draft: carry it), into eval_candidate_gpu.json;
+# CANDIDATE_TARGET=DIR: a new pair, that drafter with this target.
+# TARGET_FROM=DIR (a candidate target in the checkout, e.g. make_default's DIR/target) trains
+# a new drafter for that target instead (DRAFT_SHAPE, default the shipped drafter's shape);
+# measure the pair with `python -m drafter.evaluate --target DIR --draft ... --compare-to
+# shipped`. EXTRA_CODE=1 trains on this machine's site-packages code too (--extra-code).
 # TRAIN_ARGS: further make_default arguments for the run (e.g. "--anchor-spacing 8
 # --draft-labels target", or "--greedy-tail 128": windows ending in the target's own greedy
 # continuation, blocks anchored there; "--sampled-context 256" before it: the tail continues
@@ -151,9 +156,15 @@ for stage in "${stages[@]}"; do
       if [ -n "${TRAIN_FROM:-}" ] && [ -z "${DRY_RUN:-}" ]; then
         cat "$TRAIN_FROM"/train_draft.tar.* | tar -xf - -C "$OUT" || { echo "TRAIN_FROM=$TRAIN_FROM: no train_draft.tar.* pieces there"; exit 1; }
       fi
+      if [ -n "${TARGET_FROM:-}" ]; then
+        pair_args=(--target-from "$TARGET_FROM" ${DRAFT_SHAPE:-})
+      else
+        pair_args=(--from-default $([ -n "${DRAFT_FROM:-}" ] && [ "$DRAFT_FROM" != shipped ] && echo --draft-from "$DRAFT_FROM")
+                   $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft ${DRAFT_SHAPE:---draft-layers 4}))
+      fi
+      [ -n "${EXTRA_CODE:-}" ] && pair_args+=(--extra-code "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')")
       run $(( ${TRAIN_S:-450} + 90 )) train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
-        --from-default $([ -n "${DRAFT_FROM:-}" ] && [ "$DRAFT_FROM" != shipped ] && echo --draft-from "$DRAFT_FROM") \
-        $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft ${DRAFT_SHAPE:---draft-layers 4}) \
+        "${pair_args[@]}" \
         --windows ${TRAIN_WINDOWS:-1024x16 8192x2} \
         --draft-steps "${DRAFT_STEPS:-12000}" --state-dir "$OUT/draft_long/state" \
         --draft-lr "$([ -n "${DRAFT_FROM:-}" ] && echo 5e-4 || echo 2e-3)" --budget-s "${TRAIN_S:-450}" \
@@ -169,6 +180,7 @@ for stage in "${stages[@]}"; do
       run 450 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" ;;
     eval_candidate)
       run 570 eval_candidate python3 -m drafter.evaluate --draft "${CANDIDATE:-.train/draft_long/draft}" \
+        $([ -n "${CANDIDATE_TARGET:-}" ] && echo --target "$CANDIDATE_TARGET") \
         --compare-to shipped --json "$OUT/eval_candidate_gpu.json" ;;
     transfer)
       run 270 transfer python3 benchmarks/bench_transfer.py --out "$OUT" ;;
