@@ -368,7 +368,7 @@ def main(argv=None):
         raise SystemExit(f"--compare-to {args.compare_to}: {differing}")
     plain_outputs = {}
     if args.compare_to == "shipped":
-        print("the shipped drafter:", flush=True)
+        print("the shipped pair:" if args.target else "the shipped drafter:", flush=True)
         base = report | {"target": "shipped", "draft": "shipped",
                          "by_length": acceptance_by_length(
                              shipped_params, shipped_tcfg, shipped_dcfg, prompts,
