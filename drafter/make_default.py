@@ -92,7 +92,7 @@ def greedy_tail_batches(batches, params, tcfg: Qwen3Config, tail: int,
     the `sampled` tokens before the tail are drawn from the target at temperature 1 first:
     a context the target never trained on, as a held-out prompt is, where the window's
     own text is one it may have learnt by heart. A function of the windows alone (the
-    draws' seed is the window's checksum): a resumed run draws the same batches."""
+    draws' seed is the batch's checksum): a resumed run draws the same batches."""
     from drafter.default import default_step_config
     from drafter.engine import Engine
     engines = {}  # one per window shape: its programs compile once
