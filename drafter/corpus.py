@@ -45,17 +45,19 @@ def is_held_out(path: Path, root: Path, fraction: float = 0.05) -> bool:
     return int.from_bytes(digest[:4], "big") / 2**32 < fraction
 
 
+def document(text: str) -> np.ndarray:
+    """A file's token array (uint16): BOS, its text's UTF-8 bytes, EOS."""
+    return np.asarray(ByteTokenizer().encode(text) + [EOS], np.uint16)
+
+
 def load_split(split: str, root: str | None = None) -> list[np.ndarray]:
     """Token arrays (uint16) of every file of `split` ("train" or "heldout")."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split={split!r}: use 'train' or 'heldout'")
     root_path = Path(root or sysconfig.get_paths()["stdlib"])
-    tok = ByteTokenizer()
-    out = []
-    for path in stdlib_files(str(root_path)):
-        if is_held_out(path, root_path) == (split == "heldout"):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            out.append(np.asarray(tok.encode(text) + [EOS], np.uint16))
+    out = [document(path.read_text(encoding="utf-8", errors="replace"))
+           for path in stdlib_files(str(root_path))
+           if is_held_out(path, root_path) == (split == "heldout")]
     if not out:
         raise RuntimeError(f"no stdlib .py files found under {root_path}")
     return out
@@ -70,17 +72,14 @@ def load_code(roots, root: str | None = None) -> list[np.ndarray]:
     held_out = [p for p in stdlib_files(str(root_path)) if is_held_out(p, root_path)]
     names = {p.name for p in held_out} - {"__init__.py", "__main__.py"}
     texts = {hashlib.sha256(p.read_bytes()).digest() for p in held_out}
-    tok = ByteTokenizer()
     out = []
     for extra in roots:
         for path in sorted(Path(extra).rglob("*.py")):
             if not path.is_file() or path.name in names:
                 continue
             data = path.read_bytes()
-            if hashlib.sha256(data).digest() in texts:
-                continue
-            text = data.decode("utf-8", errors="replace")
-            out.append(np.asarray(tok.encode(text) + [EOS], np.uint16))
+            if hashlib.sha256(data).digest() not in texts:
+                out.append(document(data.decode("utf-8", errors="replace")))
     return out
 
 

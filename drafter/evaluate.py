@@ -43,9 +43,9 @@ from drafter.default import (default_step_config, load_acceptance_prompts, load_
 from drafter.engine import Engine
 from drafter.inspect import pair_checks
 from drafter.uniform_steps import decode_step, plain_decode_step
-from models.checkpoint import load_qwen3
 from drafter.timing import machine, time_step_loop
 from models.attention import IMPLS
+from models.checkpoint import load_qwen3
 from models.qwen3 import dense_forward
 
 
@@ -375,10 +375,10 @@ def main(argv=None):
                              args.max_new, args.impl, plain_outputs=plain_outputs)}
         print(f"the candidate, {args.target or 'the shipped target'} with {args.draft}:",
               flush=True)
-    if args.target is not None:  # plain decodes are the shipped target's: not this one's
-        plain_outputs = {}
-    report["by_length"] = acceptance_by_length(params, tcfg, dcfg, prompts, args.max_new,
-                                               args.impl, plain_outputs=plain_outputs)
+    # the shipped target's plain decodes serve a candidate drafter, not a candidate target
+    report["by_length"] = acceptance_by_length(
+        params, tcfg, dcfg, prompts, args.max_new, args.impl,
+        plain_outputs=plain_outputs if args.target is None else None)
     if base is not None:
         try:
             rows = compare(base, report, f"--compare-to {args.compare_to}")
