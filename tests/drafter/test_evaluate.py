@@ -11,8 +11,8 @@ import pytest
 from drafter.corpus import BOS
 from drafter.default import decode_tokens, load_acceptance_prompts, load_prompts
 from drafter.engine import Engine
-from drafter.evaluate import (compare, cut_to_context, device_rate, divergences,
-                              first_divergence, interval, paired_difference)
+from drafter.acceptance_intervals import compare, interval, paired_difference
+from drafter.evaluate import cut_to_context, device_rate, divergences, first_divergence
 from drafter.make_prompts import ACCEPTANCE_PER_LENGTH, SHIPPED, encode, prompt_sets
 from models.qwen3 import dense_forward
 from tests.drafter.tiny import tiny_pair
