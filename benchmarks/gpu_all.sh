@@ -73,6 +73,12 @@
 # a new drafter for that target instead (DRAFT_SHAPE, default the shipped drafter's shape);
 # measure the pair with `python -m drafter.evaluate --target DIR --draft ... --compare-to
 # shipped`. EXTRA_CODE=1 trains on this machine's site-packages code too (--extra-code).
+# train_target (not in the default list): a new target alone (make_default --draft-steps 0),
+# the shipped target's shape, TARGET_STEPS (default 7,000: what TRAIN_S=450 holds on an
+# H100, about 16 a second) on one warm-up-and-cosine schedule, on the stdlib's training
+# files and with EXTRA_CODE=1 this machine's site-packages code; it comes back as
+# $OUT/pair/target (9 MB) with its loss curve, and TARGET_FROM=DIR/pair/target trains a
+# drafter for it (train_draft).
 # TRAIN_ARGS: further make_default arguments for the run (e.g. "--anchor-spacing 8
 # --draft-labels target", or "--greedy-tail 128": windows ending in the target's own greedy
 # continuation, blocks anchored there; "--sampled-context 256" before it: the tail continues
@@ -83,7 +89,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_draft|eval_candidate)
+    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_target|train_draft|eval_candidate)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -151,6 +157,11 @@ for stage in "${stages[@]}"; do
       run 230 cache_baselines python3 benchmarks/bench_cache_baselines.py --out "$OUT" \
         --contexts 4096 131072 1048576
       run 230 decode_speed python3 benchmarks/bench_decode_speed.py --out "$OUT" ;;
+    train_target)
+      rm -rf "$OUT/pair"
+      run $(( ${TRAIN_S:-450} + 90 )) train_target python3 -m drafter.make_default --out "$OUT/pair" \
+        --target-steps "${TARGET_STEPS:-7000}" --draft-steps 0 --budget-s "${TRAIN_S:-450}" \
+        $([ -n "${EXTRA_CODE:-}" ] && echo --extra-code "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')") ;;
     train_draft)
       rm -rf "$OUT/draft_long" "$OUT"/train_draft.tar.*
       if [ -n "${TRAIN_FROM:-}" ] && [ -z "${DRY_RUN:-}" ]; then

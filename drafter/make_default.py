@@ -1,11 +1,14 @@
 """Train the embedded default pair: a byte-level Qwen3 code model and its DFlash drafter.
 
     PYTHONPATH=. python -m drafter.make_default --out DIR [--target-steps N] [--draft-steps N]
+        [--extra-code DIR ...]
 
-Corpus: the Python standard library (drafter/corpus.py), held-out split by file.
-Writes DIR/target and DIR/draft as safetensors checkpoints (HF / DFlash key maps,
-bf16 to stay small) plus loss curves; `drafter.default.import_pair` turns them
-into the orbax checkpoints the package ships.
+Corpus: the Python standard library (drafter/corpus.py), held-out split by file, and
+with --extra-code every .py file under the given directories (less copies of held-out
+files). Writes DIR/target and DIR/draft as safetensors checkpoints (HF / DFlash key
+maps, bf16 to stay small) plus loss curves; `drafter.default.import_pair` turns them
+into the orbax checkpoints the package ships. `--draft-steps 0` trains the target alone;
+`--target-from DIR/target` then trains a drafter for it (resumable with --state-dir).
 """
 
 from __future__ import annotations
@@ -164,7 +167,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--target-steps", type=int, default=3000)
-    ap.add_argument("--draft-steps", type=int, default=2000)
+    ap.add_argument("--draft-steps", type=int, default=2000,
+                    help="0: train the target alone (DIR/target; a drafter for it comes "
+                         "later, from --target-from DIR/target)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--draft-batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=1024)
@@ -227,6 +232,11 @@ def main(argv=None):
     if args.draft_from is not None and (args.fresh_draft or not args.from_default):
         raise SystemExit("--draft-from continues a candidate drafter for the shipped target: "
                          "give --from-default, and not --fresh-draft")
+    if args.draft_steps < 0:
+        raise SystemExit(f"--draft-steps {args.draft_steps}: give 0 (the target alone) or more")
+    if args.draft_steps == 0 and (args.from_default or args.target_from or args.state_dir):
+        raise SystemExit("--draft-steps 0 trains a new target alone: leave out --from-default, "
+                         "--target-from and --state-dir")
     if args.draft_layers < 1:
         raise SystemExit(f"--draft-layers {args.draft_layers}: give at least 1")
     layer_ids = args.draft_target_layers
@@ -289,6 +299,11 @@ def main(argv=None):
                                         time_budget_s=args.budget_s)
         print(f"target: {len(t_losses)} steps in {time.time() - t0:.0f}s, loss "
               f"{np.mean(t_losses[:20]):.3f} -> {np.mean(t_losses[-50:]):.3f}", flush=True)
+    bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
+    if args.draft_steps == 0:
+        save_qwen3(out / "target", tcfg, bf16(target))
+        (out / "losses.json").write_text(json.dumps({"target": t_losses, "draft": []}))
+        return
     t0 = time.time()
     # A continued run draws other windows than the first (seed 2, not 1).
     continued = args.from_default and not args.fresh_draft
@@ -306,7 +321,6 @@ def main(argv=None):
                                     run_steps=args.run_steps)
     print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "
           f"{np.mean(d_losses[:20]):.3f} -> {np.mean(d_losses[-50:]):.3f}", flush=True)
-    bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
     if not args.from_default:
         save_qwen3(out / "target", tcfg, bf16(target))
     save_dflash(out / "draft", dcfg, bf16(draft))

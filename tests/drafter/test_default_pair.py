@@ -238,6 +238,14 @@ def test_a_new_pair_trains_on_extra_code_and_evaluates_beside_the_shipped_one(tm
                            str(tmp_path / "nowhere")])
     out = tmp_path / "pair"
     make_default.main(["--out", str(out), *common, "--extra-code", str(extra)])
+    alone = tmp_path / "target_alone"                 # --draft-steps 0: the target alone
+    make_default.main(["--out", str(alone), *common[:-1], "0", "--extra-code", str(extra)])
+    assert not (alone / "draft").exists()
+    assert json.loads((alone / "losses.json").read_text()) == {
+        "target": json.loads((out / "losses.json").read_text())["target"], "draft": []}
+    for flags in (["--from-default"], ["--target-from", str(alone / "target")]):
+        with pytest.raises(SystemExit, match="--draft-steps 0 trains a new target alone"):
+            make_default.main(["--out", str(alone), *common[:-1], "0", *flags])
     with pytest.raises(SystemExit, match="give its drafter with --draft DIR too"):
         evaluate.main(["--target", str(out / "target")])
     report = tmp_path / "eval.json"
