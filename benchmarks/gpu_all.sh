@@ -105,6 +105,9 @@ run() {  # run SECONDS NAME CMD...: CMD's output to the terminal and $OUT/NAME.t
   timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
   case "${PIPESTATUS[0]}" in 124|137) echo "$name: stopped at its ${limit}s limit" | tee -a "$OUT/$name.txt" ;; esac
 }
+site_packages() {  # this machine's installed Python code (EXTRA_CODE's corpus)
+  python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+}
 [ -z "${DRY_RUN:-}" ] && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem \
   --format=csv | tee "$OUT/gpu.txt"
 for stage in "${stages[@]}"; do
@@ -161,7 +164,7 @@ for stage in "${stages[@]}"; do
       rm -rf "$OUT/pair"
       run $(( ${TRAIN_S:-450} + 90 )) train_target python3 -m drafter.make_default --out "$OUT/pair" \
         --target-steps "${TARGET_STEPS:-7000}" --draft-steps 0 --budget-s "${TRAIN_S:-450}" \
-        $([ -n "${EXTRA_CODE:-}" ] && echo --extra-code "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')") ;;
+        $([ -n "${EXTRA_CODE:-}" ] && echo --extra-code "$(site_packages)") ;;
     train_draft)
       rm -rf "$OUT/draft_long" "$OUT"/train_draft.tar.*
       if [ -n "${TRAIN_FROM:-}" ] && [ -z "${DRY_RUN:-}" ]; then
@@ -173,7 +176,7 @@ for stage in "${stages[@]}"; do
         pair_args=(--from-default $([ -n "${DRAFT_FROM:-}" ] && [ "$DRAFT_FROM" != shipped ] && echo --draft-from "$DRAFT_FROM")
                    $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft ${DRAFT_SHAPE:---draft-layers 4}))
       fi
-      [ -n "${EXTRA_CODE:-}" ] && pair_args+=(--extra-code "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')")
+      [ -n "${EXTRA_CODE:-}" ] && pair_args+=(--extra-code "$(site_packages)")
       run $(( ${TRAIN_S:-450} + 90 )) train_draft python3 -m drafter.make_default --out "$OUT/draft_long" \
         "${pair_args[@]}" \
         --windows ${TRAIN_WINDOWS:-1024x16 8192x2} \

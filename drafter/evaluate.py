@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from drafter.acceptance_intervals import compare, interval, unpaired
 from drafter.checkpoint import load_dflash
 from drafter.default import (default_step_config, load_acceptance_prompts, load_default,
                              load_prompts)
 from drafter.engine import Engine
-from drafter.acceptance_intervals import compare, interval, unpaired
 from drafter.inspect import pair_checks
 from drafter.uniform_steps import decode_step, plain_decode_step
 from drafter.timing import machine, time_step_loop

@@ -163,6 +163,29 @@ def resumable_run(args, windows, corpus: dict) -> int:
     return step
 
 
+def train_pair_drafter(args, target, tcfg, dcfg, draft, train_docs, windows,
+                       resume_from: int):
+    """The run's drafter training for `target`, as the arguments set it: (draft, losses)."""
+    t0 = time.time()
+    # A continued run draws other windows than the first (seed 2, not 1).
+    continued = args.from_default and not args.fresh_draft
+    windows_in_turn = mixed_batches(train_docs, windows, 2 if continued else 1,
+                                    skip=resume_from)
+    if args.greedy_tail is not None:
+        windows_in_turn = greedy_tail_batches(windows_in_turn, {"target": target}, tcfg,
+                                              args.greedy_tail,
+                                              sampled=args.sampled_context or 0)
+    draft, d_losses = train_drafter(target, tcfg, dcfg, draft, windows_in_turn,
+                                    steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
+                                    anchor_spacing=args.anchor_spacing, gamma=4.0,
+                                    labels=args.draft_labels, tail=args.greedy_tail,
+                                    time_budget_s=args.budget_s, ckpt_dir=args.state_dir,
+                                    run_steps=args.run_steps)
+    print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "
+          f"{np.mean(d_losses[:20]):.3f} -> {np.mean(d_losses[-50:]):.3f}", flush=True)
+    return draft, d_losses
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -299,31 +322,15 @@ def main(argv=None):
                                         time_budget_s=args.budget_s)
         print(f"target: {len(t_losses)} steps in {time.time() - t0:.0f}s, loss "
               f"{np.mean(t_losses[:20]):.3f} -> {np.mean(t_losses[-50:]):.3f}", flush=True)
+    d_losses = []
+    if args.draft_steps:
+        draft, d_losses = train_pair_drafter(args, target, tcfg, dcfg, draft, train_docs,
+                                             windows, resume_from)
     bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
-    if args.draft_steps == 0:
-        save_qwen3(out / "target", tcfg, bf16(target))
-        (out / "losses.json").write_text(json.dumps({"target": t_losses, "draft": []}))
-        return
-    t0 = time.time()
-    # A continued run draws other windows than the first (seed 2, not 1).
-    continued = args.from_default and not args.fresh_draft
-    windows_in_turn = mixed_batches(train_docs, windows, 2 if continued else 1,
-                                    skip=resume_from)
-    if args.greedy_tail is not None:
-        windows_in_turn = greedy_tail_batches(windows_in_turn, {"target": target}, tcfg,
-                                              args.greedy_tail,
-                                              sampled=args.sampled_context or 0)
-    draft, d_losses = train_drafter(target, tcfg, dcfg, draft, windows_in_turn,
-                                    steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,
-                                    anchor_spacing=args.anchor_spacing, gamma=4.0,
-                                    labels=args.draft_labels, tail=args.greedy_tail,
-                                    time_budget_s=args.budget_s, ckpt_dir=args.state_dir,
-                                    run_steps=args.run_steps)
-    print(f"drafter: {len(d_losses)} steps in {time.time() - t0:.0f}s, loss "
-          f"{np.mean(d_losses[:20]):.3f} -> {np.mean(d_losses[-50:]):.3f}", flush=True)
     if not args.from_default:
         save_qwen3(out / "target", tcfg, bf16(target))
-    save_dflash(out / "draft", dcfg, bf16(draft))
+    if args.draft_steps:
+        save_dflash(out / "draft", dcfg, bf16(draft))
     (out / "losses.json").write_text(json.dumps({"target": t_losses, "draft": d_losses}))
 
 
