@@ -108,7 +108,8 @@ def test_a_fresh_deeper_drafter_trains_for_the_shipped_target_and_evaluates(tmp_
     assert dcfg.target_layer_ids == (1, 3, 5)
     report = tmp_path / "eval.json"
     evaluate.main(["--draft", str(out / "draft"), "--lengths", "128", "--max-new", "8",
-                   "--context", "16", "--compare-to", "shipped", "--json", str(report)])
+                   "--context", "16", "--quick", "--compare-to", "shipped", "--json",
+                   str(report)])
     row = json.loads(report.read_text())
     (mine,) = row["by_length"]
     assert row["draft"] == str(out / "draft") and mine["lossless"]
@@ -250,7 +251,7 @@ def test_a_new_pair_trains_on_extra_code_and_evaluates_beside_the_shipped_one(tm
         evaluate.main(["--target", str(out / "target")])
     report = tmp_path / "eval.json"
     evaluate.main(["--target", str(out / "target"), "--draft", str(out / "draft"),
-                   "--lengths", "128", "--max-new", "8", "--context", "16",
+                   "--lengths", "128", "--max-new", "8", "--context", "16", "--quick",
                    "--compare-to", "shipped", "--json", str(report)])
     row = json.loads(report.read_text())
     (mine,) = row["by_length"]
