@@ -1,6 +1,6 @@
 """The embedded default pair: a byte-level Qwen3 code model and its DFlash drafter.
 
-Trained on the H200 by `python -m drafter.make_default` (see README, "The
+Trained on a GPU by `python -m drafter.make_default` (see README, "The
 embedded default") and shipped as orbax checkpoints in drafter/default_pair/.
 `load_default()` is what the demo, the evaluation and the notebooks use.
 """
