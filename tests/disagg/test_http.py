@@ -1,141 +1,25 @@
-"""The OpenAI-compatible HTTP server, driven by the official `openai` client and raw HTTP.
-
-One server for the module: the embedded pair, aggregated, on a free local port,
-with a small default max_tokens (DEFAULT_MAX_TOKENS, as `serve --default-max-tokens`
-sets it); its ServingLoop runs on a thread of the test process. Text goes through a
-byte-level tokenizer.json the module writes (ids equal to the embedded byte
-tokenizer's) whose tokenizer_config.json carries a small chat template. The
-engine's own greedy output for the test prompts and the rendered chats is
-computed first (it is also the warm-up).
-"""
+"""The OpenAI-compatible HTTP server's completions, driven by the official `openai`
+client and raw HTTP: answers equal to the engine's, greedy, sampled and penalized;
+streaming, stops and concurrent clients; n choices and batched prompts; refusals by name;
+clients that go away; health and metrics. The server: tests/disagg/http_server.py."""
 
 import concurrent.futures
 import json
-from pathlib import Path
 import threading
 import time
-import urllib.error
 import urllib.request
 
-import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from disagg.frontend import load_pair, make_engine, warm_up  # noqa: E402
-from disagg.http import CompletionsApp, HTTPServer  # noqa: E402
-from disagg.loop import ServingLoop  # noqa: E402
-from disagg.metrics import ServingMetrics  # noqa: E402
 from disagg.schema import parse_completion  # noqa: E402
 from unified_kv import AdmissionError  # noqa: E402
-from drafter.corpus import BOS, EOS, ByteTokenizer  # noqa: E402
-from drafter.tokenizer import load_tokenizer  # noqa: E402
+from tests.disagg import http_server  # noqa: E402
+from tests.disagg.http_server import CHATS, DEFAULT_MAX_TOKENS, MAX_TOKENS, PENALTIES, PROMPTS, get, post  # noqa: E402
 
-PROMPTS = ["def add(a, b):\n    return", "import os\n\ndef main():\n", "class Point:\n    def",
-           "for i in range(10):\n    "]
-MAX_TOKENS = 16
-DEFAULT_MAX_TOKENS = 24  # the module server's; above MAX_TOKENS, far below any room
-CHAT_TEMPLATE = (
-    "{% if messages[0].role == 'assistant' %}"
-    "{{ raise_exception('a conversation opens with a system or user message') }}{% endif %}"
-    "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n"
-    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-PENALTIES = dict(presence_penalty=1.2, frequency_penalty=0.6)
-CHATS = {  # messages -> the prompt the template renders, spelled out by hand
-    "add": ([{"role": "system", "content": "Write Python."},
-             {"role": "user", "content": "def add(a, b):"}],
-            "<system>Write Python.</system>\n<user>def add(a, b):</user>\n<assistant>"),
-    "loop": ([{"role": "user", "content": "import os"},
-              {"role": "assistant", "content": "def main():"},
-              {"role": "user", "content": "for i in range(10):"}],
-             "<user>import os</user>\n<assistant>def main():</assistant>\n"
-             "<user>for i in range(10):</user>\n<assistant>"),
-}
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the ByteLevel pre-tokenizer's)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-            *range(ord("\xae"), ord("\xff") + 1)]
-    moved = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
-
-
-def chat_tokenizer(root: Path):
-    """A byte-level tokenizer.json whose ids are the embedded byte tokenizer's (a byte's
-    id is its value, <bos> and <eos> are BOS and EOS, <bos> opens an encoded text), and
-    a tokenizer_config.json with CHAT_TEMPLATE."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    vocab = {c: b for b, c in bytes_to_unicode().items()} | {"<bos>": BOS, "<eos>": EOS}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<bos>", "<eos>"])
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A",
-                                                       special_tokens=[("<bos>", BOS)])
-    root.mkdir(parents=True, exist_ok=True)
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": CHAT_TEMPLATE}))
-    return root
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    pair = load_pair(num_slots=4)
-    engine = make_engine("aggregated", pair)
-    tok = load_tokenizer(chat_tokenizer(tmp_path_factory.mktemp("chat")),
-                         model_vocab_size=pair.step_config.target.vocab_size)
-    assert [tok.encode(p) for p in PROMPTS] == [ByteTokenizer().encode(p) for p in PROMPTS]
-    warm_up(engine, tok)
-    chat_ids = {k: [BOS, *text.encode()] for k, (_, text) in CHATS.items()}
-    greedy = engine.generate([tok.encode(p) for p in PROMPTS] + list(chat_ids.values()),
-                             MAX_TOKENS)
-    with_logprobs = engine.generate([tok.encode(PROMPTS[0]), chat_ids["add"]], MAX_TOKENS,
-                                    logprobs=3)
-    penalized = engine.generate([tok.encode(PROMPTS[0]), chat_ids["add"]], MAX_TOKENS,
-                                **PENALTIES)
-    prompt_logprobs = engine.generate([tok.encode(PROMPTS[0])], 1,
-                                      prompt_logprobs=2)[0].prompt_logprobs
-    metrics = ServingMetrics(pair.step_config.spec, pair.step_config.block_size)
-    loop = ServingLoop(engine, tok, metrics)
-    app = CompletionsApp(loop, metrics, pair.name, request_timeout_s=120,
-                         default_max_tokens=DEFAULT_MAX_TOKENS)
-    http = HTTPServer(app.app, "127.0.0.1", 0).start()
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
-    app.ready.set()
-    client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", timeout=120,
-                           max_retries=0)
-    yield {"url": http.url, "client": client, "name": pair.name, "tok": tok,
-           "greedy": {p: r.tokens for p, r in zip([*PROMPTS, *CHATS], greedy)},
-           "chat_ids": chat_ids, "engine": engine, "block": pair.step_config.block_size,
-           "app": app, "logprobs": {"prompt": with_logprobs[0], "chat": with_logprobs[1]},
-           "penalized": {"prompt": penalized[0].tokens, "chat": penalized[1].tokens},
-           "prompt_logprobs": prompt_logprobs}
-    loop.close()
-    thread.join(60)
-    http.stop()
-    assert not thread.is_alive(), "the serving loop did not stop after close()"
-
-
-def post(url, body, timeout=120):
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def get(url, timeout=30):
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+server = http_server.server  # this module's own server (a module-scoped fixture)
 
 
 def test_completion_equals_the_engines_greedy_output(server):
@@ -346,94 +230,6 @@ def test_min_tokens_bans_stop_ids_and_delays_stop_strings_through_the_client(ser
     assert banned.choices[0].finish_reason == "length"
 
 
-def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(server):
-    """OpenAI's echo: the prompt's text before the completion's, whole and streamed; with
-    logprobs, the prompt's tokens first (the first one's null, the rest the engine's
-    prompt log-probabilities), text offsets running on into the completion; with
-    max_tokens 0 the prompt alone (what lm-eval's loglikelihood asks), no completion
-    tokens counted."""
-    c, name, tok = server["client"], server["name"], server["tok"]
-    ids = tok.encode(PROMPTS[0])
-    prompt_text, greedy = tok.decode(ids), server["greedy"][PROMPTS[0]]
-    ask = dict(model=name, prompt=PROMPTS[0], temperature=0, echo=True)
-    out = c.completions.create(**ask, max_tokens=MAX_TOKENS)
-    assert out.choices[0].text == prompt_text + tok.decode(greedy)
-    assert out.choices[0].token_ids == greedy and out.usage.completion_tokens == MAX_TOKENS
-    streamed = list(c.completions.create(**ask, max_tokens=MAX_TOKENS, stream=True))
-    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == out.choices[0].text
-    want = server["prompt_logprobs"]
-    for stream in (False, True):
-        got = c.completions.create(**ask, max_tokens=0, logprobs=2, stream=stream)
-        chunks = [ch for ch in got if ch.choices] if stream else [got]
-        assert "".join(ch.choices[0].text for ch in chunks) == prompt_text
-        assert chunks[-1].choices[0].finish_reason == "length"
-        lp = chunks[0].choices[0].logprobs
-        assert lp.tokens == [tok.decode([t]) for t in ids]
-        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        np.testing.assert_allclose(lp.token_logprobs[1:], [x.logprob for x in want[1:]],
-                                   atol=1e-5)
-        assert [list(d) for d in lp.top_logprobs[1:]] == \
-            [[tok.decode([t]) for t, _ in x.top] for x in want[1:]]
-        assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(prompt_text) - len(
-            lp.tokens[-1])
-        if not stream:
-            assert got.usage.completion_tokens == 0 and got.choices[0].token_ids == []
-    both = c.completions.create(**ask, max_tokens=MAX_TOKENS, logprobs=1)
-    lp = both.choices[0].logprobs
-    assert len(lp.tokens) == len(ids) + MAX_TOKENS and lp.token_logprobs[0] is None
-    assert lp.text_offset[len(ids)] == len(prompt_text)
-
-
-def test_vllm_prompt_logprobs_score_every_prompt_token_with_its_rank(server):
-    """vLLM's prompt_logprobs: a choice (a stream's first chunk) carries null, then per
-    prompt token its own log-probability and rank and those of the k most likely tokens
-    (ranks 1..k), the engine's prompt log-probabilities; beside echo, each form keeps its
-    own count; out of range, refused by name."""
-    c, name, tok, url = server["client"], server["name"], server["tok"], server["url"]
-    ids, want = tok.encode(PROMPTS[0]), server["prompt_logprobs"]
-    ask = dict(model=name, prompt=PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS)
-    whole = json.loads(post(f"{url}/v1/completions", dict(ask, prompt_logprobs=2))[1])
-    lines = post(f"{url}/v1/completions",
-                 dict(ask, prompt_logprobs=2, stream=True))[1].splitlines()
-    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-    scored = [ch["choices"][0].get("prompt_logprobs") for ch in chunks if ch["choices"]]
-    assert scored[0] is not None and not any(scored[1:])
-    for got in (whole["choices"][0]["prompt_logprobs"], scored[0]):
-        assert got[0] is None and len(got) == len(ids)
-        for token, entries, lp in zip(ids[1:], got[1:], want[1:]):
-            own = entries[str(token)]
-            assert own["rank"] == lp.rank >= 1 and own["decoded_token"] == tok.decode([token])
-            np.testing.assert_allclose(own["logprob"], lp.logprob, atol=1e-5)
-            for rank, (t, x) in enumerate(lp.top[:2], start=1):
-                assert entries[str(t)]["rank"] == rank
-                np.testing.assert_allclose(entries[str(t)]["logprob"], x, atol=1e-5)
-            assert set(entries) == {str(token), *(str(t) for t, _ in lp.top[:2])}
-            if token in [t for t, _ in lp.top[:2]]:   # its own rank is where it stands
-                assert own["rank"] == 1 + [t for t, _ in lp.top].index(token)
-    assert whole["choices"][0]["token_ids"] == server["greedy"][PROMPTS[0]]
-    both = c.completions.create(**ask, echo=True, logprobs=1,
-                                extra_body={"prompt_logprobs": 2})
-    assert all(len(d) == 1 for d in both.choices[0].logprobs.top_logprobs[1:len(ids)])
-    assert len(both.choices[0].model_extra["prompt_logprobs"][1]) >= 2
-    status, body = post(f"{url}/v1/completions", dict(ask, prompt_logprobs=21))
-    assert status == 400 and "prompt_logprobs" in json.loads(body)["error"]["message"]
-
-
-def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
-    """vLLM's truncate_prompt_tokens: a completion of a prompt cut to its last k tokens
-    equals one of those k tokens sent as the prompt; usage counts k."""
-    c, name, tok = server["client"], server["name"], server["tok"]
-    ids = tok.encode(PROMPTS[1])
-    k = len(ids) // 2
-    cut = c.completions.create(model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
-                               temperature=0, extra_body={"truncate_prompt_tokens": k})
-    tail = c.completions.create(model=name, prompt=ids[-k:], max_tokens=MAX_TOKENS,
-                                temperature=0)
-    assert cut.choices[0].token_ids == tail.choices[0].token_ids
-    assert cut.usage.prompt_tokens == k
-    assert cut.choices[0].token_ids != server["greedy"][PROMPTS[1]]   # the cut mattered
-
-
 BAD = [
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
     ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
@@ -531,126 +327,6 @@ def test_health_models_and_metrics(server):
     assert value("dflash_kv_pages_capacity", "dflash_kv_pages_capacity", pool="0") > 0
 
 
-def test_chat_equals_the_engines_greedy_output_for_the_rendered_prompt(server):
-    c, tok = server["client"], server["tok"]
-    messages, _ = CHATS["add"]
-    out = c.chat.completions.create(model=server["name"], messages=messages,
-                                    max_tokens=MAX_TOKENS, temperature=0)
-    want = server["greedy"]["add"]
-    choice = out.choices[0]
-    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
-    assert choice.message.role == "assistant"
-    assert choice.message.content == tok.decode(want)
-    assert choice.token_ids == want
-    assert choice.finish_reason == ("length" if len(want) == MAX_TOKENS else "stop")
-    assert out.usage.prompt_tokens == len(server["chat_ids"]["add"])
-    assert out.usage.completion_tokens == len(want)
-    assert 1.0 <= out.acceptance_length <= server["block"]
-
-
-def test_streamed_chat_sends_the_role_then_deltas_then_the_finish(server):
-    c, tok = server["client"], server["tok"]
-    messages, _ = CHATS["loop"]
-    chunks = list(c.chat.completions.create(
-        model=server["name"], messages=messages, max_completion_tokens=MAX_TOKENS,
-        temperature=0, stream=True, stream_options={"include_usage": True}))
-    want = server["greedy"]["loop"]
-    assert {ch.object for ch in chunks} == {"chat.completion.chunk"}
-    assert len({ch.id for ch in chunks}) == 1
-    first, *middle, last, usage = chunks
-    assert first.choices[0].delta.role == "assistant" and not first.choices[0].delta.content
-    assert len(middle) >= 2, "content arrives in several deltas as decode steps commit it"
-    assert all(ch.choices[0].finish_reason is None for ch in [first, *middle])
-    assert "".join(ch.choices[0].delta.content for ch in middle) == tok.decode(want)
-    assert [t for ch in middle for t in ch.choices[0].token_ids] == want
-    assert last.choices[0].finish_reason in ("length", "stop")
-    assert last.choices[0].delta.content is None
-    assert 1.0 <= last.acceptance_length <= server["block"]
-    assert usage.choices == [] and usage.usage.completion_tokens == len(want)
-    assert usage.usage.prompt_tokens == len(server["chat_ids"]["loop"])
-
-
-BAD_CHATS = [
-    ({"max_tokens": 3}, "messages", "missing"),
-    ({"messages": []}, "messages", "non-empty list"),
-    ({"messages": "hi"}, "messages", "non-empty list"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "use one of"),
-    ({"messages": [{"role": "developer", "content": "hi"}]}, "messages[0].role", "system"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 7}]},
-     "messages[1].content", "must be a string"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
-     "messages[0].content", "must be a string"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing"),
-    ({"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "messages[0].name",
-     "unknown fields"),
-    ({"messages": ["hi"]}, "messages[0]", "must be an object"),
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages",
-     "a conversation opens with a system or user message"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-      "max_completion_tokens": 2}, "max_completion_tokens", "not both"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
-     "max_completion_tokens", "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
-     "max_completion_tokens", "max_completion_tokens=1000000"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "tools", "not implemented"),
-    ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt",
-     "unknown fields"),
-    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
-     "continue_final_message", "\"add_generation_prompt\": false"),
-    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": "no"},
-     "add_generation_prompt", "true or false"),
-    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ["x"]},
-     "chat_template_kwargs", "an object"),
-    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": []},
-     "chat_template_kwargs", "an object"),
-    ({"messages": [{"role": "user", "content": "hi"}],
-      "chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs", "may not set"),
-]
-
-
-def test_bad_chats_get_400_naming_the_problem_while_a_good_one_completes(server):
-    url = f"{server['url']}/v1/chat/completions"
-    messages, _ = CHATS["add"]
-    body = json.dumps({"model": server["name"], "messages": messages, "temperature": 0,
-                       "max_tokens": MAX_TOKENS, "stream": True}).encode()
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        head = json.loads(r.readline().decode()[len("data: "):])  # in flight from here
-        assert head["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        for bad, param, words in BAD_CHATS:
-            status, text = post(url, bad)
-            err = json.loads(text)["error"]
-            assert status == 400, (bad, text)
-            assert err["type"] == "invalid_request_error" and err["param"] == param, (bad, err)
-            assert words in err["message"], (bad, err)
-        lines = [line.decode().strip() for line in r if line.strip()]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
-    assert [t for ch in chunks for t in ch["choices"][0]["token_ids"]] == \
-        server["greedy"]["add"]
-    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
-
-
-def test_a_model_without_a_chat_template_refuses_chat_naming_the_way_in(server):
-    """The embedded pair's byte tokenizer has no chat template: /v1/chat/completions says
-    so (never an invented template); the loop is never run, nothing reaches the engine."""
-    metrics = ServingMetrics(server["engine"].spec, server["block"])
-    app = CompletionsApp(ServingLoop(server["engine"], ByteTokenizer(), metrics), metrics,
-                         server["name"])
-    http = HTTPServer(app.app, "127.0.0.1", 0).start()
-    try:
-        client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=server["name"], messages=CHATS["add"][0],
-                                           max_tokens=4)
-        message = e.value.body["message"]
-        assert "has no chat template" in message and "/v1/completions" in message
-        assert e.value.status_code == 400
-    finally:
-        http.stop()
-
-
 def test_a_request_without_max_tokens_gets_the_servers_default(server):
     """Completions and chat that give no max_tokens stop at the server's default (usage
     counts it); a max_tokens given wins over the default."""
@@ -722,59 +398,6 @@ def test_hostile_shapes_get_named_refusals_not_500s(server):
                               "temperature": 0})   # OpenAI's list form, one prompt
     assert status == 200
     assert json.loads(text)["choices"][0]["token_ids"] == server["greedy"][PROMPTS[2]]
-
-
-def test_chat_options_render_the_prompt_as_vllm_does(server):
-    """vLLM's chat options: "continue_final_message" (with "add_generation_prompt":
-    false) leaves the final assistant message open for the model to continue, in
-    /tokenize and in a chat completion alike, whose tokens are a completion's of that
-    prompt; "chat_template_kwargs" reach the template."""
-    c, name, url = server["client"], server["name"], server["url"]
-    chat = CHATS["add"][0] + [{"role": "assistant", "content": "  return a"}]
-    options = {"add_generation_prompt": False, "continue_final_message": True}
-    status, text = post(f"{url}/tokenize", {"messages": chat, **options})
-    assert status == 200, text
-    ids = json.loads(text)["tokens"]
-    assert ids == [BOS, *(CHATS["add"][1].removesuffix("<assistant>")
-                          + "<assistant>  return a").encode()]
-    got = c.chat.completions.create(model=name, messages=chat, temperature=0,
-                                    max_tokens=MAX_TOKENS, extra_body=options)
-    want = c.completions.create(model=name, prompt=ids, temperature=0, max_tokens=MAX_TOKENS)
-    assert got.choices[0].token_ids == want.choices[0].token_ids
-    status, text = post(f"{url}/tokenize", {"messages": CHATS["add"][0],
-                                             "chat_template_kwargs": {"unused": 1}})
-    assert status == 200 and json.loads(text)["tokens"] == server["chat_ids"]["add"]
-
-
-def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
-    """/tokenize gives a prompt's ids as a completion encodes them, and a chat's as the
-    chat template renders it; /detokenize gives the text back; bad bodies get 400 naming
-    the field, another model's name 404."""
-    url, tok = server["url"], server["tok"]
-    status, text = post(f"{url}/tokenize", {"model": server["name"], "prompt": PROMPTS[1]})
-    assert status == 200, text
-    out = json.loads(text)
-    assert out["tokens"] == tok.encode(PROMPTS[1]) and out["count"] == len(out["tokens"])
-    assert out["max_model_len"] == server["engine"].spec.max_seq_len
-    status, text = post(f"{url}/tokenize", {"messages": CHATS["loop"][0]})
-    assert status == 200 and json.loads(text)["tokens"] == server["chat_ids"]["loop"]
-    assert json.loads(post(f"{url}/tokenize", {"prompt": ""})[1])["tokens"] == []
-    status, text = post(f"{url}/detokenize", {"tokens": tok.encode(PROMPTS[2])})
-    assert status == 200 and json.loads(text)["prompt"] == PROMPTS[2]
-    for route, body, param in [
-            ("tokenize", {}, "prompt"), ("tokenize", {"prompt": "a", "messages": []}, "prompt"),
-            ("tokenize", {"prompt": [1, 2]}, "prompt"),
-            ("tokenize", {"messages": [{"role": "robot", "content": "x"}]},
-             "messages[0].role"),
-            ("tokenize", {"prompt": "a", "colour": 1}, "colour"),
-            ("detokenize", {"tokens": "abc"}, "tokens"),
-            ("detokenize", {"tokens": [1, 10**6]}, "tokens"),
-            ("detokenize", {"tokens": [True]}, "tokens")]:
-        status, text = post(f"{url}/{route}", body)
-        assert status == 400 and json.loads(text)["error"]["param"] == param, (body, text)
-    status, text = post(f"{url}/tokenize", {"model": "other", "prompt": "a"})
-    assert status == 404 and json.loads(text)["error"]["param"] == "model"
-    assert post(f"{url}/detokenize", b"{nope")[0] == 400
 
 
 def test_n_choices_and_batched_prompts_are_each_served_as_alone(server):
