@@ -191,7 +191,10 @@ for stage in "${stages[@]}"; do
           && rm -rf "$OUT/draft_long"
       fi ;;
     eval)
-      run 450 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json" ;;
+      # the acceptance set over 64 new tokens a prompt (the default), then over 256
+      run 250 eval python3 -m drafter.evaluate --json "$OUT/eval_default_gpu.json"
+      run 330 eval_max_new_256 python3 -m drafter.evaluate --max-new 256 \
+        --json "$OUT/eval_default_max_new_256_gpu.json" ;;
     eval_candidate)
       run 570 eval_candidate python3 -m drafter.evaluate --draft "${CANDIDATE:-.train/draft_long/draft}" \
         $([ -n "${CANDIDATE_TARGET:-}" ] && echo --target "$CANDIDATE_TARGET") \
