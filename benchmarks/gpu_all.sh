@@ -70,7 +70,8 @@
 # in CANDIDATE (default .train/draft_long/draft: carry it), into eval_candidate_gpu.json;
 # CANDIDATE_TARGET=DIR: a new pair, that drafter with this target.
 # TARGET_FROM=DIR (a candidate target in the checkout, e.g. make_default's DIR/target) trains
-# a new drafter for that target instead (DRAFT_SHAPE, default the shipped drafter's shape);
+# a new drafter for that target instead (DRAFT_SHAPE, default the shipped drafter's shape),
+# or with DRAFT_FROM=DIR trains on a drafter trained for it before;
 # measure the pair with `python -m drafter.evaluate --target DIR --draft ... --compare-to
 # shipped`. EXTRA_CODE=1 trains on this machine's site-packages code too (--extra-code).
 # train_target (not in the default list): a new target alone (make_default --draft-steps 0),
@@ -170,8 +171,11 @@ for stage in "${stages[@]}"; do
       if [ -n "${TRAIN_FROM:-}" ] && [ -z "${DRY_RUN:-}" ]; then
         cat "$TRAIN_FROM"/train_draft.tar.* | tar -xf - -C "$OUT" || { echo "TRAIN_FROM=$TRAIN_FROM: no train_draft.tar.* pieces there"; exit 1; }
       fi
-      if [ -n "${TARGET_FROM:-}" ]; then
-        pair_args=(--target-from "$TARGET_FROM" ${DRAFT_SHAPE:-})
+      if [ -n "${TARGET_FROM:-}" ] && [ "${DRAFT_FROM:-}" = shipped ]; then
+        echo "TARGET_FROM with DRAFT_FROM=shipped: the shipped drafter is the shipped target's; give DRAFT_FROM=DIR (a drafter trained for TARGET_FROM's target)"; exit 1
+      elif [ -n "${TARGET_FROM:-}" ]; then
+        pair_args=(--target-from "$TARGET_FROM"
+                   $([ -n "${DRAFT_FROM:-}" ] && echo --draft-from "$DRAFT_FROM" || echo ${DRAFT_SHAPE:-}))
       else
         pair_args=(--from-default $([ -n "${DRAFT_FROM:-}" ] && [ "$DRAFT_FROM" != shipped ] && echo --draft-from "$DRAFT_FROM")
                    $([ -z "${DRAFT_FROM:-}" ] && echo --fresh-draft ${DRAFT_SHAPE:---draft-layers 4}))

@@ -168,7 +168,7 @@ def train_pair_drafter(args, target, tcfg, dcfg, draft, train_docs, windows,
     """The run's drafter training for `target`, as the arguments set it: (draft, losses)."""
     t0 = time.time()
     # A continued run draws other windows than the first (seed 2, not 1).
-    continued = args.from_default and not args.fresh_draft
+    continued = (args.from_default and not args.fresh_draft) or args.draft_from is not None
     windows_in_turn = mixed_batches(train_docs, windows, 2 if continued else 1,
                                     skip=resume_from)
     if args.greedy_tail is not None:
@@ -210,9 +210,10 @@ def main(argv=None):
                          "--draft-attention) for the shipped target instead of continuing "
                          "the shipped drafter")
     ap.add_argument("--draft-from", default=None, metavar="DIR",
-                    help="with --from-default: continue this candidate drafter for the "
-                         "shipped target (a DFlash checkpoint, e.g. an earlier run's "
-                         "DIR/draft) instead of the shipped one")
+                    help="continue this candidate drafter (a DFlash checkpoint, e.g. an "
+                         "earlier run's DIR/draft): for the shipped target with "
+                         "--from-default, instead of the shipped drafter, or for "
+                         "--target-from's target, instead of a new drafter")
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--draft-attention", choices=tuple(DRAFT_ATTENTION), default="sliding",
                     help="the draft layers' attention over the context: a 256-token "
@@ -252,9 +253,11 @@ def main(argv=None):
     if args.fresh_draft and not args.from_default:
         raise SystemExit("--fresh-draft trains a new drafter for the shipped target: give "
                          "--from-default too")
-    if args.draft_from is not None and (args.fresh_draft or not args.from_default):
-        raise SystemExit("--draft-from continues a candidate drafter for the shipped target: "
-                         "give --from-default, and not --fresh-draft")
+    if args.draft_from is not None and (args.fresh_draft or not (args.from_default
+                                                                  or args.target_from)):
+        raise SystemExit("--draft-from continues a candidate drafter: give --from-default "
+                         "(the shipped target) or --target-from DIR (its target), and not "
+                         "--fresh-draft")
     if args.draft_steps < 0:
         raise SystemExit(f"--draft-steps {args.draft_steps}: give 0 (the target alone) or more")
     if args.draft_steps == 0 and (args.from_default or args.target_from or args.state_dir):
@@ -305,12 +308,7 @@ def main(argv=None):
         from drafter.default import load_default
         params, tcfg, shipped_dcfg = load_default()
         target, t_losses = params["target"], []
-        if args.draft_from is not None:
-            dcfg, draft = load_dflash(args.draft_from, jnp.float32)
-            if problems := pair_checks(tcfg, dcfg):
-                raise SystemExit(f"--draft-from {args.draft_from}: it does not fit the shipped "
-                                 f"target: {'; '.join(problems)}")
-        elif not args.fresh_draft:
+        if not args.fresh_draft and args.draft_from is None:
             draft, dcfg = params["draft"], shipped_dcfg
     elif args.target_from:
         tcfg, target = load_qwen3(args.target_from)
@@ -322,6 +320,12 @@ def main(argv=None):
                                         time_budget_s=args.budget_s)
         print(f"target: {len(t_losses)} steps in {time.time() - t0:.0f}s, loss "
               f"{np.mean(t_losses[:20]):.3f} -> {np.mean(t_losses[-50:]):.3f}", flush=True)
+    if args.draft_from is not None:
+        dcfg, draft = load_dflash(args.draft_from, jnp.float32)
+        if problems := pair_checks(tcfg, dcfg):
+            which = "the shipped target" if args.from_default else args.target_from
+            raise SystemExit(f"--draft-from {args.draft_from}: it does not fit {which}: "
+                             f"{'; '.join(problems)}")
     d_losses = []
     if args.draft_steps:
         draft, d_losses = train_pair_drafter(args, target, tcfg, dcfg, draft, train_docs,

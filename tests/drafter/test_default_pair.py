@@ -174,8 +174,10 @@ def test_a_drafter_run_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path
 
 def test_a_candidate_drafter_trains_on_from_its_checkpoint(tmp_path):
     """`make_default --from-default --draft-from DIR` continues a candidate (an earlier
-    run's DIR/draft) rather than the shipped drafter; a drafter of another target is
-    refused by name, and the flag needs --from-default without --fresh-draft."""
+    run's DIR/draft) rather than the shipped drafter, and `--target-from T --draft-from
+    DIR` continues it for the target in T; a drafter of another target is refused by
+    name, and the flag needs a target (--from-default or --target-from) without
+    --fresh-draft."""
     from drafter import make_default
     from drafter.checkpoint import load_dflash
 
@@ -192,6 +194,18 @@ def test_a_candidate_drafter_trains_on_from_its_checkpoint(tmp_path):
     assert dcfg1.num_layers == dcfg0.num_layers == 3   # the candidate's shape, not shipped
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p0),
                                                          jax.tree.leaves(p1)))
+    from drafter.default import load_default
+    from models.checkpoint import save_qwen3
+    params, tcfg, _ = load_default()
+    shipped_target = tmp_path / "shipped_target"     # the shipped target as a checkpoint
+    save_qwen3(shipped_target, tcfg, params["target"])
+    onward = tmp_path / "onward"          # the same drafter, for a target given by path
+    make_default.main(["--out", str(onward), "--target-from", str(shipped_target),
+                       "--draft-from", str(again / "draft"), "--windows", "64x2",
+                       "--draft-steps", "2", "--stdlib", str(stdlib)])
+    dcfg2, p2 = load_dflash(onward / "draft")
+    assert dcfg2 == dcfg1 and any(not np.array_equal(a, b) for a, b in
+                                  zip(jax.tree.leaves(p1), jax.tree.leaves(p2)))
     for argv, message in ((["--draft-from", str(first / "draft")], "give --from-default"),
                           (["--from-default", "--fresh-draft", "--draft-from",
                             str(first / "draft")], "not --fresh-draft")):
@@ -201,6 +215,9 @@ def test_a_candidate_drafter_trains_on_from_its_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="does not fit the shipped target"):
         make_default.main(["--out", str(tmp_path / "y"), "--from-default", "--draft-from",
                            str(copy_draft), "--stdlib", str(stdlib)])
+    with pytest.raises(SystemExit, match=f"does not fit {shipped_target}"):
+        make_default.main(["--out", str(tmp_path / "y"), "--target-from", str(shipped_target),
+                           "--draft-from", str(copy_draft), "--stdlib", str(stdlib)])
 
 
 def test_extra_code_leaves_out_copies_of_held_out_stdlib_files(tmp_path):
