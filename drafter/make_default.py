@@ -163,13 +163,18 @@ def resumable_run(args, windows, corpus: dict) -> int:
     return step
 
 
+def trains_on(args) -> bool:
+    """Whether the run trains an existing drafter on (the shipped one or --draft-from's)
+    rather than a new one."""
+    return args.draft_from is not None or (args.from_default and not args.fresh_draft)
+
+
 def train_pair_drafter(args, target, tcfg, dcfg, draft, train_docs, windows,
                        resume_from: int):
     """The run's drafter training for `target`, as the arguments set it: (draft, losses)."""
     t0 = time.time()
     # A continued run draws other windows than the first (seed 2, not 1).
-    continued = (args.from_default and not args.fresh_draft) or args.draft_from is not None
-    windows_in_turn = mixed_batches(train_docs, windows, 2 if continued else 1,
+    windows_in_turn = mixed_batches(train_docs, windows, 2 if trains_on(args) else 1,
                                     skip=resume_from)
     if args.greedy_tail is not None:
         windows_in_turn = greedy_tail_batches(windows_in_turn, {"target": target}, tcfg,
@@ -214,10 +219,11 @@ def main(argv=None):
                          "earlier run's DIR/draft): for the shipped target with "
                          "--from-default, instead of the shipped drafter, or for "
                          "--target-from's target, instead of a new drafter")
-    ap.add_argument("--draft-layers", type=int, default=2)
-    ap.add_argument("--draft-attention", choices=tuple(DRAFT_ATTENTION), default="sliding",
-                    help="the draft layers' attention over the context: a 256-token "
-                         "window or all of it")
+    ap.add_argument("--draft-layers", type=int, default=None,
+                    help="a new drafter's depth (default 2)")
+    ap.add_argument("--draft-attention", choices=tuple(DRAFT_ATTENTION), default=None,
+                    help="a new drafter's attention over the context: a 256-token window "
+                         "(sliding, the default) or all of it")
     ap.add_argument("--draft-target-layers", type=int, nargs="+", default=None,
                     metavar="I", help="with --fresh-draft: the target layers whose outputs "
                                       "the new drafter reads (default: 1 4, the shipped one's)")
@@ -263,6 +269,12 @@ def main(argv=None):
     if args.draft_steps == 0 and (args.from_default or args.target_from or args.state_dir):
         raise SystemExit("--draft-steps 0 trains a new target alone: leave out --from-default, "
                          "--target-from and --state-dir")
+    if trains_on(args) and (args.draft_layers, args.draft_attention) != (None, None):
+        raise SystemExit("--draft-layers and --draft-attention shape a new drafter; a drafter "
+                         "trained on keeps its own shape (its config.json): leave them out, "
+                         "or give --fresh-draft for a new one")
+    args.draft_layers = 2 if args.draft_layers is None else args.draft_layers
+    args.draft_attention = args.draft_attention or "sliding"
     if args.draft_layers < 1:
         raise SystemExit(f"--draft-layers {args.draft_layers}: give at least 1")
     layer_ids = args.draft_target_layers

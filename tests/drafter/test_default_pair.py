@@ -177,7 +177,7 @@ def test_a_candidate_drafter_trains_on_from_its_checkpoint(tmp_path):
     run's DIR/draft) rather than the shipped drafter, and `--target-from T --draft-from
     DIR` continues it for the target in T; a drafter of another target is refused by
     name, and the flag needs a target (--from-default or --target-from) without
-    --fresh-draft."""
+    --fresh-draft; a shape given for a drafter trained on is refused, not ignored."""
     from drafter import make_default
     from drafter.checkpoint import load_dflash
 
@@ -208,7 +208,11 @@ def test_a_candidate_drafter_trains_on_from_its_checkpoint(tmp_path):
                                   zip(jax.tree.leaves(p1), jax.tree.leaves(p2)))
     for argv, message in ((["--draft-from", str(first / "draft")], "give --from-default"),
                           (["--from-default", "--fresh-draft", "--draft-from",
-                            str(first / "draft")], "not --fresh-draft")):
+                            str(first / "draft")], "not --fresh-draft"),
+                          (["--from-default", "--draft-from", str(first / "draft"),
+                            "--draft-layers", "4"], "keeps its own shape"),
+                          (["--from-default", "--draft-attention", "full"],
+                           "keeps its own shape")):
         with pytest.raises(SystemExit, match=message):
             make_default.main(["--out", str(tmp_path / "x"), *argv])
     copy_draft = Path(__file__).parent.parent / "fixtures" / "copy_pair" / "draft"
