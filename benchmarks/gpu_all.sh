@@ -135,12 +135,12 @@ for stage in "${stages[@]}"; do
         -p no:cacheprovider -n 4 --dist load \
         tests/drafter/test_lossless.py tests/drafter/test_precision.py \
         tests/drafter/test_sampling.py \
-        "tests/drafter/test_engine.py::test_sampling_truncated_to_the_most_likely_token_is_greedy" \
-        "tests/drafter/test_engine.py::test_logprobs_are_the_targets_own_for_every_kept_token" \
-        "tests/drafter/test_engine.py::test_penalties_score_each_token_against_the_tokens_generated_before_it" \
-        "tests/drafter/test_engine.py::test_logit_bias_forces_and_bans_tokens_from_the_first_one_on" \
-        "tests/drafter/test_engine.py::test_min_tokens_bans_stop_and_eos_ids_from_the_first_tokens_only" \
-        "tests/drafter/test_engine.py::test_prompt_logprobs_are_the_targets_own_across_chunks" \
+        "tests/drafter/test_engine_sampling.py::test_sampling_truncated_to_the_most_likely_token_is_greedy" \
+        "tests/drafter/test_engine_sampling.py::test_logprobs_are_the_targets_own_for_every_kept_token" \
+        "tests/drafter/test_engine_sampling.py::test_penalties_score_each_token_against_the_tokens_generated_before_it" \
+        "tests/drafter/test_engine_sampling.py::test_logit_bias_forces_and_bans_tokens_from_the_first_one_on" \
+        "tests/drafter/test_engine_sampling.py::test_min_tokens_bans_stop_and_eos_ids_from_the_first_tokens_only" \
+        "tests/drafter/test_engine_sampling.py::test_prompt_logprobs_are_the_targets_own_across_chunks" \
         "tests/drafter/test_default_pair.py::test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor" ;;
     attention)
       run 330 paged_attention python3 benchmarks/bench_paged_attention.py --out "$OUT" \
