@@ -1,5 +1,5 @@
 """The docs, the report and the GPU script name tests by file and name (`FILE.py::NAME`);
-name must be a test that exists, so a renamed or moved test cannot leave a dead pointer."""
+each must be a test that exists, so a renamed or moved test leaves no dead pointer."""
 
 import re
 from pathlib import Path
