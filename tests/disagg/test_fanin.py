@@ -8,7 +8,7 @@ from disagg.kv_format import KVFormat
 from disagg.sources import ContextWorker, InProcessSource
 from disagg.transfer import split_heads
 from drafter.engine import Engine
-from tests.disagg.test_disagg import assert_all_free
+from tests.disagg.disagg_pair import assert_all_free
 from tests.drafter.tiny import tiny_pair
 
 

@@ -23,7 +23,7 @@ from disagg.wire import start_transfer_server
 from drafter.default import default_step_config
 from drafter.engine import Engine
 from models.checkpoint import fingerprint
-from tests.disagg.test_disagg import assert_all_free
+from tests.disagg.disagg_pair import assert_all_free
 from tests.disagg.test_remote import SOURCE, assert_context_all_free, serve
 from tests.drafter.test_context import periodic_prompts
 

@@ -23,7 +23,7 @@ from disagg.transfer import TransferTimeout
 from disagg.wire import assemble, kv_format_from_wire, kv_format_to_wire, split_shards
 from drafter.engine import Engine
 from drafter.request import SamplingParams
-from tests.disagg.test_disagg import assert_all_free
+from tests.disagg.disagg_pair import assert_all_free
 from tests.drafter.test_context import PAIR, periodic_prompts
 
 # The shipped tiny copy pair with the default cache (fp8 target KV, bf16 draft KV).
