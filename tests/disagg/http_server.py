@@ -131,3 +131,13 @@ def get(url, timeout=30):
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def assert_refused(url, body, param, words):
+    """POSTing `body` to `url` gets a 400 invalid_request_error naming `param`, its message
+    holding `words`."""
+    status, text = post(url, body)
+    err = json.loads(text)["error"]
+    assert status == 400, (body, text)
+    assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+    assert words in err["message"], (body, err)

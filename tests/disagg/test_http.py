@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from disagg.schema import parse_completion  # noqa: E402
 from unified_kv import AdmissionError  # noqa: E402
 from tests.disagg import http_server  # noqa: E402
-from tests.disagg.http_server import CHATS, DEFAULT_MAX_TOKENS, MAX_TOKENS, PENALTIES, PROMPTS, get, post  # noqa: E402
+from tests.disagg.http_server import (  # noqa: E402
+    CHATS, DEFAULT_MAX_TOKENS, MAX_TOKENS, PENALTIES, PROMPTS, assert_refused, get, post)
 
 server = http_server.server  # this module's own server (a module-scoped fixture)
 
@@ -266,11 +267,7 @@ BAD = [
 def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(server):
     url = f"{server['url']}/v1/completions"
     for body, param, words in BAD:
-        status, text = post(url, body)
-        err = json.loads(text)["error"]
-        assert status == 400, (body, text)
-        assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
-        assert words in err["message"], (body, err)
+        assert_refused(url, body, param, words)
     status, text = post(url, {"model": "other", "prompt": "x"})
     assert status == 404 and json.loads(text)["error"]["param"] == "model"
     with pytest.raises(openai.BadRequestError):

@@ -15,7 +15,8 @@ from disagg.loop import ServingLoop  # noqa: E402
 from disagg.metrics import ServingMetrics  # noqa: E402
 from drafter.corpus import BOS, ByteTokenizer  # noqa: E402
 from tests.disagg import http_server  # noqa: E402
-from tests.disagg.http_server import CHATS, MAX_TOKENS, PROMPTS, post  # noqa: E402
+from tests.disagg.http_server import (  # noqa: E402
+    CHATS, MAX_TOKENS, PROMPTS, assert_refused, post)
 
 server = http_server.server  # this module's own server (a module-scoped fixture)
 
@@ -196,11 +197,7 @@ def test_bad_chats_get_400_naming_the_problem_while_a_good_one_completes(server)
         head = json.loads(r.readline().decode()[len("data: "):])  # in flight from here
         assert head["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         for bad, param, words in BAD_CHATS:
-            status, text = post(url, bad)
-            err = json.loads(text)["error"]
-            assert status == 400, (bad, text)
-            assert err["type"] == "invalid_request_error" and err["param"] == param, (bad, err)
-            assert words in err["message"], (bad, err)
+            assert_refused(url, bad, param, words)
         lines = [line.decode().strip() for line in r if line.strip()]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
