@@ -10,6 +10,7 @@ import pytest
 
 from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
+from tests.drafter.engine_pair import assert_all_free
 from tests.drafter.tiny import tiny_pair
 
 
@@ -48,14 +49,6 @@ def split_engine(params, cfg, **kwargs):
         mesh_a, mesh_b = meshes()
         kwargs = dict(context_meshes=(mesh_a,), mesh=mesh_b, **kwargs)
     return disaggregated_engine(params, cfg, **kwargs)
-
-
-def assert_all_free(engine):
-    spec = engine.spec
-    assert np.asarray(engine.state.kv.num_free).tolist() == [p.num_usable_pages
-                                                             for p in spec.pools]
-    assert engine.admission.reserved_pages == (0,) * len(spec.pools)
-    assert engine.num_active == 0 and not np.asarray(engine.state.running).any()
 
 
 def assert_pair_free(engine):

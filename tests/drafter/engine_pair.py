@@ -28,9 +28,11 @@ def assert_same(a, b):
 
 
 def assert_all_free(engine):
+    """Nothing held: every pool's pages free, no reservation, every slot free, no request
+    active or running (after an engine's last step, and after each fault)."""
     spec = engine.spec
     assert np.asarray(engine.state.kv.num_free).tolist() == [p.num_usable_pages
                                                              for p in spec.pools]
     assert engine.admission.reserved_pages == (0,) * len(spec.pools)
     assert engine.admission.num_free_slots == spec.num_slots
-    assert not np.asarray(engine.state.running).any()
+    assert engine.num_active == 0 and not np.asarray(engine.state.running).any()
