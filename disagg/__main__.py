@@ -21,6 +21,7 @@ it holds), and keep compiled programs in a persistent compilation cache
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from disagg import processes
@@ -45,11 +46,12 @@ def build_parser():
     add_model_args(srv)
     srv.add_argument("input", nargs="?", default="-", help="JSON-lines requests ('-': stdin)")
     srv.add_argument("--draft-kv", default="shared", choices=("shared", "private", "aggregated"),
-                     help="disaggregated with the draft KV shared or private, or aggregated")
+                     help="disaggregated with the draft KV shared (the default: two engines, a KV "
+                          "cache each) or private, or aggregated (one engine)")
     srv.add_argument("--http", type=processes.host_port, default=None, metavar="HOST:PORT",
                      help="serve OpenAI-compatible HTTP here instead of JSON lines")
     srv.add_argument("--request-timeout", type=processes.positive_seconds, default=600.0,
-                     help="HTTP: seconds a request may wait for its next tokens")
+                     help="HTTP: seconds a request may wait for its next tokens (default 600)")
     srv.add_argument("--warmup", default="first", choices=("first", "all"),
                      help="compile before the ready line: what a first request needs "
                           "(first), or every step for every prompt length up to "
@@ -74,6 +76,13 @@ def serve(args) -> None:
     from disagg.frontend import caches_per_device, load_pair, make_engine, serve_http, warm_up
     from disagg.serving import serve_json_lines
     from unified_kv import capacity
+    if args.input != "-":   # checked before the minutes of loading and compiling
+        if args.http is not None:
+            raise SystemExit(f"serve: give JSON-lines requests ({args.input}) or --http, not "
+                             f"both; an HTTP server takes its requests over HTTP")
+        if not os.path.isfile(args.input) or not os.access(args.input, os.R_OK):
+            raise SystemExit(f"serve: {args.input}: no readable file there; give a JSON-lines "
+                             f"file, or - (the default) for stdin")
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
                      max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
                      kv_memory_fraction=args.kv_memory_fraction, layer_loop=args.layer_loop,
@@ -107,6 +116,9 @@ def demo(args) -> None:
     from disagg.demo import DemoConfig, print_table, run_demo
     from disagg.frontend import caches_per_device, load_pair
     cfg = DemoConfig.from_args(args)
+    if cfg.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.json_path))):
+        raise SystemExit(f"demo: --json {cfg.json_path}: its directory does not exist; create "
+                         f"it or give another path (checked before the demo runs)")
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
                      max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
                      kv_memory_fraction=args.kv_memory_fraction, layer_loop=args.layer_loop,

@@ -26,6 +26,7 @@ import numpy as np
 from disagg.schema import DEFAULT_MAX_TOKENS
 from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
+from drafter.request import SamplingParams
 from drafter.scheduler import row_shapes
 from drafter.tokenizer import TokenizerError, load_tokenizer
 from unified_kv import CacheSpecError
@@ -206,6 +207,14 @@ def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) 
     waits on a compile). Returns the seconds it took."""
     start = time.perf_counter()
     prompt = tokenizer.encode("def main():") or [0]
+    need = engine.scheduler.reserved_len(engine.make_request(
+        "warm-up", prompt, SamplingParams(2, ignore_eos=True)))
+    if need > engine.spec.max_seq_len:
+        raise SystemExit(
+            f"--max-seq-len {engine.spec.max_seq_len} holds no request: a {len(prompt)}-token "
+            f"prompt and 2 new tokens need {need} tokens of room, {need - len(prompt) - 2} of "
+            f"them for the verify and lookahead blocks every request reserves; give "
+            f"--max-seq-len {need} or more")
     for batch in row_shapes(engine.scheduler.max_prefill_rows):
         if log:
             log(f"compiling: {batch} prompt(s), prefill and decode ...")

@@ -53,7 +53,7 @@ from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
 from disagg.responses import (ChatFormat, CompletionFormat, error_body, pooled_acceptance,
                               usage)
-from disagg.schema import DEFAULT_MAX_TOKENS, parse_completion
+from disagg.schema import DEFAULT_MAX_TOKENS, MAX_CHOICES, parse_completion
 from disagg.tokenize_schema import parse_detokenize, parse_tokenize
 from drafter.request import RequestError
 from unified_kv import AdmissionError
@@ -98,9 +98,10 @@ class CompletionsApp:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         self.loop, self.metrics, self.model_name = loop, metrics, model_name
         self.request_timeout_s, self.default_max_tokens = request_timeout_s, default_max_tokens
-        # Room for any prompt that fits max_seq_len, as text (a token takes a few bytes) or
-        # as ids, and no more: parsing is the server's work, whoever sends the bytes.
-        self.max_body_bytes = max(1 << 20, 32 * loop.engine.spec.max_seq_len)
+        # Room for a batch of MAX_CHOICES prompts that each fit max_seq_len, as text (a
+        # token takes a few bytes) or as ids, and no more: parsing is the server's work,
+        # whoever sends the bytes.
+        self.max_body_bytes = max(1 << 20, 32 * MAX_CHOICES * loop.engine.spec.max_seq_len)
         self.ready = threading.Event()
         self.created = int(time.time())
         self.app = Starlette(routes=[
@@ -164,12 +165,22 @@ class CompletionsApp:
 
     async def _body(self, request):
         """(the request's JSON body, None) or (None, the refusal to answer with)."""
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            return None, _refuse(413, f"the request body is {len(raw):,} bytes; this server "
-                                      f"takes at most {self.max_body_bytes:,} (prompts of up "
-                                      f"to max_seq_len={self.loop.engine.spec.max_seq_len} "
-                                      f"tokens)")
+        # A body past the bound is read to its end (so the client, still sending, gets
+        # the 413 rather than a reset connection) but never held: the rest is dropped.
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= self.max_body_bytes:
+                chunks.append(chunk)
+            elif chunks:
+                chunks = []
+        if size > self.max_body_bytes:
+            return None, _refuse(413, f"the request body is {size:,} bytes, over this "
+                                      f"server's {self.max_body_bytes:,} ({MAX_CHOICES} "
+                                      f"prompts of up to max_seq_len="
+                                      f"{self.loop.engine.spec.max_seq_len} tokens); send "
+                                      f"fewer or shorter prompts a request")
+        raw = b"".join(chunks)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

@@ -10,8 +10,8 @@ own spelling) and the fix.
 JSON line:  {"id": str | int, "prompt": str | "tokens": [int, ...],
              "max_new_tokens": int >= 1, "temperature": number >= 0, "top_p": (0, 1],
              "top_k": int >= -1, "min_p": [0, 1], "presence_penalty": [-2, 2],
-             "frequency_penalty": [-2, 2], "repetition_penalty": (0, 100], "seed": int,
-             "stop": str | [str, ...],
+             "frequency_penalty": [-2, 2], "repetition_penalty": (0, 100], "seed": int
+             (absent or null: a random one), "stop": str | [str, ...] ([]: none),
              "stop_token_ids": [int, ...], "ignore_eos": bool,
              "include_stop_str_in_output": bool (the text ends with the stop string
              that ended it), "min_tokens": int in
@@ -27,7 +27,8 @@ completion: {"model": str, "prompt": str | [int, ...] | a list of either (a batc
              "echo": bool (the prompt before the completion, with its tokens'
              log-probabilities under "logprobs"; max_tokens 0: the prompt alone),
              "temperature": number >= 0, "top_p", "presence_penalty",
-             "frequency_penalty", "logit_bias", "seed": int, "stop": str | [str, ...],
+             "frequency_penalty", "logit_bias", "seed": int (absent or null: random),
+             "stop": str | [str, ...] ([]: none),
              "stream": bool, "stream_options": {"include_usage": bool}, "logprobs":
              int in [0, 20] | null, extensions "top_k", "min_p", "repetition_penalty",
              "min_tokens", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
@@ -43,6 +44,8 @@ chat:       disagg/chat_schema.py.
 """
 
 from __future__ import annotations
+
+import secrets
 
 from drafter.request import Request, RequestError, SamplingParams
 
@@ -78,7 +81,7 @@ MAX_CHOICES = 64
 
 
 def stop_strings(rid: str, stop) -> tuple[str, ...]:
-    if stop is None:
+    if stop is None or stop == []:   # OpenAI's and vLLM's "no stop strings" too
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -143,6 +146,14 @@ def text_prompt(rid: str, text, tokenizer) -> list[int]:
                            "prompt") from None
 
 
+def request_seed(obj: dict) -> int:
+    """The request's "seed", or without one (absent or null, as in OpenAI's API) a fresh
+    random one: unseeded samples differ from request to request, as OpenAI's and vLLM's
+    do; a seed given makes a request's draws repeat."""
+    seed = obj.get("seed")
+    return secrets.randbits(32) if seed is None else seed
+
+
 def _make(rid: str, prompt, obj: dict, engine, max_tokens_field: str, default_max: int,
           default_temperature: float) -> Request:
     stops = obj.get("stop_token_ids", [])
@@ -151,14 +162,14 @@ def _make(rid: str, prompt, obj: dict, engine, max_tokens_field: str, default_ma
                            "stop_token_ids")
     params = SamplingParams(max_new_tokens=obj.get(max_tokens_field, default_max),
                             temperature=obj.get("temperature", default_temperature),
-                            seed=obj.get("seed", 0), stop_token_ids=tuple(stops),
+                            seed=request_seed(obj), stop_token_ids=tuple(stops),
                             ignore_eos=obj.get("ignore_eos", False),
                             logprobs=obj.get("logprobs"),
                             prompt_logprobs=obj.get("prompt_logprobs"),
                             logit_bias=_logit_bias(rid, obj.get("logit_bias")),
                             **{name: obj[name] for name in SAMPLING_FIELDS
                                if obj.get(name) is not None})
-    for name in ("max_new_tokens", "temperature", "seed", "ignore_eos"):
+    for name in ("max_new_tokens", "temperature", "ignore_eos"):
         value = getattr(params, name)
         if value is None:
             field = max_tokens_field if name == "max_new_tokens" else name
@@ -232,10 +243,12 @@ def choice_requests(rid: str, prompt, obj: dict, engine, field: str, default_max
                     first_index: int, total: int) -> list[Request]:
     """The n Requests of one prompt, choices first_index.. of `total`: a request's only
     choice keeps the id `rid`, else choice k is f"{rid}-{k}"; sample j of a prompt draws
-    with seed + j (the first sample's checks ran on the seed as given)."""
+    with seed + j (the first sample's checks ran on the seed as given); unseeded, each
+    draws its own random seed."""
     out = []
     for j in range(n):
-        fields = dict(obj, seed=(obj.get("seed", 0) + j) % 2**32) if j else obj
+        seeded = j and obj.get("seed") is not None
+        fields = dict(obj, seed=(obj["seed"] + j) % 2**32) if seeded else obj
         out.append(_make(rid if total == 1 else f"{rid}-{first_index + j}", prompt, fields,
                          engine, field, default_max, 1.0))
     return out

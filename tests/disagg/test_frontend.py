@@ -18,7 +18,7 @@ import pytest
 
 from disagg.__main__ import build_parser
 from disagg.processes import REPO_ROOT, child_env
-from disagg.schema import DEFAULT_MAX_TOKENS, parse_line
+from disagg.schema import DEFAULT_MAX_TOKENS, parse_completion, parse_line
 from disagg.textstream import TextStream
 from drafter.corpus import ByteTokenizer
 from drafter.request import Request, RequestError
@@ -153,6 +153,29 @@ def test_json_lines_share_the_schema_stop_strings_included():
     assert e.value.field == "top_k"
 
 
+def test_an_empty_stop_list_is_none_and_unseeded_samples_differ():
+    """"stop": [] means no stop strings (OpenAI's and vLLM's reading); without a seed
+    (absent or null) every request and choice draws its own random seed, as OpenAI's
+    API does, while a seed given repeats: seed, seed + 1, ... for n choices."""
+    engine, tok = _Engine(), ByteTokenizer()
+    req, stop = parse_line({"prompt": "x", "stop": []}, 1, engine, tok)
+    assert stop == ()
+    [(_, stop)] = parse_completion({"prompt": "x", "stop": [], "max_tokens": 2}, "c", engine,
+                                   tok)
+    assert stop == ()
+    seeds = {parse_line({"prompt": "x", "temperature": 1.0, **seed}, 1, engine, tok)[0]
+             .params.seed for seed in ({}, {"seed": None}, {}, {})}
+    assert len(seeds) == 4   # four draws of 2**32 seeds: alike with odds of about 1e-9
+    unseeded = parse_completion({"prompt": "x", "max_tokens": 2, "n": 3}, "c", engine, tok)
+    assert len({req.params.seed for req, _ in unseeded}) == 3
+    seeded = parse_completion({"prompt": "x", "max_tokens": 2, "n": 3, "seed": 2**32 - 1},
+                              "c", engine, tok)
+    assert [req.params.seed for req, _ in seeded] == [2**32 - 1, 0, 1]
+    again = parse_completion({"prompt": "x", "max_tokens": 2, "n": 3, "seed": 2**32 - 1},
+                             "c", engine, tok)
+    assert [r.params.seed for r, _ in again] == [r.params.seed for r, _ in seeded]
+
+
 def copy_pair_with_text(root: Path) -> Path:
     """The tiny copy pair by path, with a word-level tokenizer.json over its 32 ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -249,6 +272,38 @@ def test_serve_flags_take_only_sensible_numbers():
             with pytest.raises(SystemExit):
                 parse(["serve-remote", "--role", "context", flag, bad])
     assert parse(["serve-remote", "--role", "context", "--timeout", "2"]).timeout == 2.0
+
+
+def test_serve_and_demo_refuse_bad_inputs_before_loading_or_compiling(tmp_path):
+    """A requests file that is not there, a file beside --http (which would ignore it)
+    and a --json path into no directory are refused at once, not after the load and
+    the compiles (or, for --json, the whole demo)."""
+    from disagg.__main__ import main
+    with pytest.raises(SystemExit, match="no readable file there"):
+        main(["serve", str(tmp_path / "missing.jsonl"), "--no-compile-cache"])
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("")
+    with pytest.raises(SystemExit, match="or --http, not both"):
+        main(["serve", str(requests), "--http", "127.0.0.1:0", "--no-compile-cache"])
+    with pytest.raises(SystemExit, match="its directory does not exist"):
+        main(["demo", "--json", str(tmp_path / "no" / "report.json"), "--no-compile-cache"])
+
+
+def test_a_max_seq_len_that_holds_no_request_is_refused_before_compiling(tmp_path):
+    from disagg.frontend import load_pair, make_engine, warm_up
+    root = copy_pair_with_text(tmp_path / "pair")
+    pair = load_pair(str(root / "target"), str(root / "draft"), num_slots=2, max_seq_len=8,
+                     kv_memory_mib=16)
+    engine = make_engine("aggregated", pair)
+    with pytest.raises(SystemExit, match=r"--max-seq-len \d+ holds no request: .* give "
+                                         r"--max-seq-len (\d+) or more") as e:
+        warm_up(engine, pair.tokenizer)
+    need = int(re.search(r"give --max-seq-len (\d+)", str(e.value)).group(1))
+    assert need > 8
+    fits = load_pair(str(root / "target"), str(root / "draft"), num_slots=2,
+                     max_seq_len=need, kv_memory_mib=16)
+    engine = make_engine("aggregated", fits)
+    assert warm_up(engine, fits.tokenizer) > 0   # the minimum it names serves
 
 
 def test_a_missing_http_package_is_named_with_its_install_command(monkeypatch):

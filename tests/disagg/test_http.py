@@ -14,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from disagg.schema import parse_completion  # noqa: E402
+from disagg.schema import MAX_CHOICES, parse_completion  # noqa: E402
 from unified_kv import AdmissionError  # noqa: E402
 from tests.disagg import http_server  # noqa: E402
 from tests.disagg.http_server import (  # noqa: E402
@@ -384,7 +384,9 @@ def test_hostile_shapes_get_named_refusals_not_500s(server):
     status, text = post(url, b'{"prompt": "x", "max_tokens": 2, "\\ud800": 1}')
     assert status == 400 and json.loads(text)["error"]["param"] == "\ud800"
     status, text = post(url, b"x" * (server["app"].max_body_bytes + 1))
-    assert status == 413 and "this server takes at most" in json.loads(text)["error"]["message"]
+    assert status == 413 and "send fewer or shorter" in json.loads(text)["error"]["message"]
+    status, text = post(url, {"prompt": "x", "max_tokens": 2, "temperature": 0, "stop": []})
+    assert status == 200, text   # no stop strings, as OpenAI reads it
     status, text = post(url, {"prompt": "x", "max_tokens": 2, "stop": ["y" * 257]})
     err = json.loads(text)["error"]
     assert status == 400 and err["param"] == "stop" and "at most 256" in err["message"]
@@ -395,6 +397,31 @@ def test_hostile_shapes_get_named_refusals_not_500s(server):
                               "temperature": 0})   # OpenAI's list form, one prompt
     assert status == 200
     assert json.loads(text)["choices"][0]["token_ids"] == server["greedy"][PROMPTS[2]]
+
+
+def test_a_body_too_large_gets_413_whole_or_chunked_and_a_batch_fits_the_bound(server):
+    """Over the bound, a body with a declared length or sent in chunks (no length) gets
+    413 naming the bound, and the server goes on serving. The bound holds a whole batch:
+    MAX_CHOICES prompts of max_seq_len token ids each."""
+    import http.client
+    from urllib.parse import urlparse
+    app, engine = server["app"], server["engine"]
+    batch = [[engine.cfg.target.vocab_size - 1] * engine.spec.max_seq_len] * MAX_CHOICES
+    assert len(json.dumps({"model": server["name"], "prompt": batch, "max_tokens": 1})
+               ) <= app.max_body_bytes
+    url = urlparse(server["url"])
+    piece = b" " * 65536
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=iter([piece] * (app.max_body_bytes // 65536
+                                                                  + 2)),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    answer = conn.getresponse()
+    assert answer.status == 413 and "send fewer or shorter" in json.loads(answer.read())[
+        "error"]["message"]
+    conn.close()
+    status, _ = post(f"{server['url']}/v1/completions",
+                     {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0})
+    assert status == 200   # and the server goes on serving
 
 
 def test_n_choices_and_batched_prompts_are_each_served_as_alone(server):
