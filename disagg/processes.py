@@ -116,8 +116,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="devices in this worker's mesh")
     p.add_argument("--timeout", type=positive_seconds, default=30.0,
                    help="seconds any wait for the peer may take")
-    p.add_argument("--idle-timeout", type=positive_seconds, default=3600.0,
-                   help="context: seconds to wait for a peer's next request")
+    p.add_argument("--idle-timeout", type=positive_seconds, default=None,
+                   help="context: seconds to wait for a peer's next request (default 3600)")
     p.add_argument("--transfer-host", default="127.0.0.1",
                    help="host the KV transfer server binds and advertises")
     p.add_argument("--max-connections", type=int, default=None,
@@ -195,10 +195,15 @@ def run(args) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("disagg").setLevel(logging.INFO)
     mode = draft_kv_mode(args)
+    check_role_args(args)
     source = PairSource(args.pair, args.num_slots, args.max_seq_len, args.kv_memory_mib,
                         drafter=not args.no_drafter,
                         kv_memory_fraction=args.kv_memory_fraction)
-    params, cfg = source.load()
+    from models.config import CheckpointError
+    try:
+        params, cfg = source.load()
+    except CheckpointError as e:   # names the file and the field
+        raise SystemExit(f"serve-remote --pair {args.pair}: {e}") from None
     from unified_kv import capacity
     logging.getLogger("disagg").info("%s: %s", args.role, capacity(cfg.spec).describe())
     mesh = local_mesh(args.tp)
@@ -209,7 +214,8 @@ def run(args) -> None:
                                                  batch_invariant=args.batch_invariant,
                                                  eos_token_ids=eos),
                                    address=args.address, transfer_host=args.transfer_host,
-                                   timeout=args.timeout, idle_timeout=args.idle_timeout)
+                                   timeout=args.timeout,
+                                   idle_timeout=args.idle_timeout or 3600.0)
         except OSError as e:   # in use, or not an address of this host
             raise SystemExit(f"serve-remote --role context: cannot listen on {args.address} "
                              f"({e.strerror or e}); give a free port of this host") from None
@@ -239,6 +245,32 @@ def run(args) -> None:
     else:
         serve_json_lines(engine, args.input, tokenizer)
     logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())
+
+
+def check_role_args(args) -> None:
+    """SystemExit, before anything loads, for an --address that is not HOST:PORT, a
+    --pair without its two checkpoints, or a flag of the other role (it would be
+    ignored)."""
+    from disagg.schema import DEFAULT_MAX_TOKENS
+    try:
+        host_port(args.address)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"serve-remote --address: {e}") from None
+    if args.pair is not None:
+        for part in ("target",) + (() if args.no_drafter else ("draft",)):
+            if not Path(args.pair, part, "config.json").is_file():
+                raise SystemExit(f"serve-remote --pair {args.pair}: no {part}/config.json "
+                                 f"there; give a directory holding target/ and draft/ "
+                                 f"checkpoints")
+    others = {"context": {"a requests file": args.input != "-", "--http": args.http,
+                          "--default-max-tokens": args.default_max_tokens != DEFAULT_MAX_TOKENS},
+              "generation": {"--warmup": args.warmup, "--idle-timeout": args.idle_timeout,
+                             "--max-connections": args.max_connections}}[args.role]
+    if given := [flag for flag, value in others.items() if value not in (None, False)]:
+        other = "generation" if args.role == "context" else "context"
+        raise SystemExit(f"serve-remote --role {args.role} does not take {', '.join(given)} "
+                         f"(the {other} worker's); leave {'it' if len(given) == 1 else 'them'} "
+                         f"out")
 
 
 def draft_kv_mode(args) -> str:

@@ -227,6 +227,25 @@ def test_no_drafter_flag_is_refused_where_it_cannot_work():
             main(["serve-remote", *argv])
 
 
+def test_serve_remote_refuses_bad_addresses_pairs_and_the_other_roles_flags(tmp_path):
+    """Each in one line and before any model loads: an address that is not HOST:PORT,
+    a --pair without its checkpoints, and a flag only the other role takes (which would
+    be ignored)."""
+    for argv, match in (
+            (["--role", "context", "--address", "foo"], "--address: 'foo': give HOST:PORT"),
+            (["--role", "generation", "--address", "foo"], "give HOST:PORT"),
+            (["--role", "context", "--pair", str(tmp_path)], "no target/config.json there"),
+            (["--role", "context", "requests.jsonl"], "does not take a requests file"),
+            (["--role", "context", "--http", "127.0.0.1:0", "--default-max-tokens", "9"],
+             "does not take --http, --default-max-tokens .the generation worker's.; leave "
+             "them out"),
+            (["--role", "generation", "--warmup"], "does not take --warmup"),
+            (["--role", "generation", "--idle-timeout", "5", "--max-connections", "1"],
+             "does not take --idle-timeout, --max-connections .the context worker's.")):
+        with pytest.raises(SystemExit, match=match):
+            main(["serve-remote", *argv])
+
+
 def test_serve_remote_names_a_port_in_use_and_a_context_that_is_not_there():
     import socket
     busy = socket.create_server(("127.0.0.1", 0))
