@@ -115,11 +115,22 @@ def served_step_config(tcfg, dcfg, **cache):
     """The default cache (`default_step_config`) of a served pair; SystemExit naming
     the flags when it cannot hold one request."""
     from drafter.default import default_step_config
+    from unified_kv import capacity
     try:
-        return default_step_config(tcfg, dcfg, **cache)
+        cfg = default_step_config(tcfg, dcfg, **cache)
     except CacheSpecError as e:
         raise SystemExit(f"the KV cache does not hold one request: {e} (--kv-memory-mib, "
                          f"--kv-memory-fraction, --max-seq-len)") from None
+    # Slots past what the cache holds of the shortest requests never run; each still
+    # costs its state (a page table row per pool) and its row in every decode step.
+    shortest = capacity(cfg.spec, max_len=1)
+    if shortest.limited_by == "memory":
+        raise SystemExit(f"--num-slots {cfg.spec.num_slots}: the KV cache holds at most "
+                         f"{shortest.requests} requests at once, however short, so the "
+                         f"other slots would never run; give --num-slots "
+                         f"{shortest.requests} or fewer, or more KV memory (--kv-memory-mib, "
+                         f"--kv-memory-fraction)")
+    return cfg
 
 
 def kv_budget_bytes(mib: int | None, fraction: float | None, caches_per_device: int = 1,

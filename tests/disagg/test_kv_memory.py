@@ -60,3 +60,18 @@ def test_serve_remote_takes_the_same_kv_memory_flags():
     args = PairSource(kv_memory_fraction=0.5).cli_args()
     assert "--kv-memory-fraction" in args and "--kv-memory-mib" not in args
     assert args[args.index("--kv-memory-fraction") + 1] == "0.5"
+
+
+def test_more_slots_than_the_cache_could_ever_fill_are_refused_before_allocating():
+    """Slots past what the cache holds of the shortest requests would never run, and
+    each costs state: refused naming --num-slots and the most that could run. At that
+    most, the same flags load."""
+    import re
+
+    from disagg.frontend import load_pair
+    with pytest.raises(SystemExit, match=r"--num-slots 100000: .* give --num-slots (\d+) or "
+                                         r"fewer") as e:
+        load_pair(num_slots=100000, kv_memory_mib=64)
+    most = int(re.search(r"give --num-slots (\d+)", str(e.value)).group(1))
+    assert 1 <= most < 100000
+    assert load_pair(num_slots=most, kv_memory_mib=64).step_config.spec.num_slots == most
