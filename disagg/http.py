@@ -24,7 +24,9 @@ Rules:
     prompt leaves (disagg/schema.py);
   * a client that goes away mid-request, streamed or not, cancels it (its pages
     are freed); so does a choice that fails to the rest of its request;
-  * a body larger than any prompt within max_seq_len needs gets HTTP 413, and
+  * a request whose KV could not come (`Result.retryable`) gets HTTP 503, another
+    fault of the server's 500;
+  * a body larger than a batch of prompts within max_seq_len needs gets HTTP 413, and
     prompts are parsed off the event loop, so one large request stalls no stream;
   * every wait for a request's next Event is bounded by `request_timeout_s`
     (then the request is cancelled: 504, or an error event when streaming);
@@ -76,6 +78,15 @@ async def _disconnect(request) -> None:
     """Returns once the client has disconnected (its body was read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def failure_status(event) -> int:
+    """The HTTP status of a request that failed: 503 when the failure passes (its KV did
+    not come: `Result.retryable`; sent again it may be served), 500 for another fault of
+    the server's, 400 for the request's own."""
+    if event.result is not None and event.result.retryable:
+        return 503
+    return 500 if event.result is not None or event.server_fault else 400
 
 
 def _refuse(status, message, param=None, kind="invalid_request_error"):
@@ -283,9 +294,9 @@ class CompletionsApp:
             choices.cancel_open()   # the rest of a request with a failed choice too
         failed = [e for e in last.values() if e.failed]
         if failed:
-            server = failed[0].result is not None or failed[0].server_fault
-            return _refuse(500 if server else 400, failed[0].error, None,
-                           "server_error" if server else "invalid_request_error")
+            status = failure_status(failed[0])
+            return _refuse(status, failed[0].error, None,
+                           "server_error" if status >= 500 else "invalid_request_error")
         out = [fmt.choice(i, "".join(pieces[i]), last[i].finish_reason, last[i].result.tokens,
                           whole=True, logprobs=last[i].result.logprobs,
                           prompt_logprobs=last[i].result.prompt_logprobs)

@@ -48,6 +48,7 @@ def answer_of(event: Event, text: str) -> dict:
                                      for t, lp in zip(r.prompt, r.prompt_logprobs)]
     if r.error is not None:
         answer["error"] = r.error
+        answer["retryable"] = r.retryable   # sent again, it may be served (Result)
     return answer
 
 

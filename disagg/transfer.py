@@ -33,7 +33,10 @@ MOVE_PATHS = ("coalesced", "pinned_host", "host")
 
 
 class TransferError(RuntimeError):
-    """A request's KV could not be moved intact; its pages were freed."""
+    """A request's KV could not be moved intact; its pages were freed. Passing: the same
+    request sent again may be served (`drafter.arrivals.passing`)."""
+
+    retryable = True
 
 
 class TransferTimeout(TransferError):

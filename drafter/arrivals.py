@@ -48,7 +48,8 @@ class Arrivals:
             source.fetch(seq.request)
         except Exception as e:  # noqa: BLE001 - the source's refusal is this request's
             return self.scheduler.finish(seq, now, "error", f"request {seq.request_id!r}: "
-                                         f"its KV source refused it: {type(e).__name__}: {e}")
+                                         f"its KV source refused it: {type(e).__name__}: {e}",
+                                         retryable=passing(e))
         self._since[seq.request_id] = now
         self._at_source.add(seq.request_id)
         return None
@@ -74,7 +75,8 @@ class Arrivals:
             self._since.pop(request_id, None)
             if isinstance(item, BaseException):
                 results.append(self.scheduler.finish(seq, now, "error", f"request "
-                               f"{request_id!r}: {type(item).__name__}: {item}"))
+                               f"{request_id!r}: {type(item).__name__}: {item}",
+                               retryable=passing(item)))
             else:
                 params = seq.request.params
                 missing = ("the first token's" if params.logprobs is not None
@@ -104,7 +106,7 @@ class Arrivals:
                 self._since.pop(request_id)
                 results.append(self.scheduler.finish(seq, now, "error", f"request "
                                f"{request_id!r}: its KV did not arrive within "
-                               f"{timeout_s:.1f}s"))
+                               f"{timeout_s:.1f}s", retryable=True))
         return results + self._book_first_tokens(now)
 
     def _book_first_tokens(self, now: float) -> list[Result]:
@@ -148,3 +150,11 @@ class Arrivals:
 def _settled(seq) -> bool:
     """No first token left to book: the request ended, or its import booked it."""
     return seq.phase is Phase.DONE or bool(seq.tokens)
+
+
+def passing(error: BaseException) -> bool:
+    """Whether a KV source's failure passes, so that the same request sent again may be
+    served: the exception says so with a true `retryable` attribute
+    (disagg.transfer.TransferError's: a peer gone, hung or slow); any other failure (a
+    mismatched pair, a bug) does not."""
+    return getattr(error, "retryable", False) is True

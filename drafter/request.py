@@ -297,6 +297,9 @@ class Result:
       logprobs: a TokenLogprobs per token when the request asked for them, else None.
       prompt_logprobs: when the request asked for them, one per prompt token: None for
         the first (nothing predicts it), then a TokenLogprobs each; else None.
+      retryable: the error is the server's and passing (its KV did not come: a peer
+        unreachable, hung or slow, or a buffer damaged on the way); the same request sent
+        again may be served. False for every other ending.
     """
 
     request_id: str
@@ -310,6 +313,7 @@ class Result:
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    retryable: bool = False
 
     @property
     def acceptance_length(self) -> float:

@@ -256,8 +256,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
 
-    def finish(self, seq: Sequence, now: float, reason: str, error: str | None = None) -> Result:
-        """End a request (any phase): its slot is reset by the next step."""
+    def finish(self, seq: Sequence, now: float, reason: str, error: str | None = None, *,
+               retryable: bool = False) -> Result:
+        """End a request (any phase): its slot is reset by the next step. `retryable`:
+        see `Result`."""
         if seq.phase is Phase.WAITING:
             self.waiting.remove(seq)
         elif seq.phase is not Phase.DONE:
@@ -271,7 +273,8 @@ class Scheduler:
                             [t - seq.submitted for t in seq.token_times],
                             seq.logprobs if seq.request.params.logprobs is not None else None,
                             [None, *seq.prompt_logprobs]
-                            if seq.request.params.prompt_logprobs is not None else None)
+                            if seq.request.params.prompt_logprobs is not None else None,
+                            retryable)
         return seq.result
 
     def book_prompt_logprobs(self, seq: Sequence, rows) -> None:

@@ -41,7 +41,8 @@ def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, 
         ok, first, origin, first_logprobs, prompt_parts = got
         if not ok:
             results.append(scheduler.finish(seq, now, "error",
-                                            import_failure(seq.request_id, origin)))
+                                            import_failure(seq.request_id, origin),
+                                            retryable=True))
         elif not seq.tokens:  # not booked on arrival
             scheduler.book_prompt_logprobs(seq, prompt_logprob_rows(prompt_parts,
                                                                     LOGPROB_WIDTH))

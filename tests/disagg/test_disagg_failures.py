@@ -9,7 +9,10 @@ import time
 
 import pytest
 
+from disagg.control import PeerClosed
+from disagg.http import failure_status
 from disagg.kv_format import KVFormat, KVFormatMismatch, check_kv_formats
+from disagg.loop import Event
 from disagg.sources import ContextWorker, InProcessSource, disaggregated_engine
 from drafter.request import SamplingParams
 from unified_kv import AdmissionError
@@ -86,6 +89,8 @@ def test_a_corrupted_buffer_fails_that_request_alone(which, steps, pair, aggrega
     assert len(results) == len(prompts)
     bad = results.pop(victim["id"])
     assert bad.finish_reason == "error" and "checksum" in bad.error and victim["id"] in bad.error
+    assert bad.retryable   # damaged on the way: sent again, it may be served
+    assert not any(r.retryable for r in results.values())
     assert "from context worker 0" in bad.error
     for i, r in enumerate(requests):
         if r.request_id in results:
@@ -107,6 +112,7 @@ def test_a_lost_request_times_out_alone_and_frees_its_pages(pair):
     assert time.monotonic() - start < 5.0
     assert results["kept"].ok and len(results["kept"].tokens) == 4
     assert not results["lost"].ok and "did not arrive within 0.5s" in results["lost"].error
+    assert results["lost"].retryable and not results["kept"].retryable
     assert_pair_free(engine)
 
 
@@ -155,9 +161,11 @@ class RefusingSource:
     def __init__(self, inner, refused: str):
         self.inner, self.refused = inner, refused
 
+    error = RuntimeError("no room for it over there")
+
     def fetch(self, request):
         if request.request_id == self.refused:
-            raise RuntimeError("no room for it over there")
+            raise self.error
         self.inner.fetch(request)
 
     def __getattr__(self, name):
@@ -173,8 +181,18 @@ def test_a_source_that_refuses_a_fetch_fails_that_request_alone(pair, aggregated
     results = {r.request_id: r for r in engine.run()}
     assert "its KV source refused it: RuntimeError: no room for it over there" in (
         results["refused"].error)
+    assert not results["refused"].retryable   # a failure that does not say it passes
     assert results["kept"].tokens == aggregated[1].tokens
     assert not engine.arrivals.at_source("refused")
+    assert_pair_free(engine)
+    # A peer that cannot be reached (a TransferError) passes: retryable, HTTP 503.
+    engine.kv_source.error = PeerClosed("the context worker cannot be reached")
+    engine.add_request("refused", PROMPTS[0], MAX_NEW)
+    [result] = engine.run()
+    assert result.retryable and "PeerClosed" in result.error
+    event = Event("refused", [], "", "error", result=result, error=result.error)
+    assert failure_status(event) == 503
+    assert failure_status(dataclasses.replace(event, result=results["refused"])) == 500
     assert_pair_free(engine)
 
 
