@@ -171,7 +171,9 @@ class ChatFormat(CompletionFormat):
 
         def entry(token: int, logprob: float) -> dict:
             text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            # the token's own bytes: a piece of a character is not U+FFFD's
+            return {"token": text, "logprob": logprob,
+                    "bytes": list(self.tokenizer.token_bytes(token))}
         return {"content": [{**entry(t, lp.logprob),
                              "top_logprobs": [entry(u, x) for u, x in lp.top]}
                             for t, lp in zip(token_ids, logprobs)]}

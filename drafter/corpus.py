@@ -33,6 +33,10 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        """The byte a token stands for (none for BOS, EOS and MASK)."""
+        return bytes([int(token)]) if 0 <= int(token) < 256 else b""
+
 
 def stdlib_files(root: str | None = None) -> list[Path]:
     root = Path(root or sysconfig.get_paths()["stdlib"])

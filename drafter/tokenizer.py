@@ -167,6 +167,18 @@ def load_chat_template(root: Path) -> ChatTemplate | None:
     return ChatTemplate(source, special, str(origin))
 
 
+def _byte_level_bytes() -> dict[str, int]:
+    """The ByteLevel pre-tokenizer's printable character -> byte (GPT-2's map, inverted):
+    how a byte-level BPE token spells its bytes."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_OF = _byte_level_bytes()
+
+
 class HFTokenizer:
     """A checkpoint's `tokenizer.json` through the HF `tokenizers` library.
 
@@ -192,6 +204,10 @@ class HFTokenizer:
         except Exception as e:  # the library raises its own exception type
             raise TokenizerError(f"{file}: the tokenizers library cannot read it ({e})") from None
         self.path = file
+        decoder = _read_json(file).get("decoder") or {}
+        parts = decoder.get("decoders") or [decoder]   # a Sequence, or one decoder
+        self._byte_level = any(isinstance(d, dict) and d.get("type") == "ByteLevel"
+                               for d in parts)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = self._eos_ids(file.parent)
         self.chat_template = load_chat_template(file.parent)
@@ -227,6 +243,14 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE token's own bytes (part of a
+        character's, for a token that splits one: not U+FFFD's), else its text alone."""
+        piece = self._tok.id_to_token(int(token))
+        if self._byte_level and piece is not None and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self._tok.decode([int(token)], skip_special_tokens=False).encode()
 
 
 def load_tokenizer(target_dir=None, *, model_vocab_size: int | None = None):

@@ -66,6 +66,20 @@ def test_checkpoint_tokenizer_round_trip_and_eos(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_each_tokens_bytes_spell_the_text_characters_split_or_not(tmp_path, kind):
+    """`token_bytes` (chat logprobs' "bytes"): a token that holds part of a character gives
+    that part, so the tokens' bytes, joined, are the text's UTF-8 (decoded alone, such a
+    token reads U+FFFD)."""
+    tok = ByteTokenizer() if kind == "bytes" else load_tokenizer(byte_level_tokenizer(tmp_path))
+    for text in TEXTS:
+        ids = tok.encode(text)[1:] if kind == "bytes" else tok.encode(text)
+        assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    split = [t for t in tok.encode("日本語") if "\ufffd" in tok.decode([t])]
+    assert split and all(tok.token_bytes(t) and b"\xef\xbf\xbd" not in tok.token_bytes(t)
+                         for t in split)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
 def test_text_stream_releases_final_text_only(tmp_path, kind):
     tok = ByteTokenizer() if kind == "bytes" else load_tokenizer(byte_level_tokenizer(tmp_path))
     text = "naïve café ✓ done"
@@ -338,7 +352,8 @@ def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
     calls = []
     engine = types.SimpleNamespace(
         spec=types.SimpleNamespace(max_seq_len=9216),
-        scheduler=types.SimpleNamespace(max_prefill_rows=8),
+        scheduler=types.SimpleNamespace(max_prefill_rows=8, reserved_len=lambda request: 40),
+        make_request=lambda request_id, prompt, params: None,
         generate=lambda prompts, n, **kw: calls.append(("generate", len(prompts))),
         warmup=lambda **kw: calls.append(("warmup", kw)))
     said = []

@@ -79,8 +79,8 @@ def test_logprobs_of_completions_and_chats_are_the_engines(server):
     assert [e.token for e in content] == [tok.decode([t]) for t in want.tokens]
     np.testing.assert_allclose([e.logprob for e in content], [x.logprob for x in want.logprobs],
                                atol=1e-5)
-    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode())
-               for e in content)
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(tok.token_bytes(t))
+               for e, t in zip(content, want.tokens))   # a byte of a character: that byte
     plain = c.chat.completions.create(model=name, messages=CHATS["add"][0], temperature=0,
                                       max_tokens=4)
     assert plain.choices[0].logprobs is None
