@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -59,6 +60,10 @@ from disagg.schema import DEFAULT_MAX_TOKENS, MAX_CHOICES, parse_completion
 from disagg.tokenize_schema import parse_detokenize, parse_tokenize
 from drafter.request import RequestError
 from unified_kv import AdmissionError
+
+log = logging.getLogger(__name__)
+PATHS = ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
+         "POST /detokenize", "GET /v1/models", "GET /health", "GET /metrics")
 
 
 def require_http():
@@ -89,6 +94,23 @@ def failure_status(event) -> int:
     return 500 if event.result is not None or event.server_fault else 400
 
 
+async def _http_error(request, exc):
+    """Starlette's own refusals (no such path, a method the path does not take) in
+    OpenAI's error shape, as every other answer here."""
+    allowed = (exc.headers or {}).get("Allow")
+    fix = (f"; use {allowed}" if allowed else f"; the paths are {', '.join(PATHS)}"
+           if exc.status_code == 404 else "")
+    return _refuse(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}{fix}",
+                   None, "not_found_error" if exc.status_code == 404 else
+                   "invalid_request_error")
+
+
+async def _server_error(request, exc):
+    log.exception("an HTTP handler failed")
+    return _refuse(500, f"internal error: {type(exc).__name__}: {exc}; the server log has the "
+                        f"traceback; please report it", None, "server_error")
+
+
 def _refuse(status, message, param=None, kind="invalid_request_error"):
     from starlette.responses import Response
     # ASCII JSON: a field name may hold a lone surrogate, which UTF-8 cannot carry
@@ -104,6 +126,7 @@ class CompletionsApp:
                  default_max_tokens: int = DEFAULT_MAX_TOKENS):
         require_http()
         from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
         from starlette.routing import Route
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
@@ -123,7 +146,7 @@ class CompletionsApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_page, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _http_error, Exception: _server_error})
 
     # ----------------------------------------------------------- routes
 
@@ -197,6 +220,9 @@ class CompletionsApp:
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             return None, _refuse(400, f"the request body is not JSON ({e}); send a JSON object")
         model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and not isinstance(model, str):
+            return None, _refuse(400, f"\"model\" must be a string, got {model!r}"[:300]
+                                      + f"; use {self.model_name!r}", "model")
         if model is not None and model != self.model_name:
             return None, _refuse(404, f"model {model!r} is not served here; use "
                                       f"{self.model_name!r} (GET /v1/models)", "model",

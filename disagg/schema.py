@@ -128,6 +128,9 @@ def check_openai_options(rid: str, obj: dict, neutral: dict) -> None:
                                f"({fix}); leave it out", name)
     if not isinstance(obj.get("stream", False), bool):
         raise RequestError(f"request {rid!r}: \"stream\" must be true or false", "stream")
+    if obj.get("stream_options") is not None and obj.get("stream") is not True:
+        raise RequestError(f"request {rid!r}: \"stream_options\" is for streamed answers; "
+                           f"give \"stream\": true, or leave it out", "stream_options")
     options = obj.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"} or \
             not isinstance(options.get("include_usage", False), bool):

@@ -276,3 +276,24 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
     status, text = post(f"{url}/tokenize", {"model": "other", "prompt": "a"})
     assert status == 404 and json.loads(text)["error"]["param"] == "model"
     assert post(f"{url}/detokenize", b"{nope")[0] == 400
+
+
+def test_unknown_paths_methods_and_malformed_fields_get_openai_error_bodies(server):
+    """No path answers in plain text: an unknown path is a 404 naming the paths there are,
+    a method a path does not take a 405 naming the one it does, both in OpenAI's error
+    shape; a model that is not a string and stream_options without streaming are 400s
+    naming the field."""
+    from disagg.http import PATHS
+    url, app = server["url"], server["app"]
+    assert {f"{m} {r.path}" for r in app.app.routes for m in r.methods - {"HEAD"}} == set(PATHS)
+    status, text = http_server.get(f"{url}/v1/complete")
+    err = json.loads(text)["error"]
+    assert status == 404 and err["type"] == "not_found_error"
+    assert "POST /v1/completions" in err["message"]
+    status, text = http_server.get(f"{url}/v1/completions")
+    assert status == 405 and "use POST" in json.loads(text)["error"]["message"]
+    for body, param, words in (
+            ({"model": 5, "prompt": "x"}, "model", "must be a string"),
+            ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+             "is for streamed answers")):
+        assert_refused(f"{url}/v1/completions", body, param, words)
