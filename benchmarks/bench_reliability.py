@@ -124,6 +124,9 @@ class Campaign:
         self.events: list[dict] = []
         self.generation_checks: list[int] = []   # pages leaked after each serve
         self.context_checks: list[int] = []      # the context's, once it answers again
+        # per dead context: what the source's health said, and how soon after the restart
+        # it said nothing (found back without a request)
+        self.health: list[dict] = []
         self.reference: list[int] | None = None
         self.ctx: ContextProcess | None = None
         self.address, self.engine, self.lives = "127.0.0.1:0", None, 0
@@ -137,6 +140,13 @@ class Campaign:
                                   start_timeout=self.start_timeout)
         self.address, self.lives = self.ctx.address, self.lives + 1
         self.await_ready()
+        if self.engine is not None and self.health:   # a restart: found without a request
+            start, source = time.monotonic(), self.engine.kv_source
+            while source.unavailable() is not None and (
+                    time.monotonic() - start < self.timeout + MARGIN_S):
+                time.sleep(0.02)
+            if source.unavailable() is None:
+                self.health[-1]["back_s"] = round(time.monotonic() - start, 3)
         if self.engine is None:
             source = FaultySource(self.address, self.kv_format, weights=self.weights,
                                   mesh=self.mesh, timeout=self.timeout)
@@ -289,6 +299,7 @@ class Campaign:
                        fault_at=times, survives=None)
         self.serve([f"d{k}"], fault="dead_peer", faulted={f"d{k}"},
                    fault_at=time.perf_counter())
+        self.health.append({"dead": source.unavailable(), "back_s": None})
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -337,7 +348,8 @@ def summary(campaign: Campaign) -> dict:
             "pages_leaked_context": sum(campaign.context_checks),
             "context_checks": len(campaign.context_checks),
             "max_detect_s": max(detect.values(), default=None), "detect_s": detect,
-            "timeout_s": campaign.timeout, "context_lives": campaign.lives}
+            "timeout_s": campaign.timeout, "context_lives": campaign.lives,
+            "health": campaign.health}
 
 
 def run(rounds: int, *, timeout: float = 1.0, workdir=None) -> dict:

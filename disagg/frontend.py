@@ -247,7 +247,8 @@ def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: s
     serve until SIGINT / SIGTERM, then finish the accepted requests and return.
     `default_max_tokens`: what a request without max_tokens gets (at most the room
     its prompt leaves). `warm_every_length`: see `warm_up`."""
-    from disagg.http import CompletionsApp, HTTPServer, require_http
+    from disagg.http import CompletionsApp
+    from disagg.http_thread import HTTPServer, require_http
     from disagg.loop import ServingLoop
     from disagg.metrics import ServingMetrics
     from disagg.serving import install_drain_handlers

@@ -9,7 +9,9 @@
                                 "max_model_len"} (as vLLM answers)
     POST /detokenize            {"tokens": [ids]} -> {"prompt": text}
     GET  /v1/models             the one model served (with its max_model_len, as vLLM)
-    GET  /health                200 {"status": "ready"} once compiled; 503 {"status": "starting"}
+    GET  /health                200 {"status": "ready"} once compiled; 503 {"status": "starting"},
+                                or {"status": "unavailable", "reason"} while a context worker
+                                in another process cannot be reached or is silent
     GET  /metrics               Prometheus text format (disagg/metrics.py)
 
 Rules:
@@ -46,12 +48,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
 
 from disagg.chat_schema import parse_chat
+from disagg.http_thread import require_http
 from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
 from disagg.responses import (ChatFormat, CompletionFormat, error_body, pooled_acceptance,
@@ -64,19 +66,6 @@ from unified_kv import AdmissionError
 log = logging.getLogger(__name__)
 PATHS = ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
          "POST /detokenize", "GET /v1/models", "GET /health", "GET /metrics")
-
-
-def require_http():
-    missing = []
-    for name, dist in (("starlette", "starlette"), ("uvicorn", "uvicorn"),
-                       ("prometheus_client", "prometheus-client")):
-        try:
-            __import__(name)
-        except ImportError:
-            missing.append(dist)
-    if missing:
-        raise ImportError(f"serve --http needs {', '.join(missing)}: pip install "
-                          f"{' '.join(missing)} (or pip install -e . in the checkout)")
 
 
 async def _disconnect(request) -> None:
@@ -156,6 +145,8 @@ class CompletionsApp:
             return JSONResponse({"status": "stopping"}, status_code=503)
         if not self.ready.is_set():
             return JSONResponse({"status": "starting"}, status_code=503)
+        if (reason := self.loop.unavailable) is not None:   # a peer down: send elsewhere
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "model": self.model_name})
 
     async def models(self, request):
@@ -398,47 +389,3 @@ class _Choices:
         for i in sorted(self.open):
             self.loop.cancel(self.ids[i])
         self.open.clear()
-
-
-class HTTPServer:
-    """uvicorn serving `app` on its own thread. The socket is bound at construction
-    (port 0 picks a free one; `port` tells which)."""
-
-    def __init__(self, app, host: str, port: int):
-        require_http()
-        import uvicorn
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as e:
-            self.sock.close()
-            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another "
-                          f"--http HOST:PORT") from None
-        self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=10)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="http", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> "HTTPServer":
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the HTTP server did not start on {self.url} within "
-                                   f"{timeout_s:g}s")
-            time.sleep(0.02)
-        return self
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop accepting, let open responses finish (up to the graceful timeout), join."""
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-        self.sock.close()

@@ -120,6 +120,7 @@ class ServingLoop:
         self._closed = False
         self._close_seen = False
         self._open: dict[str, _Open] = {}
+        self.unavailable: str | None = None   # why requests would fail now (run() sets it)
 
     # ------------------------------------------------------ any thread
 
@@ -153,9 +154,13 @@ class ServingLoop:
     # ------------------------------------------------- the owning thread
 
     def run(self, poll_s: float = 0.05) -> None:
-        """Serve until close() and every accepted request has ended."""
-        engine = self.engine
+        """Serve until close() and every accepted request has ended. Once a second, ask
+        the engine whether its KV source could serve (`unavailable`, for health checks:
+        other threads read it, never the engine)."""
+        engine, next_check = self.engine, 0.0
         while not (self._close_seen and not self._open and not engine.has_work):
+            if (now := time.monotonic()) >= next_check:
+                next_check, self.unavailable = now + 1.0, engine.kv_source_unavailable()
             self._take_commands(block_s=0.0 if engine.has_work else poll_s)
             if engine.has_work:
                 try:

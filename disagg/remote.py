@@ -225,6 +225,23 @@ class RemoteSource:
         except queue.Empty:
             return out
 
+    def unavailable(self) -> str | None:
+        """Why a request sent now would fail, or None: the channel to the context worker
+        is down (reconnected from here, off the caller's thread, so a worker that comes
+        back is found without a request), or no heartbeat came within `timeout` (it is
+        stopped or hung). A server's health check reports it."""
+        with self._lock:
+            if self.channel is None or self.channel.broken:
+                if not self._reconnecting:
+                    self._reconnecting = True
+                    threading.Thread(target=self._reconnect, name="remote-reconnect",
+                                     daemon=True).start()
+                return f"the context worker at {self.address} cannot be reached (reconnecting)"
+        if time.monotonic() - self._heard > self.timeout:
+            return (f"the context worker at {self.address} sent nothing within "
+                    f"{self.timeout:.1f}s (no heartbeat): it is stopped or hung")
+        return None
+
     # ------------------------------------------------------------ control
 
     def stats(self) -> dict:

@@ -189,6 +189,12 @@ class Engine:
         return (self.scheduler.num_unfinished > 0 or bool(self._inflight)
                 or self.scheduler.has_pending_resets)
 
+    def kv_source_unavailable(self) -> str | None:
+        """Why the KV source would fail a request sent now (a source with `unavailable`,
+        kv_io.KVSource), or None."""
+        check = getattr(self.kv_source, "unavailable", None)
+        return check() if check is not None else None
+
     def take_exports(self) -> list[Export]:
         """A context engine's requests prefilled since the last call."""
         out, self._exports = self._exports, []

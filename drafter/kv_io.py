@@ -320,7 +320,10 @@ def export_payloads(spec: CacheSpec, state: StepState, rows, *, mode: str,
 class KVSource(Protocol):
     """Where a generation engine's admitted requests get their KV. A source whose
     senders' steps run in this process may also have `warmup(max_len, min_len, *,
-    sampled, logprobs, adjusted)`, which `Engine.warmup` calls to compile those steps too."""
+    sampled, logprobs, adjusted)`, which `Engine.warmup` calls to compile those steps too;
+    one whose senders are other processes may also have `unavailable() -> str | None`
+    (why a request sent now would fail: a peer unreachable or silent), which
+    `Engine.kv_source_unavailable` asks."""
 
     def fetch(self, request: Request) -> None:
         """Start producing `request`'s KV (it is admitted here: room is reserved)."""

@@ -21,7 +21,8 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from disagg.frontend import load_pair, make_engine, warm_up  # noqa: E402
-from disagg.http import CompletionsApp, HTTPServer  # noqa: E402
+from disagg.http import CompletionsApp  # noqa: E402
+from disagg.http_thread import HTTPServer  # noqa: E402
 from disagg.loop import ServingLoop  # noqa: E402
 from disagg.metrics import ServingMetrics  # noqa: E402
 from drafter.corpus import BOS, EOS, ByteTokenizer  # noqa: E402

@@ -2,7 +2,8 @@
 RemoteSource and signals to the context process (benchmarks/bench_reliability's campaign,
 two lives of the context): hung before the handoff and during the pull, a corrupted
 buffer, killed after the pull (the request completes) and before it, a request to the
-dead peer, then a restart on the same address. Each fault ends its own request alone,
+dead peer (which health names), then a restart on the same address (which health finds
+without a request). Each fault ends its own request alone,
 by name, within the timeout plus a margin; every other request equals the reference;
 no page is left held on either side."""
 
@@ -54,6 +55,15 @@ def test_nothing_lost_and_no_page_leaked_on_either_side(report):
     assert report["context_checks"] == 8 and report["pages_leaked_context"] == 0
 
 
+def test_health_names_a_dead_peer_and_finds_it_back_without_a_request(report):
+    """While the context is dead the source's health names it (what /health answers 503
+    with); once it restarts on its address, health clears within the timeout though no
+    request was sent."""
+    first, last = report["health"]
+    assert "cannot be reached" in first["dead"] and "cannot be reached" in last["dead"]
+    assert first["back_s"] is not None and first["back_s"] <= TIMEOUT + MARGIN_S
+
+
 def test_the_campaign_counts_what_it_is_shown():
     """The summary's rules on made-up events: a bad answer is lost, an unnamed error and a
     fault served are reported."""
@@ -68,7 +78,7 @@ def test_the_campaign_counts_what_it_is_shown():
     campaign = bench_reliability.Campaign.__new__(bench_reliability.Campaign)
     campaign.__dict__.update(events=events, reference=[1], address="127.0.0.1:1",
                              generation_checks=[0, 3], context_checks=[1], timeout=1.0,
-                             lives=1)
+                             lives=1, health=[])
     summary = bench_reliability.summary(campaign)
     assert summary["lost_ids"] == ["b0", "k0"] and summary["faults_undetected"] == ["c0"]
     assert summary["errors_not_naming"] == ["h0"]   # no address in a peer fault's error

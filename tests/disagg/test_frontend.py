@@ -321,7 +321,7 @@ def test_a_max_seq_len_that_holds_no_request_is_refused_before_compiling(tmp_pat
 
 
 def test_a_missing_http_package_is_named_with_its_install_command(monkeypatch):
-    from disagg.http import require_http
+    from disagg.http_thread import require_http
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
     with pytest.raises(ImportError, match="serve --http needs uvicorn: pip install uvicorn"):
         require_http()

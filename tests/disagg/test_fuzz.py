@@ -197,7 +197,8 @@ HTTP_BAD = [
 def http_server(engine, greedy):
     """The OpenAI-compatible server (disagg.http) over the module's engine, on a thread."""
     pytest.importorskip("starlette")
-    from disagg.http import CompletionsApp, HTTPServer
+    from disagg.http import CompletionsApp
+    from disagg.http_thread import HTTPServer
     from disagg.loop import ServingLoop
     from disagg.metrics import ServingMetrics
     metrics = ServingMetrics(engine.spec, engine.cfg.block_size)

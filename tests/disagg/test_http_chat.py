@@ -10,7 +10,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from disagg.http import CompletionsApp, HTTPServer  # noqa: E402
+from disagg.http import CompletionsApp  # noqa: E402
+from disagg.http_thread import HTTPServer  # noqa: E402
 from disagg.loop import ServingLoop  # noqa: E402
 from disagg.metrics import ServingMetrics  # noqa: E402
 from drafter.corpus import BOS, ByteTokenizer  # noqa: E402
@@ -297,3 +298,25 @@ def test_unknown_paths_methods_and_malformed_fields_get_openai_error_bodies(serv
             ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
              "is for streamed answers")):
         assert_refused(f"{url}/v1/completions", body, param, words)
+
+
+def test_health_is_503_while_the_kv_source_could_not_serve(server, monkeypatch):
+    """The loop asks the engine about its KV source once a second (a peer in another
+    process down or silent: `RemoteSource.unavailable`, tests/disagg/test_faults.py);
+    /health then answers 503 with the reason, and 200 again once it clears."""
+    import time
+    url, engine = server["url"], server["engine"]
+    reason = "the context worker at 127.0.0.1:9 cannot be reached (reconnecting)"
+
+    def health_within(status, seconds=5.0):
+        deadline = time.monotonic() + seconds
+        while (got := http_server.get(f"{url}/health"))[0] != status:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.1)
+        return json.loads(got[1])
+
+    assert engine.kv_source_unavailable() is None   # aggregated: no source to lose
+    monkeypatch.setattr(engine, "kv_source_unavailable", lambda: reason)
+    assert health_within(503) == {"status": "unavailable", "reason": reason}
+    monkeypatch.undo()
+    assert health_within(200)["status"] == "ready"
