@@ -1,8 +1,9 @@
 """The OpenAI chat request schema (the shared checks: disagg/schema.py).
 
 chat:       {"model": str, "messages": [{"role": "system" | "user" | "assistant",
-             "content": str}, ...] (non-empty), "max_tokens" | "max_completion_tokens":
-             int >= 1 (one of them; default as for a completion), "n", "temperature",
+             "content": str | [{"type": "text", "text": str}, ...] (the texts joined)},
+             ...] (non-empty), "max_tokens" | "max_completion_tokens": int >= 1 (one of
+             them; default as for a completion), "n", "temperature",
              "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "min_tokens", "logit_bias", "seed", "stop", "stream",
              "stream_options", "stop_token_ids", "ignore_eos",
@@ -83,10 +84,11 @@ def chat_messages(rid: str, obj: dict) -> list[dict]:
                 if role in ("tool", "function") else ""
             raise RequestError(f"request {rid!r}: \"{where}.role\" is {role!r}; use one of "
                                f"{', '.join(CHAT_ROLES)}{fix}", f"{where}.role")
+        if isinstance(content, list):
+            content = _text_parts(rid, content, f"{where}.content")
         if not isinstance(content, str):
-            raise RequestError(f"request {rid!r}: \"{where}.content\" must be a string, got "
-                               f"{type(content).__name__}; send the message's text as one "
-                               f"string (content parts, images and audio are not supported)",
+            raise RequestError(f"request {rid!r}: \"{where}.content\" must be a string or a "
+                               f"list of text parts, got {type(content).__name__}",
                                f"{where}.content")
         try:
             content.encode("utf-8")
@@ -95,6 +97,21 @@ def chat_messages(rid: str, obj: dict) -> list[dict]:
                                f"({e})", f"{where}.content") from None
         out.append({"role": role, "content": content})
     return out
+
+
+def _text_parts(rid: str, parts: list, where: str) -> str:
+    """OpenAI's content parts [{"type": "text", "text": str}, ...] as the one text they
+    join to (as vLLM joins them); images, audio and files are not supported."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not (isinstance(part, dict) and part.get("type") == "text" and set(part) == {
+                "type", "text"} and isinstance(part["text"], str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"request {rid!r}: \"{where}[{j}]\" is a {kind!r} part; only "
+                               f"text parts {{\"type\": \"text\", \"text\": str}} are "
+                               f"supported (no images, audio or files)", f"{where}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def parse_chat(obj, rid: str, engine, tokenizer, model_name: str, *,
@@ -165,7 +182,7 @@ def chat_prompt(rid: str, obj: dict, tokenizer) -> list[int]:
 def _chat_logprobs(rid: str, obj: dict) -> int | None:
     """Chat's "logprobs": true with "top_logprobs": N as a SamplingParams.logprobs."""
     wanted, top = obj.get("logprobs"), obj.get("top_logprobs")
-    if wanted not in (None, True, False):
+    if wanted is not None and not isinstance(wanted, bool):   # 1 == True: no coercion
         raise RequestError(f"request {rid!r}: \"logprobs\" must be true or false, got "
                            f"{wanted!r}", "logprobs")
     if top is not None and wanted is not True:

@@ -68,6 +68,10 @@ PATHS = ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
          "POST /detokenize", "GET /v1/models", "GET /health", "GET /metrics")
 
 
+def _max_tokens_field(body: dict) -> str:
+    return "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+
+
 async def _disconnect(request) -> None:
     """Returns once the client has disconnected (its body was read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -248,8 +252,7 @@ class CompletionsApp:
         except RequestError as e:
             return _refuse(400, str(e), e.field)
         except AdmissionError as e:  # named in the request's own spelling
-            field = "max_completion_tokens" if "max_completion_tokens" in body else \
-                "max_tokens"
+            field = _max_tokens_field(body)
             return _refuse(400, str(e).replace("max_new_tokens", field), field)
         fmt.prepare(body, [req for req, _ in subs])
         choices = _Choices(self.loop, [req.request_id for req, _ in subs], body.get("n") or 1)
@@ -269,8 +272,18 @@ class CompletionsApp:
 
     def _parse_and_check(self, parse, body, rid):
         subs = parse(body, rid)
+        scheduler = self.loop.engine.scheduler
         for req, _ in subs:
-            self.loop.engine.scheduler.check_fits(req)
+            try:
+                scheduler.check_fits(req)
+            except AdmissionError as e:
+                # With one new token it would still not fit: the prompt is what is long.
+                alone = scheduler.reserved_len(req) - req.params.max_new_tokens + 1
+                if alone > self.loop.engine.spec.max_seq_len:
+                    raise RequestError(str(e).replace("max_new_tokens",
+                                                      _max_tokens_field(body)),
+                                       "messages" if "messages" in body else "prompt") from None
+                raise
         return subs
 
     async def _next(self, choices: "_Choices") -> tuple[int, Event]:

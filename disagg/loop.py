@@ -66,6 +66,7 @@ class Event:
     result: Result | None = None
     error: str | None = None
     server_fault: bool = False   # the error is the server's, not the request's
+    cancelled: bool = False      # ended by a cancel (its client went away, or a sibling failed)
     logprobs: list | None = None
     prompt_logprobs: list | None = None
 
@@ -186,7 +187,8 @@ class ServingLoop:
                 self._start(item[1], item[2])
             elif (o := self._open.get(item[1])) is not None:
                 result = self.engine.cancel(item[1])
-                self._end(o, "error", result, f"request {item[1]!r} was cancelled")
+                self._end(o, "error", result, f"request {item[1]!r} was cancelled",
+                          cancelled=True)
 
     def _fail_everything(self, e: BaseException) -> None:
         """The engine failed: every request open or queued gets its last Event (an error
@@ -282,7 +284,8 @@ class ServingLoop:
         o.last_at = now
 
     def _end(self, o: _Open, reason: str, result: Result | None, error: str | None,
-             tokens=(), text: str = "", logprobs=None, prompt_logprobs=None) -> None:
+             tokens=(), text: str = "", logprobs=None, prompt_logprobs=None,
+             cancelled: bool = False) -> None:
         rid = o.sub.request.request_id
         self._open.pop(rid, None)
         if result is not None:   # cut at a stop string as the stream was
@@ -291,7 +294,7 @@ class ServingLoop:
                 result, tokens=kept, finish_reason=reason, error=error,
                 logprobs=None if result.logprobs is None else result.logprobs[:len(kept)])
         event = Event(rid, list(tokens), text, reason, result, error, logprobs=logprobs,
-                      prompt_logprobs=prompt_logprobs)
+                      prompt_logprobs=prompt_logprobs, cancelled=cancelled)
         if self.observer is not None:
             self.observer.finished(event, len(o.sub.request.prompt))
         self._send(o.sub, event)

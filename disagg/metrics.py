@@ -93,7 +93,8 @@ class ServingMetrics:
             self.itl.observe(seconds_each)
 
     def finished(self, event, prompt_tokens: int) -> None:
-        self.finished_total.labels(event.finish_reason).inc()
+        # vLLM's "abort": a cancel is not the request's error nor the server's
+        self.finished_total.labels("abort" if event.cancelled else event.finish_reason).inc()
         if event.result is not None:
             self.prompt_tokens.inc(prompt_tokens)
             self.generation_tokens.inc(len(event.result.tokens))

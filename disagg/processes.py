@@ -126,6 +126,11 @@ def add_parser(sub) -> None:
                    help="context: compile prefill before serving (peers queue meanwhile)")
     p.add_argument("--http", type=host_port, default=None, metavar="HOST:PORT",
                    help="generation: serve OpenAI-compatible HTTP here instead of JSON lines")
+    p.add_argument("--request-timeout", type=positive_seconds, default=None,
+                   help="generation, HTTP: seconds a request may wait for its next tokens "
+                        "(default 600)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not keep compiled programs across runs (disagg/compile_cache.py)")
     add_default_max_tokens_arg(p)
     add_batch_invariant_arg(p)
 
@@ -196,6 +201,8 @@ def run(args) -> None:
     logging.getLogger("disagg").setLevel(logging.INFO)
     mode = draft_kv_mode(args)
     check_role_args(args)
+    from disagg.compile_cache import enable_compile_cache
+    enable_compile_cache(not args.no_compile_cache)   # a restarted worker skips its compiles
     source = PairSource(args.pair, args.num_slots, args.max_seq_len, args.kv_memory_mib,
                         drafter=not args.no_drafter,
                         kv_memory_fraction=args.kv_memory_fraction)
@@ -241,7 +248,8 @@ def run(args) -> None:
         name = Path(args.pair).resolve().name if args.pair else DEFAULT_MODEL_NAME
         serve_http(engine, ModelPair(params, cfg, tokenizer, name), *args.http,
                    mode=f"{mode}, context at {args.address}",
-                   default_max_tokens=args.default_max_tokens)
+                   default_max_tokens=args.default_max_tokens,
+                   request_timeout_s=args.request_timeout or 600.0)
     else:
         serve_json_lines(engine, args.input, tokenizer)
     logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())
@@ -263,6 +271,7 @@ def check_role_args(args) -> None:
                                  f"there; give a directory holding target/ and draft/ "
                                  f"checkpoints")
     others = {"context": {"a requests file": args.input != "-", "--http": args.http,
+                          "--request-timeout": args.request_timeout,
                           "--default-max-tokens": args.default_max_tokens != DEFAULT_MAX_TOKENS},
               "generation": {"--warmup": args.warmup, "--idle-timeout": args.idle_timeout,
                              "--max-connections": args.max_connections}}[args.role]

@@ -193,7 +193,8 @@ class HFTokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise TokenizerError(f"no tokenizer.json at {file}; text needs the checkpoint's "
-                                 f"tokenizer (or send token ids)")
+                                 f"tokenizer: copy the model's tokenizer.json (and "
+                                 f"tokenizer_config.json) there")
         try:
             import tokenizers
         except ImportError:

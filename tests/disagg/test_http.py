@@ -377,6 +377,12 @@ def test_a_whole_answers_client_that_goes_away_frees_its_request(server):
         time.sleep(0.1)
     assert engine.num_active == 0, "the abandoned request still runs"
     assert engine.admission.reserved_pages == (0,) * len(engine.spec.pools)
+    families = {f.name: f for f in text_string_to_metric_families(
+        get(f"{server['url']}/metrics")[1])}
+    aborted = [s.value for s in families["dflash_requests_finished"].samples
+               if s.name == "dflash_requests_finished_total"
+               and s.labels["finish_reason"] == "abort"]
+    assert aborted and aborted[0] >= 1   # counted as vLLM counts it, not as an error
 
 
 def test_hostile_shapes_get_named_refusals_not_500s(server):
@@ -468,7 +474,10 @@ def test_a_batch_with_one_prompt_that_does_not_fit_is_refused_whole(server):
     long = [ord("a")] * engine.spec.max_seq_len
     status, text = post(f"{url}/v1/completions", {"prompt": [PROMPTS[0], long],
                                                   "max_tokens": 4})
-    assert status == 400 and json.loads(text)["error"]["param"] in ("prompt", "max_tokens")
+    assert status == 400 and json.loads(text)["error"]["param"] == "prompt"   # too long alone
+    status, text = post(f"{url}/v1/completions", {"prompt": [PROMPTS[0], PROMPTS[1]],
+                                                  "max_tokens": engine.spec.max_seq_len})
+    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
     assert engine.num_active == 0 and not engine.scheduler.waiting
 
 

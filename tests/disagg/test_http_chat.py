@@ -125,6 +125,12 @@ def test_chat_equals_the_engines_greedy_output_for_the_rendered_prompt(server):
     assert out.usage.prompt_tokens == len(server["chat_ids"]["add"])
     assert out.usage.completion_tokens == len(want)
     assert 1.0 <= out.acceptance_length <= server["block"]
+    # OpenAI's content parts: the texts joined, the same prompt and answer
+    parts = [{**m, "content": [{"type": "text", "text": m["content"][:3]},
+                               {"type": "text", "text": m["content"][3:]}]} for m in messages]
+    out = c.chat.completions.create(model=server["name"], messages=parts,
+                                    max_tokens=MAX_TOKENS, temperature=0)
+    assert out.choices[0].token_ids == want
 
 
 def test_streamed_chat_sends_the_role_then_deltas_then_the_finish(server):
@@ -157,8 +163,12 @@ BAD_CHATS = [
     ({"messages": [{"role": "developer", "content": "hi"}]}, "messages[0].role", "system"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 7}]},
      "messages[1].content", "must be a string"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
-     "messages[0].content", "must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]", "only text parts"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content",
+     "a string or a list of text parts"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs",
+     "true or false"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing"),
     ({"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "messages[0].name",
      "unknown fields"),
