@@ -128,6 +128,9 @@ def check_openai_options(rid: str, obj: dict, neutral: dict) -> None:
                                f"({fix}); leave it out", name)
     if not isinstance(obj.get("stream", False), bool):
         raise RequestError(f"request {rid!r}: \"stream\" must be true or false", "stream")
+    if obj.get("user") is not None and not isinstance(obj["user"], str):   # OpenAI's: a string
+        raise RequestError(f"request {rid!r}: \"user\" must be a string (an end user's id; "
+                           f"it is not used here), got {type(obj['user']).__name__}", "user")
     if obj.get("stream_options") is not None and obj.get("stream") is not True:
         raise RequestError(f"request {rid!r}: \"stream_options\" is for streamed answers; "
                            f"give \"stream\": true, or leave it out", "stream_options")

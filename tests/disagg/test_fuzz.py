@@ -187,6 +187,7 @@ HTTP_BAD = [
     ({"prompt": "a", "n": 0}, "n"), ({"prompt": "a", "top_p": 0}, "top_p"),
     ({"prompt": "a", "top_k": 1.5}, "top_k"), ({"prompt": "a", "min_p": 2}, "min_p"),
     ({"prompt": "a", "stream": "yes"}, "stream"), ({"prompt": "a", "colour": 1}, "colour"),
+    ({"prompt": "a", "user": 5}, "user"),
     ({"prompt": 7}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": "\ud800"}, "prompt"),
     ({"prompt": [-1]}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt"), ({}, "prompt"),
     ({"prompt": [1] * 100}, "prompt"),   # no max_tokens: the prompt alone leaves no room
