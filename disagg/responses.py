@@ -125,10 +125,19 @@ class CompletionFormat:
         self._offsets[index] = at
         return {"tokens": texts,
                 "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
-                "top_logprobs": [None if lp is None else {self.token_text(t): x
-                                                          for t, x in lp.top}
-                                 for lp in logprobs],
+                "top_logprobs": [None if lp is None else self._top(t, lp)
+                                 for t, lp in zip(token_ids, logprobs)],
                 "text_offset": offsets}
+
+    def _top(self, token: int, lp) -> dict:
+        """The most likely tokens' texts and log-probabilities, most likely first, and the
+        chosen token's too (OpenAI's rule: up to logprobs + 1 entries); tokens whose
+        texts collide keep the first."""
+        top = {}
+        for t, x in lp.top:
+            top.setdefault(self.token_text(t), x)
+        top.setdefault(self.token_text(token), lp.logprob)
+        return top
 
     def head(self, index: int) -> list[dict]:
         """Choice `index`'s streamed choices sent before its first token."""

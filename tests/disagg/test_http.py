@@ -54,8 +54,8 @@ def test_logprobs_of_completions_and_chats_are_the_engines(server):
     assert lp.tokens == [tok.decode([t]) for t in want.tokens]
     np.testing.assert_allclose(lp.token_logprobs, [x.logprob for x in want.logprobs],
                                atol=1e-5)
-    for top, x in zip(lp.top_logprobs, want.logprobs):
-        assert len(x.top) == 3
+    for top, x, t in zip(lp.top_logprobs, want.logprobs, want.tokens):
+        assert len(x.top) == 3 and tok.decode([t]) in top   # the chosen token's, always
         expected = {}
         for t, v in x.top:   # tokens whose texts collide keep the first (most likely)
             expected.setdefault(tok.decode([t]), v)
