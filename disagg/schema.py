@@ -314,6 +314,10 @@ def _echo(rid: str, obj: dict) -> dict:
     if echo is not True:
         raise RequestError(f"request {rid!r}: \"echo\" must be true or false", "echo")
     if type(obj.get("max_tokens")) is int and obj["max_tokens"] == 0:
+        if obj.get("min_tokens") not in (None, 0):   # the prompt alone generates nothing
+            raise RequestError(f"request {rid!r}: \"min_tokens\" must be 0 with "
+                               f"\"max_tokens\": 0 (the prompt alone), got "
+                               f"{obj['min_tokens']!r}", "min_tokens")
         obj = dict(obj, max_tokens=1)
     echoed, asked = obj.get("logprobs"), obj.get("prompt_logprobs")
     if asked is None or (type(asked) is int and type(echoed) is int and echoed > asked):

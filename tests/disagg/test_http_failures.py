@@ -24,6 +24,8 @@ server = http_server.server  # this module's own server (a module-scoped fixture
 BAD = [
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
     ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
+    ({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 3}, "min_tokens",
+     "must be 0 with \"max_tokens\": 0"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be"),
     ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", "max_tokens=3"),
     (b"{not json", None, "not JSON"),
