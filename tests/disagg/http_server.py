@@ -1,12 +1,12 @@
 """The HTTP server the test_http modules drive with the official `openai` client and raw
-HTTP, one per module (`server`).
+HTTP, one per test process (`server`, registered by tests/disagg/conftest.py).
 
 The embedded pair, aggregated, on a free local port, with a small default max_tokens
 (DEFAULT_MAX_TOKENS, as `serve --default-max-tokens` sets it); its ServingLoop runs on a
 thread of the test process. Text goes through a byte-level tokenizer.json the fixture
 writes (ids equal to the embedded byte tokenizer's) whose tokenizer_config.json carries a
 small chat template. The engine's own greedy output for the test prompts and the
-rendered chats is computed first (it is also the warm-up); a second module's server
+rendered chats is computed first (it is also the warm-up); another process's server
 compiles nothing the first compiled (the suite's persistent compilation cache).
 """
 
@@ -77,8 +77,11 @@ def chat_tokenizer(root: Path):
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
+    """One server a test process shares across the HTTP modules (tests/disagg/conftest.py
+    registers it): its references take most of a minute to compute, and every test leaves
+    it as it found it (no request running, nothing patched)."""
     pair = load_pair(num_slots=4)
     engine = make_engine("aggregated", pair)
     tok = load_tokenizer(chat_tokenizer(tmp_path_factory.mktemp("chat")),

@@ -14,11 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from disagg.schema import parse_completion  # noqa: E402
 from unified_kv import AdmissionError  # noqa: E402
-from tests.disagg import http_server  # noqa: E402
 from tests.disagg.http_server import (  # noqa: E402
     CHATS, DEFAULT_MAX_TOKENS, MAX_TOKENS, PENALTIES, PROMPTS, get, post)
 
-server = http_server.server  # this module's own server (a module-scoped fixture)
 
 
 def test_completion_equals_the_engines_greedy_output(server):

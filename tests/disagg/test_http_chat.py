@@ -19,7 +19,6 @@ from tests.disagg import http_server  # noqa: E402
 from tests.disagg.http_server import (  # noqa: E402
     CHATS, MAX_TOKENS, PROMPTS, assert_refused, post)
 
-server = http_server.server  # this module's own server (a module-scoped fixture)
 
 
 def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(server):

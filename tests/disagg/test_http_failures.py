@@ -14,11 +14,9 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from disagg.schema import MAX_CHOICES  # noqa: E402
-from tests.disagg import http_server  # noqa: E402
 from tests.disagg.http_server import (  # noqa: E402
     MAX_TOKENS, PROMPTS, assert_refused, get, post)
 
-server = http_server.server  # this module's own server (a module-scoped fixture)
 
 
 BAD = [
