@@ -205,8 +205,9 @@ class HFTokenizer:
         except Exception as e:  # the library raises its own exception type
             raise TokenizerError(f"{file}: the tokenizers library cannot read it ({e})") from None
         self.path = file
-        decoder = _read_json(file).get("decoder") or {}
-        parts = decoder.get("decoders") or [decoder]   # a Sequence, or one decoder
+        # the parsed decoder's own JSON (a Sequence, or one decoder), not the file again
+        decoder = json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder else {}
+        parts = decoder.get("decoders") or [decoder]
         self._byte_level = any(isinstance(d, dict) and d.get("type") == "ByteLevel"
                                for d in parts)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
