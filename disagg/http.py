@@ -68,10 +68,6 @@ PATHS = ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
          "POST /detokenize", "GET /v1/models", "GET /health", "GET /metrics")
 
 
-def _max_tokens_field(body: dict) -> str:
-    return "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-
-
 async def _disconnect(request) -> None:
     """Returns once the client has disconnected (its body was read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -195,14 +191,12 @@ class CompletionsApp:
     async def _body(self, request):
         """(the request's JSON body, None) or (None, the refusal to answer with)."""
         # A body past the bound is read to its end (so the client, still sending, gets
-        # the 413 rather than a reset connection) but never held: the rest is dropped.
+        # the 413 rather than a reset connection) but held only up to the bound.
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size <= self.max_body_bytes:
                 chunks.append(chunk)
-            elif chunks:
-                chunks = []
         if size > self.max_body_bytes:
             return None, _refuse(413, f"the request body is {size:,} bytes, over this "
                                       f"server's {self.max_body_bytes:,} ({MAX_CHOICES} "
@@ -252,7 +246,8 @@ class CompletionsApp:
         except RequestError as e:
             return _refuse(400, str(e), e.field)
         except AdmissionError as e:  # named in the request's own spelling
-            field = _max_tokens_field(body)
+            field = "max_completion_tokens" if "max_completion_tokens" in body else \
+                "max_tokens"
             return _refuse(400, str(e).replace("max_new_tokens", field), field)
         fmt.prepare(body, [req for req, _ in subs])
         choices = _Choices(self.loop, [req.request_id for req, _ in subs], body.get("n") or 1)
@@ -272,18 +267,8 @@ class CompletionsApp:
 
     def _parse_and_check(self, parse, body, rid):
         subs = parse(body, rid)
-        scheduler = self.loop.engine.scheduler
         for req, _ in subs:
-            try:
-                scheduler.check_fits(req)
-            except AdmissionError as e:
-                # With one new token it would still not fit: the prompt is what is long.
-                alone = scheduler.reserved_len(req) - req.params.max_new_tokens + 1
-                if alone > self.loop.engine.spec.max_seq_len:
-                    raise RequestError(str(e).replace("max_new_tokens",
-                                                      _max_tokens_field(body)),
-                                       "messages" if "messages" in body else "prompt") from None
-                raise
+            self.loop.engine.scheduler.check_fits(req)
         return subs
 
     async def _next(self, choices: "_Choices") -> tuple[int, Event]:

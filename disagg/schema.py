@@ -340,7 +340,7 @@ def fitting_default_max(rid: str, prompt, obj: dict, field: str, engine,
                         default_max_tokens: int, prompt_field: str = "prompt") -> int | None:
     """max_tokens for a request without `field`: the server's default, cut to the room
     its prompt leaves (a default never makes a request that fits fail). None when the
-    request gives `field` (its own value is checked, never cut)."""
-    if field in obj:
-        return None
-    return min(default_max_tokens, _room(rid, prompt, engine, prompt_field))
+    request gives `field` (its own value is checked, never cut). A prompt that leaves no
+    room is refused naming `prompt_field` either way: the prompt is what is long."""
+    room = _room(rid, prompt, engine, prompt_field)
+    return None if field in obj else min(default_max_tokens, room)
