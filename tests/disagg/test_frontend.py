@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from pathlib import Path
 
@@ -128,6 +129,11 @@ def test_stop_strings_count_only_after_min_tokens(feed):
 
 
 class _Engine:
+    # the schema's room check reads these: a request takes its prompt and its new tokens
+    spec = types.SimpleNamespace(max_seq_len=264)
+    scheduler = types.SimpleNamespace(
+        reserved_len=lambda request: len(request.prompt) + request.params.max_new_tokens)
+
     def make_request(self, rid, prompt, params):
         return Request.make(rid, prompt, params, vocab_size=264, reserved_ids=(258,))
 
