@@ -1,7 +1,7 @@
 """Real model scale: a Qwen3-8B-shaped target with a DFlash-b16-shaped drafter.
 
     PYTHONPATH=. python benchmarks/bench_scale.py --out DIR [--batches 1 32]
-        [--contexts 1024] [--layers 36] [--steps 16]
+        [--contexts 1024] [--layers 36] [--steps 16] [--lone-request-slots 32]
 
 Random bf16 weights (only step times matter), fp8 target KV and bf16 draft KV.
 Every figure is set against a bound measured in the same run:
@@ -47,7 +47,8 @@ from unified_kv import CacheSpec, budget_for, capacity
 GOAL_KEYS = ("plain_b1_over_roofline", "plain_b32_over_roofline",
              "speculative_b1_over_plain_b1", "speculative_b32_over_compute_bound",
              "prefill_utilisation", "prefill_8k_utilisation", "compile_s",
-             "projected_b1_tokens_per_s", "engine_over_device_b1")
+             "projected_b1_tokens_per_s", "engine_over_device_b1",
+             "lone_request_padded_over_every_slot")
 DESIGN_AL = 6.5  # DFlash's reported acceptance length for Qwen3-8B-b16 (math / code, greedy)
 # Prefill chunk (the cache's max_step_tokens): at 1,024 tokens a chunk's matmuls outweigh
 # one read of the weights; 256-token chunks at this shape are close to bound by that read.
@@ -158,6 +159,28 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
     return out
 
 
+def lone_request(params, tcfg, dcfg, slots: int, context: int, steps: int,
+                 layer_loop: str = "auto") -> dict:
+    """One speculative request on an engine of `slots` slots, its host loop's tokens/s
+    with decode calls of padded rows (the default: one row here) beside a row per slot
+    (`batch_invariant`), same weights and prompt: what a lightly loaded server pays."""
+    prompt = np.random.default_rng(0).integers(0, min(150_000, tcfg.vocab_size - 1),
+                                               context).tolist()
+    out = {"slots": slots, "context": context}
+    for name, every_slot in (("padded_rows", False), ("every_slot", True)):
+        eng = Engine(params, step_config(tcfg, dcfg, slots - 1, context, layer_loop),
+                     batch_invariant=every_slot)
+        eng.add_request("lone", prompt, 768)
+        eng.prefill_submitted()
+        out[name] = engine_rate(eng, max(steps // eng.decode_steps, 4))
+        print(f"  one request in {slots} slots, {name}: "
+              f"{out[name]['engine_tokens_per_s']:.1f} tok/s", flush=True)
+        del eng
+    out["padded_over_every_slot"] = (out["padded_rows"]["engine_tokens_per_s"]
+                                     / out["every_slot"]["engine_tokens_per_s"])
+    return out
+
+
 def memory_plan(tcfg, dcfg, batch: int = 64, context: int = 32768,
                 fraction: float = 0.9) -> dict | None:
     """What admission takes at `context` tokens a request in `fraction` of this device's
@@ -202,6 +225,9 @@ def main(argv=None) -> dict:
                     help="keys per attention key split at small batch "
                          "(launch_plan.SMALL_BATCH_SPLIT_KEYS; 0: none), each measured in "
                          "turn on the same weights; the goal keys come from the first")
+    ap.add_argument("--lone-request-slots", type=int, default=None,
+                    help="also time one request on an engine of this many slots, its decode "
+                         "calls at padded rows beside a row per slot")
     args = ap.parse_args(argv)
     split_keys = args.split_keys or [launch_plan.SMALL_BATCH_SPLIT_KEYS]
     if args.layers is None:
@@ -236,6 +262,11 @@ def main(argv=None) -> dict:
             args.scan_unroll, args.graph_loops)})
         if args.out:  # a run stopped at its time limit keeps the runs it finished
             write_results(f"scale{args.tag}", {"partial": True, **report}, args.out)
+    if args.lone_request_slots:
+        lone = lone_request(params, tcfg, dcfg, args.lone_request_slots, min(args.contexts),
+                            args.steps, args.layer_loop)
+        report["lone_request"] = lone
+        report["lone_request_padded_over_every_slot"] = lone["padded_over_every_slot"]
     stats = jax.devices()[0].memory_stats() or {}
     report["peak_memory_bytes"] = stats.get("peak_bytes_in_use")
     by = {(r["batch"], r["context"]): r for r in report["runs"]

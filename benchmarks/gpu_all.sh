@@ -24,6 +24,9 @@
 # weights in one call, into scale_splits.json.
 # scale_b1 (not in the default list): the batch-1 8B-shaped steps at 1K alone (the goal
 # keys of `scale` without batch 32), into scale_b1.json.
+# scale_lone (not in the default list): the batch-1 8B-shaped steps at 1K, then one
+# speculative request on a 33-slot engine with decode calls padded to its rows beside a
+# row per slot, into scale_lone.json.
 # scale_batches, scale_32k (not in the default list): the 8B-shaped steps at batches 8 and
 # 64 (1K), and at 32K contexts for batches 1 and 8, into scale_batches.json and
 # scale_32k.json (a run cut at its limit keeps the rows it finished).
@@ -90,7 +93,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_target|train_draft|eval_candidate)
+    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|scale_lone|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_target|train_draft|eval_candidate)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -313,6 +316,9 @@ for stage in "${stages[@]}"; do
       # about a minute per program): batch 1 first (the goal keys), then batch 32
       run 470 scale python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 32 \
         --layer-loop scan --steps 8 ;;
+    scale_lone)
+      run 560 scale_lone python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 \
+        --layer-loop scan --steps 8 --lone-request-slots 33 --tag _lone ;;
     scale_unroll)
       # batch 1 with 4 scanned target layers per loop trip, beside `scale`'s 1 (the same
       # arithmetic; fewer trips of the layer loop)

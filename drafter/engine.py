@@ -71,7 +71,7 @@ class Engine:
         while nothing waits to be admitted or prefilled (one host round trip per call).
         Default: 8 on an accelerator, 1 on CPU (compile time, not the host, costs there).
       batch_invariant: every prefill call runs the step's full prefill rows (a lone
-        prompt's padded), so each kind of call has one shape and a request's tokens do
+        prompt's padded) and every decode call a row per slot, so each kind of call has one shape and a request's tokens do
         not depend on what shares its steps: matmuls round by their shapes, and
         attention already computes a row alike in any batch (pallas_kernels/launch_plan).
     """
@@ -315,8 +315,8 @@ class Engine:
                sampled: bool = False, logprobs: bool = False, adjusted: bool = False) -> int:
         """Compile every call this engine's role makes for rows of `min_len` to `max_len`
         tokens (default 0 to max_seq_len), by calls whose rows all pad (they change
-        nothing): decode of 1 and `decode_steps` steps (not a context), prefill of every
-        padded row count (not a worker fed by a KV source; 0 rows: resets alone), at
+        nothing): decode of 1 and `decode_steps` steps at every padded row count (not a
+        context), prefill of every padded row count (not a worker fed by a KV source; 0 rows: resets alone), at
         every table width; greedy, with `sampled` also sampling, with `logprobs` also
         returning log-probabilities, with `adjusted` also adjusting logits (and marking
         prompts); the exports or imports and redrafts of those lengths; the same for an
@@ -336,7 +336,9 @@ class Engine:
                                for n in range(0, self.scheduler.max_prefill_rows + 1)}
                               if self.kv_source is None else {0})
         decode_steps = [] if self.export else sorted({1, self.decode_steps})
-        self.executor.warm(widths, decode_steps=decode_steps, prefill_rows=prefill_rows,
+        decode_rows = sorted({self._decode_rows(n) for n in range(1, self.spec.num_slots + 1)})
+        self.executor.warm(widths, decode_steps=decode_steps, decode_rows=decode_rows,
+                           prefill_rows=prefill_rows,
                            sampled=sampled, logprobs=logprobs, adjusted=adjusted)
         if adjusted:   # repetition penalties mark prompts as requests take their slots
             self.executor.warm_marks(max_len)
@@ -366,6 +368,13 @@ class Engine:
             return padded_rows(n, most)
         return most
 
+    def _decode_rows(self, n: int) -> int:
+        """Rows of a decode call of n running requests: `padded_rows` of the slots, so a
+        lightly loaded server reads and computes for its requests, not for every slot;
+        batch-invariant, one per slot."""
+        most = self.spec.num_slots
+        return most if self.batch_invariant else padded_rows(n, most)
+
     def _dispatch(self, plan):
         imported = self._import_arrived(plan.imports, plan.reset_slots)
         if any(got is not None for got in imported):
@@ -376,6 +385,7 @@ class Engine:
         steady = not (plan.prefill or plan.reset_slots or plan.fetch
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
         outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
+                                    decode_rows=self._decode_rows(len(plan.decode)),
                                     decode_steps=self.decode_steps if steady else 1)
         if self.scheduler.export:
             self._exports += self.executor.export_prefilled(plan, outputs)

@@ -100,14 +100,16 @@ class Executor(KVCalls):
 
     # ------------------------------------------------------------ steps
 
-    def run(self, plan: StepPlan, *, prefill_rows: int, decode_steps: int) -> list:
-        """Dispatch a plan's prefill chunks and decode rows (imports first, by
+    def run(self, plan: StepPlan, *, prefill_rows: int, decode_rows: int,
+            decode_steps: int) -> list:
+        """Dispatch a plan's prefill chunks (in a call of `prefill_rows` rows) and decode
+        rows (in one of `decode_rows`, plan.decode's order; imports first, by
         `import_payloads`). Returns [(packed outputs, their layout)] per call, the layout
         as `unpack_outputs` takes it."""
         block = self.cfg.block_size
         for slot in plan.reset_slots:
             self.len_bound[slot] = 0
-        batch = self._empty_batch(prefill_rows)
+        batch = self._empty_batch(prefill_rows, 0)
         batch.reset_slots[:len(plan.reset_slots)] = plan.reset_slots
         sampled = []
         for i, chunk in enumerate(plan.prefill):
@@ -124,8 +126,9 @@ class Executor(KVCalls):
                 batch.prefill_next[i] = seq.request.prompt[chunk.start + chunk.num_tokens]
             self.len_bound[slot] = chunk.start + chunk.num_tokens
             sampled.append(slot)
-        for seq in plan.decode:
-            batch.decode_slots[seq.slot] = seq.slot
+        decode_slots = self._no_slots(decode_rows)
+        for row, seq in enumerate(plan.decode):
+            decode_slots[row] = seq.slot
             sampled.append(seq.slot)
         k = decode_steps
         max_len = max([c.start + c.num_tokens + block for c in plan.prefill]
@@ -146,15 +149,16 @@ class Executor(KVCalls):
         if plan.prefill or not plan.decode:
             outputs.append((self._call(batch, table_width=width, decode=False,
                                        **prefill_variant),
-                            dict(decode_steps=1, num_prefill=prefill_rows, chunk=chunk,
-                                 logprobs=prefill_variant["logprobs"])))
+                            dict(decode_steps=1, num_decode=0, num_prefill=prefill_rows,
+                                 chunk=chunk, logprobs=prefill_variant["logprobs"])))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
-            outputs.append((self._call(dataclasses.replace(batch, **self._no_prefill()),
+            outputs.append((self._call(dataclasses.replace(batch, decode_slots=decode_slots,
+                                                           **self._no_prefill()),
                                        table_width=width, decode=True, decode_steps=k,
                                        **variant),
-                            dict(decode_steps=k, num_prefill=0, chunk=chunk,
-                                 logprobs=variant["logprobs"])))
+                            dict(decode_steps=k, num_decode=decode_rows, num_prefill=0,
+                                 chunk=chunk, logprobs=variant["logprobs"])))
         return outputs
 
     def _mark_prompt(self, slot: int, request) -> None:
@@ -175,20 +179,21 @@ class Executor(KVCalls):
         self.calls["mark"] += 1
         self.state = self._mark(self.state, index)
 
-    def warm(self, widths, *, decode_steps, prefill_rows, sampled: bool,
+    def warm(self, widths, *, decode_steps, decode_rows, prefill_rows, sampled: bool,
              logprobs: bool = False, adjusted: bool = False) -> None:
         """Compile every variant, every copy of it, by calls whose rows all pad (they
-        change nothing): each width, decode of each of `decode_steps`, prefill of each of
-        `prefill_rows` (0: a call that only empties slots); greedy, and with `sampled`
-        also sampling, with and without truncation; each of those also returning
-        log-probabilities with `logprobs`, and each of those also adjusting logits
-        (penalties, logit bias) with `adjusted`."""
+        change nothing): each width, decode of each of `decode_steps` over each of
+        `decode_rows`, prefill of each of `prefill_rows` (0: a call that only empties
+        slots); greedy, and with `sampled` also sampling, with and without truncation;
+        each of those also returning log-probabilities with `logprobs`, and each of those
+        also adjusting logits (penalties, logit bias) with `adjusted`."""
         samplings = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
-        calls = [(True, k, 0) for k in decode_steps] + [(False, 1, n) for n in prefill_rows]
-        for width, (greedy, truncated), lp, adj, (decode, k, rows), _ in itertools.product(
+        calls = ([(True, k, 0, d) for k in decode_steps for d in decode_rows]
+                 + [(False, 1, n, 0) for n in prefill_rows])
+        for width, (greedy, truncated), lp, adj, (decode, k, rows, d), _ in itertools.product(
                 widths, samplings, (False, True)[:1 + logprobs], (False, True)[:1 + adjusted],
                 calls, range(self.cfg.graph_copies)):
-            self._call(self._empty_batch(rows), table_width=width, decode=decode,
+            self._call(self._empty_batch(rows, d), table_width=width, decode=decode,
                        greedy=greedy, truncated=truncated, decode_steps=k, logprobs=lp,
                        adjusted=adj)
 
@@ -205,7 +210,7 @@ class Executor(KVCalls):
             batch = dataclasses.replace(batch, **self.sampling.batch_fields(adjusted=True))
         self.state, out = self._step_fn(
             self.params, self.state, pack_batch(batch),
-            num_prefill=batch.prefill_slots.shape[0],
+            num_prefill=batch.prefill_slots.shape[0], num_decode=batch.decode_slots.shape[0],
             table_width=table_width, decode=decode, speculative=self.speculative,
             greedy=greedy, truncated=truncated, decode_steps=decode_steps, logprobs=logprobs,
             adjusted=adjusted)
@@ -216,7 +221,7 @@ class Executor(KVCalls):
         steps = self._steps["decode" if static["decode"] else "prefill"]
         return steps(tuple(sorted(static.items())), params, state, batch, **static)
 
-    def _empty_batch(self, num_prefill: int) -> StepBatch:
+    def _empty_batch(self, num_prefill: int, num_decode: int) -> StepBatch:
         spec, dummy = self.spec, self.spec.dummy_slot
         return StepBatch(
             reset_slots=np.full(spec.num_slots, dummy, np.int32),
@@ -225,11 +230,13 @@ class Executor(KVCalls):
             prefill_lens=np.zeros(num_prefill, np.int32),
             prefill_last=np.zeros(num_prefill, bool),
             prefill_next=np.zeros(num_prefill, np.int32),
-            decode_slots=np.full(spec.num_slots, dummy, np.int32),
+            decode_slots=self._no_slots(num_decode),
             **self.sampling.batch_fields(adjusted=False))
 
-    def _no_slots(self):
-        return np.full(self.spec.num_slots, self.spec.dummy_slot, np.int32)
+    def _no_slots(self, rows: int | None = None):
+        """`rows` padding slot ids (default: one per slot)."""
+        rows = self.spec.num_slots if rows is None else rows
+        return np.full(rows, self.spec.dummy_slot, np.int32)
 
     def _no_prefill(self) -> dict:
         t = self.spec.max_step_tokens
@@ -240,8 +247,7 @@ class Executor(KVCalls):
     def unpack(self, packed: list[tuple[np.ndarray, dict]]):
         """One StepOutputs from a step's calls (host arrays, with their layouts): prefill
         rows from the first call, decode rows from the last."""
-        unpack = functools.partial(unpack_outputs, num_slots=self.spec.num_slots,
-                                   block_size=self.cfg.block_size)
+        unpack = functools.partial(unpack_outputs, block_size=self.cfg.block_size)
         (p0, layout0), (p1, layout1) = packed[0], packed[-1]
         first, last = unpack(p0, **layout0), unpack(p1, **layout1)
         return dataclasses.replace(last, first_tokens=first.first_tokens,

@@ -80,7 +80,7 @@ class KVCalls:
         if not plan.prefill:
             return []
         packed, layout = outputs[0]   # the prefill call's
-        layout = dict(layout, num_slots=self.spec.num_slots, block_size=self.cfg.block_size)
+        layout = dict(layout, block_size=self.cfg.block_size)
         leaving = []
         for i, chunk in enumerate(plan.prefill):
             seq = chunk.seq

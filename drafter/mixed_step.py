@@ -38,7 +38,8 @@ class StepBatch:
       prefill_slots: i32[P]; prefill_tokens: i32[P, T]; prefill_lens: i32[P]
         (0 = padding); prefill_last: bool[P], the chunk ends its prompt; prefill_next:
         i32[P], the prompt token after the chunk (0 after a last chunk). P may be 0.
-      decode_slots: i32[num_slots]; rows to decode (dummy slot pads).
+      decode_slots: i32[D]; rows to decode (dummy slot pads; D <= num_slots, padded to
+        few shapes by the caller; 0 in a call that does not decode).
       temperatures: f32[num_slots + 1]; seeds: u32[num_slots + 1]; top_ks:
         i32[num_slots + 1]; top_ps, min_ps, presence_penalties, frequency_penalties,
         repetition_penalties: f32[num_slots + 1]; bias_ids, bias_until: i32[num_slots + 1,
@@ -81,11 +82,10 @@ class StepBatch:
 class StepOutputs:
     """Attributes:
       first_tokens: i32[P]; prefill_ok: bool[P].
-      out_tokens: i32[decode_steps, num_slots, block_size]; num_out: i32[decode_steps,
-        num_slots]; decode_ok: bool[decode_steps, num_slots] (False: the row could not
-        get pages, a bug in admission).
-      first_logprobs: f32[P, W]; out_logprobs: f32[decode_steps, num_slots, block_size,
-        W]: each token's `sampling.token_logprobs`, W = LOGPROB_WIDTH in a step that
+      out_tokens: i32[decode_steps, D, block_size]; num_out: i32[decode_steps, D];
+        decode_ok: bool[decode_steps, D] (False: the row could not get pages, a bug in
+        admission); row d is the batch's decode_slots[d].
+      first_logprobs: f32[P, W]; out_logprobs: f32[decode_steps, D, block_size, W]: each token's `sampling.token_logprobs`, W = LOGPROB_WIDTH in a step that
         returns them, else 0; prompt_logprobs: f32[P, T, W], those of the prompt token
         each prefill position predicts (`steps.prefill_rows`).
     """
@@ -115,7 +115,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
     (rows' logits are adjusted by their penalties and logit bias: `Sampler`)."""
     state = empty_slots(cfg, state, batch.reset_slots)
     kv = state.kv
-    num_slots, block = batch.decode_slots.shape[0], cfg.block_size
+    rows, block = batch.decode_slots.shape[0], cfg.block_size
     width = LOGPROB_WIDTH if logprobs else 0
     first = jnp.zeros((0,), jnp.int32)
     prefill_ok = jnp.zeros((0,), bool)
@@ -134,11 +134,11 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
             next_tokens=batch.prefill_next)
         if logprobs:
             first_logprobs, prompt_logprobs = got
-    out_tokens = jnp.zeros((decode_steps, num_slots, block), jnp.int32)
-    num_out = jnp.zeros((decode_steps, num_slots), jnp.int32)
-    decode_ok = jnp.ones((decode_steps, num_slots), bool)
-    out_logprobs = jnp.zeros((decode_steps, num_slots, block, width), jnp.float32)
-    if decode:
+    out_tokens = jnp.zeros((decode_steps, rows, block), jnp.int32)
+    num_out = jnp.zeros((decode_steps, rows), jnp.int32)
+    decode_ok = jnp.ones((decode_steps, rows), bool)
+    out_logprobs = jnp.zeros((decode_steps, rows, block, width), jnp.float32)
+    if decode and rows:
         def one_step(state, _):
             return _decode_once(params, state, batch, cfg=cfg, table_width=table_width,
                                 speculative=speculative, greedy=greedy, truncated=truncated,
@@ -181,13 +181,13 @@ def _decode_once(params, state, batch: StepBatch, *, cfg, table_width, speculati
 # every separate array is a host <-> device copy of its own, and at small batch
 # those copies, not the device, bound the step rate.
 #
-#   batch   [reset S | decode S | prefill slots P | lens P | last P | next P | tokens P*T |
+#   batch   [reset S | decode D | prefill slots P | lens P | last P | next P | tokens P*T |
 #            temperature bits S+1 | seeds S+1 | top_k S+1 | top_p bits S+1 |
 #            min_p bits S+1 | presence, frequency, repetition penalty bits S+1 each |
 #            bias ids (S+1) x M | bias value bits (S+1) x M | bias until (S+1) x M]
 #            (M = MAX_LOGIT_BIAS in a step that adjusts logits, else 0)
-#   outputs [decode steps K x rows S x (block + 2): tokens, num_out, ok |
-#            prefill P x 2: first, ok | logprob bits: K x S x block x W, then P x W,
+#   outputs [decode steps K x rows D x (block + 2): tokens, num_out, ok |
+#            prefill P x 2: first, ok | logprob bits: K x D x block x W, then P x W,
 #            then P x T x W (the prompt's)]
 #            (W = LOGPROB_WIDTH in a step that returns log-probabilities, else 0)
 
@@ -208,10 +208,10 @@ def pack_batch(batch: StepBatch) -> np.ndarray:
     return np.concatenate([np.asarray(p, np.int32).ravel() for p in parts])
 
 
-def unpack_batch(packed, *, num_slots: int, num_prefill: int, chunk: int,
+def unpack_batch(packed, *, num_slots: int, num_decode: int, num_prefill: int, chunk: int,
                  bias_width: int) -> StepBatch:
     """Inverse of `pack_batch`, inside jit."""
-    sizes = [num_slots, num_slots, num_prefill, num_prefill, num_prefill, num_prefill,
+    sizes = [num_slots, num_decode, num_prefill, num_prefill, num_prefill, num_prefill,
              num_prefill * chunk,
              *[num_slots + 1] * 8, *[(num_slots + 1) * bias_width] * 3]
     cuts = np.cumsum(sizes)[:-1].tolist()
@@ -242,12 +242,12 @@ def pack_outputs(out: StepOutputs):
     return jnp.concatenate([decode.ravel(), prefill.ravel(), *logprob_bits])
 
 
-def _output_sizes(*, num_slots: int, block_size: int, decode_steps: int, num_prefill: int,
+def _output_sizes(*, num_decode: int, block_size: int, decode_steps: int, num_prefill: int,
                   chunk: int, logprobs: bool) -> list[int]:
     """Sizes of the packed outputs' five parts, in order."""
     width = LOGPROB_WIDTH if logprobs else 0
-    return [decode_steps * num_slots * (block_size + 2), num_prefill * 2,
-            decode_steps * num_slots * block_size * width, num_prefill * width,
+    return [decode_steps * num_decode * (block_size + 2), num_prefill * 2,
+            decode_steps * num_decode * block_size * width, num_prefill * width,
             num_prefill * chunk * width]
 
 
@@ -267,17 +267,17 @@ def prompt_logprobs_bits(packed, row: int, **layout):
     return packed[start:start + size]
 
 
-def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
+def unpack_outputs(packed: np.ndarray, *, num_decode: int, block_size: int,
                    decode_steps: int, num_prefill: int, chunk: int,
                    logprobs: bool) -> StepOutputs:
     """Inverse of `pack_outputs`, on the host."""
     width = LOGPROB_WIDTH if logprobs else 0
-    sizes = _output_sizes(num_slots=num_slots, block_size=block_size,
+    sizes = _output_sizes(num_decode=num_decode, block_size=block_size,
                           decode_steps=decode_steps, num_prefill=num_prefill, chunk=chunk,
                           logprobs=logprobs)
     decode, prefill, out_logprobs, first_logprobs, prompt_logprobs = np.split(
         packed, np.cumsum(sizes)[:-1])
-    decode = decode.reshape(decode_steps, num_slots, block_size + 2)
+    decode = decode.reshape(decode_steps, num_decode, block_size + 2)
     prefill = prefill.reshape(num_prefill, 2)
     return StepOutputs(first_tokens=prefill[:, 0], prefill_ok=prefill[:, 1].astype(bool),
                        out_tokens=decode[..., :block_size], num_out=decode[..., block_size],
@@ -285,17 +285,18 @@ def unpack_outputs(packed: np.ndarray, *, num_slots: int, block_size: int,
                        first_logprobs=first_logprobs.view(np.float32).reshape(num_prefill,
                                                                               width),
                        out_logprobs=out_logprobs.view(np.float32).reshape(
-                           decode_steps, num_slots, block_size, width),
+                           decode_steps, num_decode, block_size, width),
                        prompt_logprobs=prompt_logprobs.view(np.float32).reshape(
                            num_prefill, chunk, width))
 
 
 def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
-                table_width: int, decode: bool, speculative: bool, greedy: bool,
+                num_decode: int, table_width: int, decode: bool, speculative: bool, greedy: bool,
                 truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
                 adjusted: bool = False):
     """`mixed_step` on a packed batch, returning packed outputs."""
-    batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_prefill=num_prefill,
+    batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_decode=num_decode,
+                         num_prefill=num_prefill,
                          chunk=cfg.spec.max_step_tokens,
                          bias_width=MAX_LOGIT_BIAS if adjusted else 0)
     state, out = mixed_step(params, state, batch, cfg=cfg, table_width=table_width,

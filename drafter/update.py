@@ -65,15 +65,14 @@ def update_from_output(scheduler: Scheduler, plan: StepPlan, outputs, imported, 
                      outputs.first_logprobs[i:i + 1])
     num_out, decode_ok = outputs.num_out.tolist(), outputs.decode_ok.tolist()
     for j in range(len(num_out)):  # the call's decode steps, in order
-        for seq in plan.decode:
+        for row, seq in enumerate(plan.decode):   # the decode call's rows, in order
             if seq.phase is Phase.DONE:
                 continue
-            if not decode_ok[j][seq.slot]:
+            if not decode_ok[j][row]:
                 results.append(scheduler.finish(seq, now, "error", (
                     f"request {seq.request_id!r}: a decode step could not allocate pages "
                     f"(a bug in admission accounting)")))
                 continue
-            n = num_out[j][seq.slot]
-            book(seq, outputs.out_tokens[j, seq.slot, :n], True,
-                 outputs.out_logprobs[j, seq.slot, :n])
+            n = num_out[j][row]
+            book(seq, outputs.out_tokens[j, row, :n], True, outputs.out_logprobs[j, row, :n])
     return results

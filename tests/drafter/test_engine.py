@@ -317,6 +317,32 @@ def test_prefill_calls_pad_their_rows_to_a_power_of_two():
     assert_all_free(engine)
 
 
+def test_decode_calls_run_a_row_per_running_request_padded_to_a_power_of_two():
+    """A decode call runs `padded_rows` of its requests, not a row per slot: staggered
+    arrivals decode in calls of 1, 2 and 4 rows on a 4-slot engine, and each request's
+    tokens are those it generates alone (and those of an engine decoding every slot)."""
+    params, cfg, _ = tiny_pair(num_slots=4)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(1, 60, n).tolist() for n in (6, 9, 5)]
+    engine = Engine(params, cfg)
+    calls, run = [], engine.executor.run
+
+    def spy(plan, **kwargs):
+        if plan.decode:
+            calls.append((len(plan.decode), kwargs["decode_rows"]))
+        return run(plan, **kwargs)
+
+    engine.executor.run = spy
+    got = [r.tokens for r in engine.generate(prompts, 12, arrival_steps=[0, 3, 6])]
+    assert all(rows == 1 << (n - 1).bit_length() for n, rows in calls)
+    assert {rows for _, rows in calls} == {1, 2, 4}
+    assert got == [Engine(params, cfg).generate([p], 12)[0].tokens for p in prompts]
+    every_slot = Engine(params, cfg, batch_invariant=True)
+    assert every_slot._decode_rows(1) == 4
+    assert [r.tokens for r in every_slot.generate(prompts, 12, arrival_steps=[0, 3, 6])] == got
+    assert_all_free(engine)
+
+
 def test_alternated_step_copies_give_the_same_tokens_and_are_all_warmed(caplog):
     """StepConfig.graph_copies=2: each program variant's calls alternate between two
     copies of it, with the same tokens and acceptance as one program; warmup compiles
