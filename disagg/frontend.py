@@ -122,7 +122,7 @@ def served_step_config(tcfg, dcfg, **cache):
         raise SystemExit(f"the KV cache does not hold one request: {e} (--kv-memory-mib, "
                          f"--kv-memory-fraction, --max-seq-len)") from None
     # Slots past what the cache holds of the shortest requests never run; each still
-    # costs its state (a page table row per pool) and its row in every decode step.
+    # costs its state (a page table row per pool, a vocabulary row of output counts).
     shortest = capacity(cfg.spec, max_len=1)
     if shortest.limited_by == "memory":
         raise SystemExit(f"--num-slots {cfg.spec.num_slots}: the KV cache holds at most "
@@ -211,8 +211,8 @@ def make_engine(mode: str, pair: ModelPair, *, move_path: str = "coalesced",
 
 def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) -> float:
     """Compile what first requests need (prefill of as many prompts as each row count a
-    prefill call pads to: 1, 2, 4, ... up to a step's most, and decode at each row count a
-    decode call pads to, up to the slots), and with
+    prefill call pads to: 1, 2, 4, ... up to a step's most, and decode of those bursts;
+    decode calls of more rows, and other table widths, compile at first use), and with
     `every_length` every step call for every prompt length up to
     max_seq_len, greedy and sampled, with and without log-probabilities and logit
     adjustments (penalties, logit bias) (`Engine.warmup`: no request of a new length then
@@ -227,9 +227,6 @@ def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) 
             f"prompt and 2 new tokens need {need} tokens of room, {need - len(prompt) - 2} of "
             f"them for the verify and lookahead blocks every request reserves; give "
             f"--max-seq-len {need} or more")
-    # every call at the warm-up prompt's table width (decode too at row counts past a
-    # step's prefill rows, which the bursts below do not reach), before any request
-    engine.warmup(need, len(prompt))
     for batch in row_shapes(engine.scheduler.max_prefill_rows):
         if log:
             log(f"compiling: {batch} prompt(s), prefill and decode ...")

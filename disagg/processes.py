@@ -160,10 +160,10 @@ def positive_seconds(text: str) -> float:
 
 def add_batch_invariant_arg(p) -> None:
     p.add_argument("--batch-invariant", action="store_true",
-                   help="every prefill call runs full rows (a lone prompt's padded), so a "
-                        "request's greedy tokens do not depend on what shares its steps "
-                        "(matmuls round by their shapes); costs a lone prompt's prefill "
-                        "the padding")
+                   help="every prefill call runs full rows (a lone prompt's padded) and "
+                        "every decode call a row per slot, so a request's greedy tokens do "
+                        "not depend on what shares its steps (matmuls round by their "
+                        "shapes); costs lightly loaded steps the padding")
 
 
 def add_default_max_tokens_arg(p) -> None:

@@ -33,7 +33,7 @@ from drafter.arrivals import Arrivals
 from drafter.executor import Executor
 from drafter.kv_io import Export, KVSource, import_refusal
 from drafter.request import Request, RequestError, Result, SamplingParams
-from drafter.scheduler import Phase, Scheduler, Sequence, padded_rows
+from drafter.scheduler import Phase, Scheduler, Sequence
 from drafter.steps import StepConfig
 from drafter.update import update_from_output
 from unified_kv import AdmissionError
@@ -105,7 +105,8 @@ class Engine:
         self.scheduler = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=budget,
                                    kv_from_source=kv_source is not None, export=export,
                                    lookahead=int(lookahead), eos_token_ids=eos_token_ids,
-                                   decode_steps=self.decode_steps)
+                                   decode_steps=self.decode_steps,
+                                   batch_invariant=batch_invariant)
         # a step exports at most its prefill rows; imports are grouped as many
         self.executor = Executor(params, cfg, mesh=mesh, speculative=self.speculative,
                                  mode=mode, transfer_rows=self.scheduler.max_prefill_rows,
@@ -316,8 +317,8 @@ class Engine:
         """Compile every call this engine's role makes for rows of `min_len` to `max_len`
         tokens (default 0 to max_seq_len), by calls whose rows all pad (they change
         nothing): decode of 1 and `decode_steps` steps at every padded row count (not a
-        context), prefill of every padded row count (not a worker fed by a KV source; 0 rows: resets alone), at
-        every table width; greedy, with `sampled` also sampling, with `logprobs` also
+        context), prefill of every padded row count (not a worker fed by a KV source; 0
+        rows: resets alone), at every table width; greedy, with `sampled` also sampling, with `logprobs` also
         returning log-probabilities, with `adjusted` also adjusting logits (and marking
         prompts); the exports or imports and redrafts of those lengths; the same for an
         in-process source's context engines. Returns the number of widths."""
@@ -330,16 +331,18 @@ class Engine:
         block = self.cfg.block_size
         widths = sorted({self._table_width(n + 2 * block) for n in
                          range(min_len, max_len + 1, self.spec.page_size)})
+        def row_counts(kind, counts):
+            return sorted({self.scheduler.rows_for(kind, n) for n in counts})
+
         # Only what this role runs: a context (export) never decodes, and a worker fed
         # by a KV source never prefills (its calls without decode rows only empty slots).
-        prefill_rows = sorted({self._prefill_rows(n)   # 0: a call that only empties slots
-                               for n in range(0, self.scheduler.max_prefill_rows + 1)}
-                              if self.kv_source is None else {0})
+        prefill_rows = (row_counts("prefill", range(self.scheduler.max_prefill_rows + 1))
+                        if self.kv_source is None else [0])
         decode_steps = [] if self.export else sorted({1, self.decode_steps})
-        decode_rows = sorted({self._decode_rows(n) for n in range(1, self.spec.num_slots + 1)})
-        self.executor.warm(widths, decode_steps=decode_steps, decode_rows=decode_rows,
-                           prefill_rows=prefill_rows,
-                           sampled=sampled, logprobs=logprobs, adjusted=adjusted)
+        self.executor.warm(widths, decode_steps=decode_steps,
+                           decode_rows=row_counts("decode", range(1, self.spec.num_slots + 1)),
+                           prefill_rows=prefill_rows, sampled=sampled, logprobs=logprobs,
+                           adjusted=adjusted)
         if adjusted:   # repetition penalties mark prompts as requests take their slots
             self.executor.warm_marks(max_len)
         lengths = range(max(min_len, 1), max_len + 1)
@@ -359,22 +362,6 @@ class Engine:
             return []
         return self.arrivals.take(self.kv_source, wait_s, self.kv_timeout_s)
 
-    def _prefill_rows(self, n: int) -> int:
-        """Rows of a prefill call of n chunks: `padded_rows` (a power of two, at most
-        the most a step holds: few shapes to compile, padding under 2x);
-        batch-invariant, always the most. 0: a call that only empties slots."""
-        most = self.scheduler.max_prefill_rows
-        if n == 0 or not self.batch_invariant:
-            return padded_rows(n, most)
-        return most
-
-    def _decode_rows(self, n: int) -> int:
-        """Rows of a decode call of n running requests: `padded_rows` of the slots, so a
-        lightly loaded server reads and computes for its requests, not for every slot;
-        batch-invariant, one per slot."""
-        most = self.spec.num_slots
-        return most if self.batch_invariant else padded_rows(n, most)
-
     def _dispatch(self, plan):
         imported = self._import_arrived(plan.imports, plan.reset_slots)
         if any(got is not None for got in imported):
@@ -384,8 +371,9 @@ class Engine:
         # their call, so they decode like any running row: no single step for them.
         steady = not (plan.prefill or plan.reset_slots or plan.fetch
                       or self.scheduler.waiting or len(plan.decode) < self.num_active)
-        outputs = self.executor.run(plan, prefill_rows=self._prefill_rows(len(plan.prefill)),
-                                    decode_rows=self._decode_rows(len(plan.decode)),
+        rows = self.scheduler.rows_for
+        outputs = self.executor.run(plan, prefill_rows=rows("prefill", len(plan.prefill)),
+                                    decode_rows=rows("decode", len(plan.decode)),
                                     decode_steps=self.decode_steps if steady else 1)
         if self.scheduler.export:
             self._exports += self.executor.export_prefilled(plan, outputs)

@@ -117,18 +117,19 @@ class Scheduler:
       lookahead: steps the engine dispatches before reading outputs.
       decode_steps: decode steps one call may run back to back.
       eos_token_ids: ids that end a request unless it sets ignore_eos.
+      batch_invariant: every call of a kind runs its most rows (`rows_for`).
     """
 
     def __init__(self, spec: CacheSpec, block_size: int, *, max_num_batched_tokens: int,
                  kv_from_source: bool = False, export: bool = False, lookahead: int = 1,
-                 eos_token_ids=(), decode_steps: int = 1):
+                 eos_token_ids=(), decode_steps: int = 1, batch_invariant: bool = False):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.spec, self.block_size = spec, block_size
         self.budget = max_num_batched_tokens
         self.kv_from_source, self.export = kv_from_source, export
         self.lookahead, self.eos_token_ids = lookahead, frozenset(eos_token_ids)
-        self.decode_steps = decode_steps
+        self.decode_steps, self.batch_invariant = decode_steps, batch_invariant
         self.admission = AdmissionController(spec)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: dict[str, Sequence] = {}      # admitted, not done
@@ -141,6 +142,15 @@ class Scheduler:
         are padded to full chunks anyway, so the budget bounds its padded tokens (a
         call's rows are padded to a power of two up to this: `padded_rows`)."""
         return min(self.spec.num_slots, max(1, self.budget // self.spec.max_step_tokens))
+
+    def rows_for(self, kind: str, n: int) -> int:
+        """Rows a call of `kind` ("prefill": chunks, "decode": running requests) runs for
+        n of them: `padded_rows` up to the most it holds (a step's prefill rows; the
+        slots), so a lightly loaded step computes for its rows, not for every slot, and
+        few shapes compile; batch-invariant, always the most (0 prefill chunks: a call
+        that only empties slots)."""
+        most = self.max_prefill_rows if kind == "prefill" else self.spec.num_slots
+        return most if self.batch_invariant and n else padded_rows(n, most)
 
     # ----------------------------------------------------------- requests
 

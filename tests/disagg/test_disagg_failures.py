@@ -5,6 +5,7 @@ drops what was asked for; each fails its own request alone, pages conserved on b
 sides."""
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -135,11 +136,17 @@ def test_an_id_ended_while_its_kv_is_made_is_refused_until_the_source_answers(th
     once the source has answered the id serves a new prompt exactly as aggregated."""
     params, cfg = pair
     engine = disaggregated_engine(params, cfg, threaded=threaded)
+    held = threading.Event()   # a thread's worker waits: the KV may not come back early
+    if threaded:
+        ctx = engine.kv_source.contexts[0]
+        pump = ctx.pump
+        ctx.pump = lambda: (held.wait(30), pump())[1]
     engine.add_request("a", PROMPTS[2], MAX_NEW)
     engine.step()   # admitted: its KV is being made
     assert "cancelled" in engine.cancel("a").error
     with pytest.raises(AdmissionError, match="'a' is still in flight at the KV source"):
         engine.add_request("a", PROMPTS[3], MAX_NEW)
+    held.set()
     engine.add_request("b", PROMPTS[1], MAX_NEW)
     results = {r.request_id: r for r in engine.run()}
     assert list(results) == ["b"] and results["b"].tokens == aggregated[1].tokens

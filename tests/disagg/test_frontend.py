@@ -361,18 +361,16 @@ def test_serve_warmup_all_warms_every_length_greedy_and_sampled():
         scheduler=types.SimpleNamespace(max_prefill_rows=8, reserved_len=lambda request: 40),
         make_request=lambda request_id, prompt, params: None,
         generate=lambda prompts, n, **kw: calls.append(("generate", len(prompts))),
-        warmup=lambda *args, **kw: calls.append(("warmup", args, kw)))
+        warmup=lambda **kw: calls.append(("warmup", kw)))
     said = []
     warm_up(engine, ByteTokenizer(), said.append, every_length=True)
-    # every call at the burst prompt's width, then prefill bursts of each row count
-    first = [("warmup", (40, len(ByteTokenizer().encode("def main():"))), {})] + [
-        ("generate", n) for n in (1, 2, 4, 8)]
-    assert calls == first + [("warmup", (), {"sampled": True, "logprobs": True,
-                                             "adjusted": True})]
+    bursts = [("generate", n) for n in (1, 2, 4, 8)]
+    assert calls == bursts + [("warmup", {"sampled": True, "logprobs": True,
+                                          "adjusted": True})]
     assert any("every step for rows of up to 9,216 tokens" in s for s in said)
     calls.clear()
     warm_up(engine, ByteTokenizer(), said.append)
-    assert calls == first
+    assert calls == bursts
 
 
 def test_max_num_batched_tokens_reaches_every_engine_and_batches_more_prefill():

@@ -338,7 +338,7 @@ def test_decode_calls_run_a_row_per_running_request_padded_to_a_power_of_two():
     assert {rows for _, rows in calls} == {1, 2, 4}
     assert got == [Engine(params, cfg).generate([p], 12)[0].tokens for p in prompts]
     every_slot = Engine(params, cfg, batch_invariant=True)
-    assert every_slot._decode_rows(1) == 4
+    assert every_slot.scheduler.rows_for("decode", 1) == 4
     assert [r.tokens for r in every_slot.generate(prompts, 12, arrival_steps=[0, 3, 6])] == got
     assert_all_free(engine)
 

@@ -54,3 +54,17 @@ def test_short_prompts_fill_at_most_the_budgets_whole_chunks_per_step():
     assert [len(sched.schedule().prefill) for _ in range(3)] == [2, 2, 0]
     lone = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=chunk // 2)
     assert lone.max_prefill_rows == 1   # below one chunk: still one row a step
+
+
+def test_calls_run_their_rows_padded_to_a_power_of_two_or_every_row_when_invariant():
+    """A call's rows follow its items within 2x (a power of two, up to the most it holds:
+    the step's prefill rows, the slots); batch-invariant, always the most."""
+    _, cfg, _ = tiny_pair(num_slots=6)
+    chunk = cfg.spec.max_step_tokens
+    padded = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=4 * chunk)
+    fixed = Scheduler(cfg.spec, cfg.block_size, max_num_batched_tokens=4 * chunk,
+                      batch_invariant=True)
+    assert [padded.rows_for("decode", n) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    assert [padded.rows_for("prefill", n) for n in range(5)] == [0, 1, 2, 4, 4]
+    assert [fixed.rows_for("decode", n) for n in range(1, 7)] == [6] * 6
+    assert [fixed.rows_for("prefill", n) for n in range(5)] == [0, 4, 4, 4, 4]
