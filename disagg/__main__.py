@@ -25,6 +25,7 @@ import os
 import sys
 
 from disagg import processes
+from disagg.schema import DEFAULT_REQUEST_TIMEOUT_S
 from disagg.transfer import MOVE_PATHS
 
 
@@ -50,8 +51,10 @@ def build_parser():
                           "cache each) or private, or aggregated (one engine)")
     srv.add_argument("--http", type=processes.host_port, default=None, metavar="HOST:PORT",
                      help="serve OpenAI-compatible HTTP here instead of JSON lines")
-    srv.add_argument("--request-timeout", type=processes.positive_seconds, default=600.0,
-                     help="HTTP: seconds a request may wait for its next tokens (default 600)")
+    srv.add_argument("--request-timeout", type=processes.positive_seconds,
+                     default=DEFAULT_REQUEST_TIMEOUT_S,
+                     help="HTTP: seconds a request may wait for its next tokens (default "
+                          f"{DEFAULT_REQUEST_TIMEOUT_S:g})")
     srv.add_argument("--warmup", default="first", choices=("first", "all"),
                      help="compile before the ready line: what a first request needs "
                           "(first), or every step for every prompt length up to "

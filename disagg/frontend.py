@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from disagg.schema import DEFAULT_MAX_TOKENS
+from disagg.schema import DEFAULT_MAX_TOKENS, DEFAULT_REQUEST_TIMEOUT_S
 from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
 from drafter.request import SamplingParams
@@ -241,7 +241,7 @@ def warm_up(engine: Engine, tokenizer, log=None, *, every_length: bool = False) 
 
 
 def serve_http(engine: Engine, pair: ModelPair, host: str, port: int, *, mode: str,
-               request_timeout_s: float = 600.0,
+               request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, counter=None,
                warm_every_length: bool = False) -> None:
     """Listen at once (GET /health says "starting"), compile, print the ready line,

@@ -58,7 +58,8 @@ from disagg.loop import Event, ServingClosed, ServingLoop, Submission
 from disagg.metrics import ServingMetrics
 from disagg.responses import (ChatFormat, CompletionFormat, error_body, pooled_acceptance,
                               usage)
-from disagg.schema import DEFAULT_MAX_TOKENS, MAX_CHOICES, parse_completion
+from disagg.schema import (DEFAULT_MAX_TOKENS, DEFAULT_REQUEST_TIMEOUT_S, MAX_CHOICES,
+                           parse_completion)
 from disagg.tokenize_schema import parse_detokenize, parse_tokenize
 from drafter.request import RequestError
 from unified_kv import AdmissionError
@@ -111,7 +112,7 @@ class CompletionsApp:
     """The starlette app of one served model (`app`), and whether it is ready."""
 
     def __init__(self, loop: ServingLoop, metrics: ServingMetrics, model_name: str, *,
-                 request_timeout_s: float = 600.0,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS):
         require_http()
         from starlette.applications import Starlette

@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from disagg.schema import DEFAULT_REQUEST_TIMEOUT_S
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,7 +129,7 @@ def add_parser(sub) -> None:
                    help="generation: serve OpenAI-compatible HTTP here instead of JSON lines")
     p.add_argument("--request-timeout", type=positive_seconds, default=None,
                    help="generation, HTTP: seconds a request may wait for its next tokens "
-                        "(default 600)")
+                        f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not keep compiled programs across runs (disagg/compile_cache.py)")
     add_default_max_tokens_arg(p)
@@ -222,7 +223,8 @@ def run(args) -> None:
                                                  eos_token_ids=eos),
                                    address=args.address, transfer_host=args.transfer_host,
                                    timeout=args.timeout,
-                                   idle_timeout=args.idle_timeout or 3600.0)
+                                   **({"idle_timeout": args.idle_timeout}
+                                      if args.idle_timeout else {}))
         except OSError as e:   # in use, or not an address of this host
             raise SystemExit(f"serve-remote --role context: cannot listen on {args.address} "
                              f"({e.strerror or e}); give a free port of this host") from None
@@ -249,7 +251,7 @@ def run(args) -> None:
         serve_http(engine, ModelPair(params, cfg, tokenizer, name), *args.http,
                    mode=f"{mode}, context at {args.address}",
                    default_max_tokens=args.default_max_tokens,
-                   request_timeout_s=args.request_timeout or 600.0)
+                   request_timeout_s=args.request_timeout or DEFAULT_REQUEST_TIMEOUT_S)
     else:
         serve_json_lines(engine, args.input, tokenizer)
     logging.getLogger("disagg.remote").info("context worker at close: %s", remote.close())

@@ -75,6 +75,8 @@ MAX_STOP_CHARS = 256
 # 1024-token windows the embedded pair was trained on. A request that wants more
 # says so in max_tokens.
 DEFAULT_MAX_TOKENS = 256
+# Seconds an HTTP request may wait for its next tokens before it is cancelled (a 504).
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
 # Choices one HTTP request may ask for (prompts x n): each is a request of the engine's.
 MAX_CHOICES = 64

@@ -123,8 +123,11 @@ def jsonl_server(pair, tmp_path_factory):
     lines, expect = corpus(pair[2].mask_token_id)
     path = tmp_path_factory.mktemp("fuzz") / "in.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
+    # --batch-invariant: one shape a call kind, so the stream compiles nothing new (the
+    # schema, not the rows, is the subject here)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "disagg", "serve", "--draft-kv", "shared", str(path)],
+        [sys.executable, "-m", "disagg", "serve", "--draft-kv", "shared", "--batch-invariant",
+         str(path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         cwd=Path(__file__).resolve().parents[2], env=child_env(2))
     yield proc, lines, expect
