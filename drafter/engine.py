@@ -71,9 +71,11 @@ class Engine:
         while nothing waits to be admitted or prefilled (one host round trip per call).
         Default: 8 on an accelerator, 1 on CPU (compile time, not the host, costs there).
       batch_invariant: every prefill call runs the step's full prefill rows (a lone
-        prompt's padded) and every decode call a row per slot, so each kind of call has one shape and a request's tokens do
-        not depend on what shares its steps: matmuls round by their shapes, and
-        attention already computes a row alike in any batch (pallas_kernels/launch_plan).
+        prompt's padded) and every decode call a row per slot, so each kind of call has
+        one shape and a request's tokens do not depend on what shares its steps: matmuls
+        round by their shapes, and attention already computes a row alike in any batch
+        (pallas_kernels/launch_plan). Otherwise a call's rows follow its requests
+        (`Scheduler.rows_for`).
     """
 
     def __init__(self, params, cfg: StepConfig, *, speculative: bool = True, mesh=None,
