@@ -320,10 +320,11 @@ class Engine:
         tokens (default 0 to max_seq_len), by calls whose rows all pad (they change
         nothing): decode of 1 and `decode_steps` steps at every padded row count (not a
         context), prefill of every padded row count (not a worker fed by a KV source; 0
-        rows: resets alone), at every table width; greedy, with `sampled` also sampling, with `logprobs` also
-        returning log-probabilities, with `adjusted` also adjusting logits (and marking
-        prompts); the exports or imports and redrafts of those lengths; the same for an
-        in-process source's context engines. Returns the number of widths."""
+        rows: resets alone), at every table width; greedy, with `sampled` also sampling,
+        with `logprobs` also returning log-probabilities, with `adjusted` also adjusting
+        logits (and marking prompts); the exports or imports and redrafts of those
+        lengths; the same for an in-process source's context engines. Returns the number
+        of widths."""
         max_len = self.spec.max_seq_len if max_len is None else max_len
         # An in-process source's senders first: one that holds requests refuses at once,
         # before anything here compiles.
@@ -333,6 +334,7 @@ class Engine:
         block = self.cfg.block_size
         widths = sorted({self._table_width(n + 2 * block) for n in
                          range(min_len, max_len + 1, self.spec.page_size)})
+
         def row_counts(kind, counts):
             return sorted({self.scheduler.rows_for(kind, n) for n in counts})
 

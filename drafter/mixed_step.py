@@ -85,8 +85,9 @@ class StepOutputs:
       out_tokens: i32[decode_steps, D, block_size]; num_out: i32[decode_steps, D];
         decode_ok: bool[decode_steps, D] (False: the row could not get pages, a bug in
         admission); row d is the batch's decode_slots[d].
-      first_logprobs: f32[P, W]; out_logprobs: f32[decode_steps, D, block_size, W]: each token's `sampling.token_logprobs`, W = LOGPROB_WIDTH in a step that
-        returns them, else 0; prompt_logprobs: f32[P, T, W], those of the prompt token
+      first_logprobs: f32[P, W]; out_logprobs: f32[decode_steps, D, block_size, W]: each
+        token's `sampling.token_logprobs`, W = LOGPROB_WIDTH in a step that returns them,
+        else 0; prompt_logprobs: f32[P, T, W], those of the prompt token
         each prefill position predicts (`steps.prefill_rows`).
     """
 
@@ -291,13 +292,12 @@ def unpack_outputs(packed: np.ndarray, *, num_decode: int, block_size: int,
 
 
 def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
-                num_decode: int, table_width: int, decode: bool, speculative: bool, greedy: bool,
-                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
-                adjusted: bool = False):
+                num_decode: int, table_width: int, decode: bool, speculative: bool,
+                greedy: bool, truncated: bool = False, decode_steps: int = 1,
+                logprobs: bool = False, adjusted: bool = False):
     """`mixed_step` on a packed batch, returning packed outputs."""
     batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_decode=num_decode,
-                         num_prefill=num_prefill,
-                         chunk=cfg.spec.max_step_tokens,
+                         num_prefill=num_prefill, chunk=cfg.spec.max_step_tokens,
                          bias_width=MAX_LOGIT_BIAS if adjusted else 0)
     state, out = mixed_step(params, state, batch, cfg=cfg, table_width=table_width,
                             decode=decode, speculative=speculative, greedy=greedy,
