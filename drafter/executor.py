@@ -147,16 +147,14 @@ class Executor(KVCalls):
         # the variants (prefill row buckets x decode or not).
         outputs = []
         if plan.prefill or not plan.decode:
-            outputs.append((self._call(batch, table_width=width, decode=False,
-                                       **prefill_variant),
+            outputs.append((self._call(batch, table_width=width, **prefill_variant),
                             dict(decode_steps=1, num_decode=0, num_prefill=prefill_rows,
                                  chunk=chunk, logprobs=prefill_variant["logprobs"])))
             batch = dataclasses.replace(batch, reset_slots=self._no_slots())
         if plan.decode:
             outputs.append((self._call(dataclasses.replace(batch, decode_slots=decode_slots,
                                                            **self._no_prefill()),
-                                       table_width=width, decode=True, decode_steps=k,
-                                       **variant),
+                                       table_width=width, decode_steps=k, **variant),
                             dict(decode_steps=k, num_decode=decode_rows, num_prefill=0,
                                  chunk=chunk, logprobs=variant["logprobs"])))
         return outputs
@@ -188,38 +186,42 @@ class Executor(KVCalls):
         each of those also returning log-probabilities with `logprobs`, and each of those
         also adjusting logits (penalties, logit bias) with `adjusted`."""
         samplings = [(True, False)] + ([(False, False), (False, True)] if sampled else [])
-        calls = ([(True, k, 0, d) for k in decode_steps for d in decode_rows]
-                 + [(False, 1, n, 0) for n in prefill_rows])
-        for width, (greedy, truncated), lp, adj, (decode, k, rows, d), _ in itertools.product(
+        calls = ([(k, 0, d) for k in decode_steps for d in decode_rows]
+                 + [(1, n, 0) for n in prefill_rows])
+        for width, (greedy, truncated), lp, adj, (k, rows, d), _ in itertools.product(
                 widths, samplings, (False, True)[:1 + logprobs], (False, True)[:1 + adjusted],
                 calls, range(self.cfg.graph_copies)):
-            self._call(self._empty_batch(rows, d), table_width=width, decode=decode,
-                       greedy=greedy, truncated=truncated, decode_steps=k, logprobs=lp,
-                       adjusted=adj)
+            self._call(self._empty_batch(rows, d), table_width=width, greedy=greedy,
+                       truncated=truncated, decode_steps=k, logprobs=lp, adjusted=adj)
 
-    def _call(self, batch: StepBatch, *, table_width: int, decode: bool, greedy: bool,
+    def _call(self, batch: StepBatch, *, table_width: int, greedy: bool,
               truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
               adjusted: bool = False):
         """One jitted step on a packed batch. The batch goes as a host array, transferred
         by the call itself: a `device_put` of its own costs more host time than the
         call's transfer, and a call must always take it in one form (a host array and a
         device array of it compile apart). Only a call that adjusts logits carries the
-        slots' logit bias."""
-        self.calls["decode" if decode else "prefill"] += 1
+        slots' logit bias. A call with decode rows is a decode call, one without a prefill
+        call (it may only empty slots)."""
+        self.calls[self._kind(batch.decode_slots.shape[0])] += 1
         if adjusted:
             batch = dataclasses.replace(batch, **self.sampling.batch_fields(adjusted=True))
         self.state, out = self._step_fn(
             self.params, self.state, pack_batch(batch),
             num_prefill=batch.prefill_slots.shape[0], num_decode=batch.decode_slots.shape[0],
-            table_width=table_width, decode=decode, speculative=self.speculative,
+            table_width=table_width, speculative=self.speculative,
             greedy=greedy, truncated=truncated, decode_steps=decode_steps, logprobs=logprobs,
             adjusted=adjusted)
         return out
 
     def _step_fn(self, params, state, batch, **static):
         """The jitted step (of its variant's copies, the one whose turn it is)."""
-        steps = self._steps["decode" if static["decode"] else "prefill"]
+        steps = self._steps[self._kind(static["num_decode"])]
         return steps(tuple(sorted(static.items())), params, state, batch, **static)
+
+    @staticmethod
+    def _kind(num_decode: int) -> str:
+        return "decode" if num_decode else "prefill"
 
     def _empty_batch(self, num_prefill: int, num_decode: int) -> StepBatch:
         spec, dummy = self.spec, self.spec.dummy_slot

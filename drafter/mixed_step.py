@@ -103,16 +103,15 @@ class StepOutputs:
 
 @at_precision
 def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
-               table_width: int, decode: bool, speculative: bool, greedy: bool,
+               table_width: int, speculative: bool, greedy: bool,
                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
                adjusted: bool = False) -> tuple[StepState, StepOutputs]:
-    """Run one `StepBatch`. `decode` False skips decoding (no running rows);
-    P = 0 prefill rows skips prefill; `decode_steps` decode steps run back to
-    back on the device (one host round trip for several steps). Static:
-    `table_width` (pages every row's table holds, prefill and decode alike: one
-    width keeps compiles few), `decode`, `speculative`, `greedy`, `truncated` (sampled
-    rows are truncated by their top_ks / top_ps / min_ps: `Sampler`), `decode_steps`,
-    `logprobs` (every emitted token's log-probabilities: `StepOutputs`), `adjusted`
+    """Run one `StepBatch`. D = 0 decode rows skips decoding, P = 0 prefill rows
+    skips prefill; `decode_steps` decode steps run back to back on the device (one
+    host round trip for several steps). Static: `table_width` (pages every row's table
+    holds, prefill and decode alike: one width keeps compiles few), `speculative`,
+    `greedy`, `truncated` (sampled rows are truncated by their top_ks / top_ps /
+    min_ps: `Sampler`), `decode_steps`, `logprobs` (every emitted token's log-probabilities: `StepOutputs`), `adjusted`
     (rows' logits are adjusted by their penalties and logit bias: `Sampler`)."""
     state = empty_slots(cfg, state, batch.reset_slots)
     kv = state.kv
@@ -139,7 +138,7 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
     num_out = jnp.zeros((decode_steps, rows), jnp.int32)
     decode_ok = jnp.ones((decode_steps, rows), bool)
     out_logprobs = jnp.zeros((decode_steps, rows, block, width), jnp.float32)
-    if decode and rows:
+    if rows:
         def one_step(state, _):
             return _decode_once(params, state, batch, cfg=cfg, table_width=table_width,
                                 speculative=speculative, greedy=greedy, truncated=truncated,
@@ -292,15 +291,15 @@ def unpack_outputs(packed: np.ndarray, *, num_decode: int, block_size: int,
 
 
 def packed_step(params, state: StepState, packed, *, cfg: StepConfig, num_prefill: int,
-                num_decode: int, table_width: int, decode: bool, speculative: bool,
-                greedy: bool, truncated: bool = False, decode_steps: int = 1,
-                logprobs: bool = False, adjusted: bool = False):
+                num_decode: int, table_width: int, speculative: bool, greedy: bool,
+                truncated: bool = False, decode_steps: int = 1, logprobs: bool = False,
+                adjusted: bool = False):
     """`mixed_step` on a packed batch, returning packed outputs."""
     batch = unpack_batch(packed, num_slots=cfg.spec.num_slots, num_decode=num_decode,
                          num_prefill=num_prefill, chunk=cfg.spec.max_step_tokens,
                          bias_width=MAX_LOGIT_BIAS if adjusted else 0)
     state, out = mixed_step(params, state, batch, cfg=cfg, table_width=table_width,
-                            decode=decode, speculative=speculative, greedy=greedy,
+                            speculative=speculative, greedy=greedy,
                             truncated=truncated, decode_steps=decode_steps,
                             logprobs=logprobs, adjusted=adjusted)
     return state, pack_outputs(out)

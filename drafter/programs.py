@@ -30,9 +30,9 @@ def packed_step_for(cfg: StepConfig, kind: str = "decode", copy: int = 0):
     (`StepConfig.graph_copies`)."""
     del copy  # only keys the cache: a distinct jit object compiles its own executable
     return jax.jit(functools.partial(packed_step, cfg=cfg),
-                   static_argnames=("num_prefill", "num_decode", "table_width", "decode",
-                                    "speculative", "greedy", "truncated", "decode_steps",
-                                    "logprobs", "adjusted"),
+                   static_argnames=("num_prefill", "num_decode", "table_width", "speculative",
+                                    "greedy", "truncated", "decode_steps", "logprobs",
+                                    "adjusted"),
                    donate_argnums=1,
                    compiler_options=cfg.compiler_options_for(kind))
 

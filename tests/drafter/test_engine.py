@@ -281,7 +281,7 @@ def test_batch_invariant_engines_run_every_prefill_call_at_full_rows(pair):
         rows, step_fn = [], engine.executor._step_fn
 
         def spy(*args, rows=rows, step_fn=step_fn, **kwargs):
-            if not kwargs["decode"] and kwargs["num_prefill"]:
+            if not kwargs["num_decode"] and kwargs["num_prefill"]:
                 rows.append(kwargs["num_prefill"])
             return step_fn(*args, **kwargs)
 
