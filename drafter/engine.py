@@ -36,6 +36,7 @@ from drafter.request import Request, RequestError, Result, SamplingParams
 from drafter.scheduler import Phase, Scheduler, Sequence
 from drafter.steps import StepConfig
 from drafter.update import update_from_output
+from drafter.warmup import warm_engine
 from unified_kv import AdmissionError
 
 __all__ = ["Engine", "Export", "KVSource", "Result", "Request", "SamplingParams"]
@@ -317,49 +318,12 @@ class Engine:
     def warmup(self, max_len: int | None = None, min_len: int = 0, *,
                sampled: bool = False, logprobs: bool = False, adjusted: bool = False) -> int:
         """Compile every call this engine's role makes for rows of `min_len` to `max_len`
-        tokens (default 0 to max_seq_len), by calls whose rows all pad (they change
-        nothing): decode of 1 and `decode_steps` steps at every padded row count (not a
-        context), prefill of every padded row count (not a worker fed by a KV source; 0
-        rows: resets alone), at every table width; greedy, with `sampled` also sampling,
-        with `logprobs` also returning log-probabilities, with `adjusted` also adjusting
-        logits (and marking prompts); the exports or imports and redrafts of those
-        lengths; the same for an in-process source's context engines. Returns the number
-        of widths."""
-        max_len = self.spec.max_seq_len if max_len is None else max_len
-        # An in-process source's senders first: one that holds requests refuses at once,
-        # before anything here compiles.
-        if (warm_source := getattr(self.kv_source, "warmup", None)) is not None:
-            warm_source(max_len, min_len, sampled=sampled, logprobs=logprobs,
-                        adjusted=adjusted)
-        block = self.cfg.block_size
-        widths = sorted({self._table_width(n + 2 * block) for n in
-                         range(min_len, max_len + 1, self.spec.page_size)})
-
-        def row_counts(kind, counts):
-            return sorted({self.scheduler.rows_for(kind, n) for n in counts})
-
-        # Only what this role runs: a context (export) never decodes, and a worker fed
-        # by a KV source never prefills (its calls without decode rows only empty slots).
-        prefill_rows = (row_counts("prefill", range(self.scheduler.max_prefill_rows + 1))
-                        if self.kv_source is None else [0])
-        decode_steps = [] if self.export else sorted({1, self.decode_steps})
-        self.executor.warm(widths, decode_steps=decode_steps,
-                           decode_rows=row_counts("decode", range(1, self.spec.num_slots + 1)),
-                           prefill_rows=prefill_rows, sampled=sampled, logprobs=logprobs,
+        tokens (default 0 to max_seq_len), changing nothing (drafter/warmup.py says which
+        calls); returns the number of table widths."""
+        return warm_engine(self, max_len, min_len, sampled=sampled, logprobs=logprobs,
                            adjusted=adjusted)
-        if adjusted:   # repetition penalties mark prompts as requests take their slots
-            self.executor.warm_marks(max_len)
-        lengths = range(max(min_len, 1), max_len + 1)
-        if self.scheduler.export or self.kv_source is not None:   # one per page bucket
-            self.executor.warm_transfers(lengths, exports=self.scheduler.export,
-                                         imports=self.kv_source is not None)
-        jax.block_until_ready(self.state)
-        return len(widths)
 
     # ------------------------------------------------------------ internals
-
-    def _table_width(self, max_len: int) -> int:
-        return self.executor.table_width(max_len)
 
     def _take_arrivals(self, wait_s: float) -> list[Result]:
         if self.kv_source is None:

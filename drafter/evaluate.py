@@ -193,7 +193,7 @@ def device_rate(engine, steps: int, repeats: int, *, donate: bool = False) -> di
     slots = jnp.asarray(held, dtype=jnp.int32)
     longest = int(np.max(np.asarray(engine.state.kv.target_lens))) + \
         (steps * (repeats + 1) + 2) * cfg.block_size
-    width = engine._table_width(longest)
+    width = engine.executor.table_width(longest)
 
     def step(params, state, key):
         return step_fn(params, state, slots, key, cfg=cfg, table_width=width)[0]
