@@ -203,12 +203,13 @@ class Executor(KVCalls):
         device array of it compile apart). Only a call that adjusts logits carries the
         slots' logit bias. A call with decode rows is a decode call, one without a prefill
         call (it may only empty slots)."""
-        self.calls[self._kind(batch.decode_slots.shape[0])] += 1
+        num_decode = batch.decode_slots.shape[0]
+        self.calls[self._kind(num_decode)] += 1
         if adjusted:
             batch = dataclasses.replace(batch, **self.sampling.batch_fields(adjusted=True))
         self.state, out = self._step_fn(
             self.params, self.state, pack_batch(batch),
-            num_prefill=batch.prefill_slots.shape[0], num_decode=batch.decode_slots.shape[0],
+            num_prefill=batch.prefill_slots.shape[0], num_decode=num_decode,
             table_width=table_width, speculative=self.speculative,
             greedy=greedy, truncated=truncated, decode_steps=decode_steps, logprobs=logprobs,
             adjusted=adjusted)

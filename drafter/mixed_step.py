@@ -111,8 +111,9 @@ def mixed_step(params, state: StepState, batch: StepBatch, *, cfg: StepConfig,
     host round trip for several steps). Static: `table_width` (pages every row's table
     holds, prefill and decode alike: one width keeps compiles few), `speculative`,
     `greedy`, `truncated` (sampled rows are truncated by their top_ks / top_ps /
-    min_ps: `Sampler`), `decode_steps`, `logprobs` (every emitted token's log-probabilities: `StepOutputs`), `adjusted`
-    (rows' logits are adjusted by their penalties and logit bias: `Sampler`)."""
+    min_ps: `Sampler`), `decode_steps`, `logprobs` (every emitted token's
+    log-probabilities: `StepOutputs`), `adjusted` (rows' logits are adjusted by their
+    penalties and logit bias: `Sampler`)."""
     state = empty_slots(cfg, state, batch.reset_slots)
     kv = state.kv
     rows, block = batch.decode_slots.shape[0], cfg.block_size

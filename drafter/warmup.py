@@ -44,8 +44,8 @@ def warm_engine(engine, max_len: int | None = None, min_len: int = 0, *,
                   adjusted=adjusted)
     if adjusted:   # repetition penalties mark prompts as requests take their slots
         executor.warm_marks(max_len)
-    if scheduler.export or fed:
+    if engine.export or fed:
         executor.warm_transfers(range(max(min_len, 1), max_len + 1),
-                                exports=scheduler.export, imports=fed)
+                                exports=engine.export, imports=fed)
     jax.block_until_ready(engine.state)
     return len(widths)
