@@ -88,32 +88,37 @@ def mixed_batches(docs, windows: list[tuple[int, int]], seed, skip=0):
 
 
 def greedy_tail_batches(batches, params, tcfg: Qwen3Config, tail: int,
-                        kv_dtype: str = "fp8_e4m3", sampled: int = 0):
+                        windows: list[tuple[int, int]], kv_dtype: str = "fp8_e4m3",
+                        sampled: int = 0):
     """Each window's last `tail` tokens replaced by the target's own greedy continuation
     of the rest, as the plain engine serves it (by default the shipped cache's fp8 target
     KV), so a drafter trains on the sequences it will be asked to draft. With `sampled`,
     the `sampled` tokens before the tail are drawn from the target at temperature 1 first:
     a context the target never trained on, as a held-out prompt is, where the window's
-    own text is one it may have learnt by heart. A function of the windows alone (the
-    draws' seed is the batch's checksum): a resumed run draws the same batches."""
+    own text is one it may have learnt by heart. One engine, sized for the largest of
+    `windows` (LENGTHxBATCH, every shape `batches` holds), serves every batch, so its
+    programs compile once for all of them. A function of the windows alone (the draws'
+    seed is the batch's checksum): a resumed run draws the same batches."""
     from drafter.default import default_step_config
     from drafter.engine import Engine
-    engines = {}  # one per window shape: its programs compile once
+    longest, widest = max(t for t, _ in windows), max(n for _, n in windows)
+    # room past the window for the engine's lookahead rows
+    cfg = default_step_config(tcfg, None, num_slots=widest,
+                              max_seq_len=-(-(longest + 32) // 16) * 16,
+                              target_kv_dtype=kv_dtype)
+    engine = Engine(params, cfg, speculative=False)
     for x in batches:
         n, t = x.shape
-        if (n, t) not in engines:
-            # room past the window for the engine's lookahead rows
-            cfg = default_step_config(tcfg, None, num_slots=n,
-                                      max_seq_len=-(-(t + 32) // 16) * 16,
-                                      target_kv_dtype=kv_dtype)
-            engines[n, t] = Engine(params, cfg, speculative=False)
+        if t > longest or n > widest:
+            raise ValueError(f"a batch of {n} windows of {t} tokens is not among the "
+                             f"windows {windows} the engine was sized for")
         heads = np.asarray(x)[:, :t - tail - sampled]
         if sampled:
             seed = zlib.crc32(heads.tobytes())
-            drawn = engines[n, t].generate([h.tolist() for h in heads], sampled,
-                                           temperature=1.0, seed=seed)
+            drawn = engine.generate([h.tolist() for h in heads], sampled,
+                                    temperature=1.0, seed=seed)
             heads = np.concatenate([heads, np.asarray([r.tokens for r in drawn])], 1)
-        outs = engines[n, t].generate([h.tolist() for h in heads], tail)
+        outs = engine.generate([h.tolist() for h in heads], tail)
         yield jnp.asarray(np.concatenate([heads, np.asarray([r.tokens for r in outs])], 1),
                           jnp.int32)
 
@@ -178,7 +183,7 @@ def train_pair_drafter(args, target, tcfg, dcfg, draft, train_docs, windows,
                                     skip=resume_from)
     if args.greedy_tail is not None:
         windows_in_turn = greedy_tail_batches(windows_in_turn, {"target": target}, tcfg,
-                                              args.greedy_tail,
+                                              args.greedy_tail, windows,
                                               sampled=args.sampled_context or 0)
     draft, d_losses = train_drafter(target, tcfg, dcfg, draft, windows_in_turn,
                                     steps=args.draft_steps, lr=args.draft_lr, anchors_per_seq=32,

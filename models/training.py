@@ -55,7 +55,10 @@ def train_loop(loss_fn: Callable, params, batches: Iterator, *, steps: int, lr: 
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
                                                   lr * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
+    # Committed to the device, as a state restored from a checkpoint is: jit keys its
+    # cache on committed-ness, so a resumed run reuses the fresh run's compiled update.
+    state = jax.device_put({"params": params, "opt_state": opt.init(params),
+                            "step": jnp.int32(0)}, jax.devices()[0])
     losses: list[float] = []
     manager = None
     if ckpt_dir is not None:

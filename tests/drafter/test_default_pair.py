@@ -28,8 +28,10 @@ def test_shipped_checkpoints_load_with_the_recipe_configs(default_pair):
 def test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor(default_pair):
     params, tcfg, dcfg = default_pair
     prompts = [p["tokens"] for p in load_prompts() if p["length"] == 128][:4]
-    engines = (Engine(params, default_step_config(tcfg, dcfg, num_slots=4)),
-               Engine(params, default_step_config(tcfg, None, num_slots=4), speculative=False))
+    # batch-invariant: each kind of call has one shape (rows batched otherwise: test_lossless)
+    engines = (Engine(params, default_step_config(tcfg, dcfg, num_slots=4), batch_invariant=True),
+               Engine(params, default_step_config(tcfg, None, num_slots=4), speculative=False,
+                      batch_invariant=True))
     speculative, plain = (e.generate(prompts, 32) for e in engines)
     assert [r.tokens for r in speculative] == [r.tokens for r in plain]
     al = float(np.mean([a for r in speculative for a in r.acceptance]))

@@ -54,7 +54,8 @@ def test_greedy_tails_are_the_targets_own_continuations():
     params, cfg, _ = tiny_pair(num_slots=2)
     windows = np.random.default_rng(4).integers(0, 63, (3, 40)).astype(np.int32)
     batches = [jnp.asarray(windows[:2]), jnp.asarray(windows[1:])]
-    out = list(greedy_tail_batches(iter(batches), params, cfg.target, 12, kv_dtype="f32"))
+    out = list(greedy_tail_batches(iter(batches), params, cfg.target, 12, [(40, 2)],
+                                   kv_dtype="f32"))
     assert [b.shape for b in out] == [(2, 40), (2, 40)]
     np.testing.assert_array_equal(np.asarray(out[0])[:, :28], windows[:2, :28])
     np.testing.assert_array_equal(np.asarray(out[0])[1], np.asarray(out[1])[0])
@@ -63,6 +64,9 @@ def test_greedy_tails_are_the_targets_own_continuations():
         logits, _ = dense_forward(params["target"], cfg.target, jnp.asarray(row[None]))
         for p in range(28, 40):
             assert int(jnp.argmax(logits[0, p - 1])) == row[p]
+    with pytest.raises(ValueError, match="3 windows of 40 tokens is not among the windows"):
+        next(greedy_tail_batches(iter([jnp.asarray(windows)]), params, cfg.target, 12,
+                                 [(40, 2)], kv_dtype="f32"))
 
 
 def test_a_sampled_context_comes_before_the_greedy_tail():
@@ -74,7 +78,8 @@ def test_a_sampled_context_comes_before_the_greedy_tail():
     params, cfg, _ = tiny_pair(num_slots=2)
     windows = np.random.default_rng(5).integers(0, 63, (2, 40)).astype(np.int32)
     out, again = (np.asarray(next(greedy_tail_batches(iter([jnp.asarray(windows)]), params,
-                                                      cfg.target, 8, kv_dtype="f32",
+                                                      cfg.target, 8, [(40, 2)],
+                                                      kv_dtype="f32",
                                                       sampled=10)))
                   for _ in range(2))
     np.testing.assert_array_equal(out, again)
