@@ -12,7 +12,8 @@ Every figure is set against a bound measured in the same run:
                     table is not read by a step (a gather of B rows)
   compute bound     2 x params x tokens / matmul peak (verify: block tokens per
                     row through the target; draft: block tokens through the
-                    drafter's layers and the shared lm_head)
+                    drafter's layers and the shared lm_head); prefill: the
+                    layers at every prompt token, the head at its last one
 
 Per batch and context: device step time of plain and speculative decode (one
 jitted loop, no host), the engine's host loop beside it (`Engine.step`),
@@ -150,8 +151,10 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
               f"{row['prefill_tokens_per_s']:.0f} tok/s, cold prefill {cold:.1f} s, decode "
               f"compile ~{compile_decode:.1f} s", flush=True)
         del eng
-    flops_prefill = flops_t * context + 4 * tcfg.num_layers * tcfg.num_heads * \
-        tcfg.head_dim * context * context // 2
+    # the layers at every prompt position, the head at the last one alone
+    head = param_bytes(params["target"].get("lm_head", params["target"]["embed"]))
+    flops_prefill = (flops_t - head) * context + head + 4 * tcfg.num_layers * \
+        tcfg.num_heads * tcfg.head_dim * context * context // 2
     out["prefill_utilisation"] = batch * flops_prefill / out["plain"]["prefill_warm_s"] / peak
     out["compile_s"] = (out["plain"]["prefill_cold_s"] - out["plain"]["prefill_warm_s"]
                         + out["plain"]["compile_decode_s"]

@@ -29,7 +29,7 @@ from drafter.dflash import DFlashConfig, draft_block, write_context
 from drafter.sampling import (Sampler, accept, adjust, adjusted_drafts, emitted_tokens,
                               first_counts, sample, token_logprobs)
 from models.attention import resolve_impl
-from models.qwen3 import Qwen3Config, forward
+from models.qwen3 import Qwen3Config, at_index, forward, lm_head, run_layers
 from pallas_kernels.batch_tables import build_batch_tables, build_batch_tables_reference
 from unified_kv import (CacheSpec, KVState, allocate_pages, grow, release_slots,
                         retire_window_pages)
@@ -246,14 +246,17 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
     num_tokens = jnp.where(ok, num_tokens, 0)
     tables = cfg.device_tables(kv, slot_ids, table_width)
     feature_layers = cfg.draft.target_layer_ids if cfg.draft else ()
-    logits, pools, feats = forward(params["target"], cfg.target, spec, kv.pools, tables, tokens,
-                                   starts, num_tokens, feature_layers=feature_layers,
-                                   impl=cfg.impl, scan_unroll=cfg.scan_unroll)
+    x, pools, feats = run_layers(params["target"], cfg.target, spec, kv.pools, tables, tokens,
+                                 starts, num_tokens, feature_layers=feature_layers,
+                                 impl=cfg.impl, scan_unroll=cfg.scan_unroll)
     if cfg.draft is not None:
         pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, starts,
                               num_tokens)
     kv = kv.replace(pools=pools)
-    last = jnp.take_along_axis(logits, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)
+    # The head at each row's last position alone, in every variant (so log-probabilities
+    # never change a first token): the whole chunk's logits are a prompt's
+    # log-probabilities' only, a matmul of vocab columns a token.
+    last = lm_head(params["target"], cfg.target, at_index(x, jnp.maximum(num_tokens - 1, 0)))
     # Nothing generated yet: the first token sees its logit bias and its prompt.
     nothing = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
     first = sample(adjust(last, jnp.zeros(last.shape[::2], jnp.int32),
@@ -275,7 +278,8 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
     if not logprobs:
         return out
     following = jnp.concatenate([tokens[:, 1:], next_tokens[:, None]], axis=1)
-    return out + (token_logprobs(last[:, 0], first), token_logprobs(logits, following))
+    return out + (token_logprobs(last[:, 0], first),
+                  token_logprobs(lm_head(params["target"], cfg.target, x), following))
 
 
 def idle_dummy(cfg: StepConfig, running):

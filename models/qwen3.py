@@ -223,7 +223,23 @@ def decoder_layer(p, x, cfg, attention):
 def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, starts,
             num_tokens, *, feature_layers: tuple[int, ...] = (), impl: str = "auto",
             scan_unroll: int = 1):
-    """Run `tokens` through the target, storing their K/V into the cache.
+    """`run_layers`, then the head at every position: (logits f32[B, T, vocab], pools,
+    features)."""
+    x, pools, feats = run_layers(params, cfg, spec, pools, tables, tokens, starts, num_tokens,
+                                 feature_layers=feature_layers, impl=impl,
+                                 scan_unroll=scan_unroll)
+    return lm_head(params, cfg, x), pools, feats
+
+
+def at_index(x, index):
+    """x[b, index[b]] of x [B, T, ...], keeping the axis: [B, 1, ...]."""
+    return jnp.take_along_axis(x, index.reshape(-1, *[1] * (x.ndim - 1)), axis=1)
+
+
+def run_layers(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, starts,
+               num_tokens, *, feature_layers: tuple[int, ...] = (), impl: str = "auto",
+               scan_unroll: int = 1):
+    """Run `tokens` through the target's layers, storing their K/V into the cache.
 
     Stacked params["layers"] run as scans over runs of alike layers, a list of
     per-layer dicts unrolled (models/layers.py). What every layer shares (RoPE's
@@ -235,8 +251,9 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
       tokens: i32[B, T]; starts: i32[B] position of tokens[:, 0] (= cached
         length before this call); num_tokens: i32[B] valid tokens (0: padding).
     Returns:
-      (logits f32[B, T, vocab], pools, features [B, T, len(feature_layers) * H]):
-      features are the residual stream after each requested layer.
+      (x [B, T, H] the residual stream after the last layer, pools,
+      features [B, T, len(feature_layers) * H]: the residual stream after each
+      requested layer).
     """
     b, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
@@ -263,8 +280,7 @@ def forward(params, cfg: Qwen3Config, spec: CacheSpec, pools, tables, tokens, st
         layer_fn, params["layers"], layer_runs(spec, "target", cfg.num_layers),
         params["embed"][tokens], tuple(pools), taps=tuple(feature_layers), unroll=scan_unroll,
         unsliced=("q_norm", "k_norm"))
-    feats = jnp.concatenate(features, axis=-1) if feature_layers else None
-    return lm_head(params, cfg, x), pools, feats
+    return x, pools, jnp.concatenate(features, axis=-1) if feature_layers else None
 
 
 def block_forward(layers, cfg, spec: CacheSpec, pools, tables, x, positions, ctx_lens,

@@ -254,3 +254,31 @@ def test_min_tokens_is_checked(pair):
         crowded, ignore_eos=True)))   # 9 bans + 55 entries
     assert len(engine.run()[0].tokens) == 4
     assert_all_free(engine)
+
+
+def test_a_prefill_runs_the_head_over_a_whole_chunk_only_for_prompt_logprobs(pair,
+                                                                             monkeypatch):
+    """A prefill's first tokens need the head at each row's last position alone ([B, 1,
+    H]); the head over every chunk position, a matmul of vocab columns a token and an
+    f32 [B, T, vocab] buffer, runs only in the log-probabilities variant."""
+    import drafter.steps as steps
+    from drafter.sampling import Sampler
+    from drafter.steps import init_step_state
+    from unified_kv import init_state
+    params, cfg, _ = pair
+    heads, real_head = [], steps.lm_head
+    monkeypatch.setattr(steps, "lm_head", lambda p, c, x: heads.append(x.shape) or
+                        real_head(p, c, x))
+    rows, chunk = 2, cfg.spec.max_step_tokens
+    state = init_step_state(cfg, init_state(cfg.spec))
+    args = (params, state, np.arange(rows, dtype=np.int32), np.ones((rows, chunk), np.int32),
+            np.full(rows, chunk, np.int32), np.ones(rows, bool),
+            Sampler.uniform(rows, 0.0, jax.random.key(0)))
+    hidden = cfg.target.hidden_size
+    for logprobs, expected in ((False, [(rows, 1, hidden)]),
+                               (True, [(rows, 1, hidden), (rows, chunk, hidden)])):
+        heads.clear()
+        jax.eval_shape(functools.partial(steps.prefill_rows, cfg=cfg, table_width=8,
+                                         logprobs=logprobs,
+                                         next_tokens=np.zeros(rows, np.int32)), *args)
+        assert heads == expected, logprobs
