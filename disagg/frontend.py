@@ -55,8 +55,10 @@ def add_model_args(p) -> None:
     p.add_argument("--kv-memory-mib", type=int, default=None,
                    help=f"KV cache memory of each worker, MiB (default {DEFAULT_KV_MIB})")
     p.add_argument("--kv-memory-fraction", type=float, default=None,
-                   help="instead: size the KV caches to this share of the device memory "
-                        "left after the weights (a device that reports its memory)")
+                   help="instead: size the KV caches so that the weights and the caches "
+                        "take this share of the device's memory (vLLM's "
+                        "--gpu-memory-utilization); the rest is the steps' working memory "
+                        "(a device that reports its memory)")
     p.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unrolled"),
                    help="scan: one compiled body per run of alike layers (fast compiles of "
                         "deep models); unrolled: each layer traced (fastest steps on GPUs); "
@@ -70,8 +72,8 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
               kv_memory_mib: int | None = None, kv_memory_fraction: float | None = None,
               caches_per_device: int = 1, layer_loop: str = "auto") -> ModelPair:
     """The pair at `target` / `drafter`, or the embedded one when both are None, with a
-    KV cache of `kv_memory_mib`, or of `kv_memory_fraction` of the device memory left
-    once the weights are loaded, shared by `caches_per_device` caches."""
+    KV cache of `kv_memory_mib`, or of what `kv_memory_fraction` of the device memory
+    leaves once the weights are loaded, shared by `caches_per_device` caches."""
     from drafter.checkpoint import load_dflash
     from drafter.default import load_default
     from models.checkpoint import load_qwen3

@@ -108,7 +108,8 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-memory-mib", type=int, default=None,
                    help="KV cache memory, MiB (default 1024)")
     p.add_argument("--kv-memory-fraction", type=float, default=None,
-                   help="instead: this share of the device memory the weights leave")
+                   help="instead: the weights and the cache take this share of the "
+                        "device's memory")
     p.add_argument("--draft-kv", default=None, choices=("shared", "private"),
                    help="shared (default) or private; a context with --no-drafter is private")
     p.add_argument("--no-drafter", action="store_true",

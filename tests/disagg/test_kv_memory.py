@@ -20,7 +20,8 @@ class Device:
         return self.stats
 
 
-def test_a_fraction_takes_its_share_of_what_the_weights_leave_split_over_the_caches():
+def test_a_fraction_bounds_the_weights_and_the_caches_together_split_over_the_caches():
+    """0.9 of 100 GiB with 20 GiB of weights: 70 GiB of KV; 10 GiB stays working memory."""
     device = Device(100 * GIB, 20 * GIB)
     assert kv_budget_bytes(None, 0.9, 1, device) == 70 * GIB
     assert kv_budget_bytes(None, 0.9, 2, device) == 35 * GIB
