@@ -253,9 +253,9 @@ def prefill_rows(params, state: StepState, slot_ids, tokens, num_tokens, is_last
         pools = write_context(params["draft"], cfg.draft, spec, pools, tables, feats, starts,
                               num_tokens)
     kv = kv.replace(pools=pools)
-    # The head at each row's last position alone, in every variant (so log-probabilities
-    # never change a first token): the whole chunk's logits are a prompt's
-    # log-probabilities' only, a matmul of vocab columns a token.
+    # The head at each row's last position alone, in every variant, so asking for
+    # log-probabilities never changes a first token; the head over the whole chunk (a
+    # matmul of vocab columns a token) runs only for a prompt's log-probabilities.
     last = lm_head(params["target"], cfg.target, at_index(x, jnp.maximum(num_tokens - 1, 0)))
     # Nothing generated yet: the first token sees its logit bias and its prompt.
     nothing = jnp.zeros((slot_ids.shape[0], 0), jnp.int32)
