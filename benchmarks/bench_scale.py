@@ -79,10 +79,14 @@ def weight_read_bytes(params) -> tuple[int, int]:
     lm_head, else just B rows of it), and what a speculative step reads on top (the
     drafter, and the lm_head again for the draft block)."""
     target = params["target"]
-    head = target.get("lm_head", target["embed"])
     plain = param_bytes(target) - param_bytes(target["embed"]) + (
-        0 if "lm_head" in target else param_bytes(head))
-    return plain, param_bytes(params["draft"]) + param_bytes(head)
+        0 if "lm_head" in target else head_bytes(target))
+    return plain, param_bytes(params["draft"]) + head_bytes(target)
+
+
+def head_bytes(target) -> int:
+    """Bytes of the target's head: its lm_head, or the embedding table it is tied to."""
+    return param_bytes(target.get("lm_head", target["embed"]))
 
 
 def kv_bytes_per_token(layers) -> int:
@@ -152,7 +156,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
               f"compile ~{compile_decode:.1f} s", flush=True)
         del eng
     # the layers at every prompt position, the head at the last one alone
-    head = param_bytes(params["target"].get("lm_head", params["target"]["embed"]))
+    head = head_bytes(params["target"])
     flops_prefill = (flops_t - head) * context + head + 4 * tcfg.num_layers * \
         tcfg.num_heads * tcfg.head_dim * context * context // 2
     out["prefill_utilisation"] = batch * flops_prefill / out["plain"]["prefill_warm_s"] / peak
