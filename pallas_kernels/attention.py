@@ -41,6 +41,8 @@ IMPLS = ("auto", "pallas", "interpret", "reference")
 BACKENDS = ("reference", "interpret", "pallas", "gluon")
 GLUON_MIN_CAPABILITY = (8, 0)  # cp.async and mma.sync (Ampere and later)
 SMALL_BATCH_GLUON_HEAD_DIM = 128  # key splits at small batch measured from this head dim
+# (row, kv head) programs per SM from which fp8 few-query calls take the Gluon kernel
+GLUON_MIN_PROGRAMS_PER_SM = 2
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def _gluon_preferred(q, pool, *, draft_block: bool, device: DeviceInfo) -> bool:
     # smaller heads (the embedded pair's 32) keep the Pallas kernel at small batch
     splits = (q.shape[-1] >= SMALL_BATCH_GLUON_HEAD_DIM
               and small_batch_split_keys(batch, num_kv_heads, device.num_sms) > 0)
-    if batch * num_kv_heads < 2 * device.num_sms and not splits:
+    if batch * num_kv_heads < GLUON_MIN_PROGRAMS_PER_SM * device.num_sms and not splits:
         return False
     if pool.dtype == jnp.float8_e4m3fn:
         return True
