@@ -366,3 +366,20 @@ def test_alternated_step_copies_give_the_same_tokens_and_are_all_warmed(caplog):
     assert_all_free(engine)
     with pytest.raises(ValueError, match="graph_copies is 0"):
         Engine(params, dataclasses.replace(cfg, graph_copies=0))
+
+
+def test_every_step_call_writes_the_cache_in_place(pair):
+    """Prefill chunks and decode calls update the pools in the buffers they were given
+    (donated, aliased to the outputs): a call that copied a pool would hold two caches
+    at once, and an engine sized to the device's memory would run out of it."""
+    params, speculative_cfg, _ = pair
+    engine = Engine(params, speculative_cfg)
+    pointers = [p.unsafe_buffer_pointer() for p in engine.state.kv.pools]
+    chunk = engine.spec.max_step_tokens
+    engine.add_request("long", [5 + i % 50 for i in range(3 * chunk + 7)], 12)
+    engine.add_request("short", [7, 8, 9], 12)
+    while engine.has_work:
+        engine.step()
+        jax.block_until_ready(engine.state)
+        assert [p.unsafe_buffer_pointer() for p in engine.state.kv.pools] == pointers
+    assert engine.executor.calls["prefill"] >= 3 and engine.executor.calls["decode"] >= 2

@@ -424,3 +424,33 @@ def test_an_imported_first_token_is_booked_before_its_steps_outputs_are_read(pai
     alone = Engine(params, cfg).generate([prompt], 5)[0]
     assert result.ok and result.tokens == alone.tokens
     assert result.token_times_s[0] < result.token_times_s[1], result.token_times_s
+
+
+def test_export_and_import_calls_keep_each_cache_in_place(pair):
+    """A sender's prefills and exports and a receiver's imports (and redrafts) and decode
+    calls leave each engine's pools in the buffers they started in: no transfer call
+    holds a second copy of a cache."""
+    params, cfg, _ = pair
+    prompts = {f"r{i}": [(5 * i + j) % 60 + 1 for j in range(n)]
+               for i, n in enumerate((9, 40, 90))}
+    for mode in ("shared", "private"):
+        sender = Engine(params, cfg, export=True, speculative=False, mode=mode)
+        sent = [p.unsafe_buffer_pointer() for p in sender.state.kv.pools]
+        for rid, prompt in prompts.items():
+            sender.add_request(rid, prompt, 4)
+        exports = []
+        while len(exports) < len(prompts):
+            sender.step()
+            exports += sender.take_exports()
+            jax.block_until_ready(sender.state)
+            assert [p.unsafe_buffer_pointer() for p in sender.state.kv.pools] == sent
+        payloads = {e.request.request_id: e.payload for e in exports}
+        receiver = Engine(params, cfg, kv_source=OneShot(payloads), mode=mode)
+        received = [p.unsafe_buffer_pointer() for p in receiver.state.kv.pools]
+        for rid, prompt in prompts.items():
+            receiver.add_request(rid, prompt, 6)
+        while receiver.has_work:
+            receiver.step()
+            jax.block_until_ready(receiver.state)
+            assert [p.unsafe_buffer_pointer() for p in receiver.state.kv.pools] == received
+        assert sender.executor.calls["export"] >= 1 and receiver.executor.calls["import"] >= 1
