@@ -19,7 +19,8 @@ Per batch and context: device step time of plain and speculative decode (one
 jitted loop, no host), the engine's host loop beside it (`Engine.step`),
 prefill tokens/s and utilisation (the batch's prompts, chunked and batched by
 the scheduler), the wall time of each first call (compile included, minus the
-same call warm), and peak device memory; and what admission takes at 32K tokens
+same call warm), whether every prefill call updated the cache in place, and peak
+device memory; and what admission takes at 32K tokens
 a request in 90% of the memory the weights leave. Writes scale.json.
 """
 
@@ -112,6 +113,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
         # Cold: the batch's prompts prefilled (every prefill and decode variant they
         # use compiles), then cancelled. Warm: the same prompts again, compiled.
         times = []
+        pools = [p.unsafe_buffer_pointer() for p in eng.state.kv.pools]
         for round_ in ("cold", "warm"):
             start = time.perf_counter()
             for i in range(batch):
@@ -123,6 +125,12 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
                     eng.cancel(f"cold{i}")
                 eng.run()
         cold, warm = times
+        # Every prefill call updates the cache in its own buffers (donated): a call that
+        # copied it would hold two caches, which large batch x context cannot afford.
+        in_place = pools == [p.unsafe_buffer_pointer() for p in eng.state.kv.pools]
+        if not in_place:
+            print(f"  b{batch} ctx {context} {name}: a prefill call COPIED the KV cache "
+                  f"instead of updating it in place", flush=True)
         print(f"  b{batch} ctx {context} {name}: prefill cold {cold:.1f} s, warm {warm:.2f} s",
               flush=True)  # progress: a run cut short by its time limit still reports
         # the engine's host loop first: the device loop then takes the state (donated: a
@@ -135,6 +143,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
         kv = batch * context * kv_bytes_per_token(cfg.spec.layers)
         roof = (weights_t + (weights_d if speculative else 0) + kv) / bw
         row = {**dev, "prefill_cold_s": cold, "prefill_warm_s": warm,
+               "cache_in_place": in_place,
                "prefill_tokens_per_s": batch * context / warm,
                "compile_decode_s": compile_decode, "roofline_ms": roof * 1e3,
                "over_roofline": dev["device_step_ms"] * 1e-3 / roof}

@@ -137,7 +137,8 @@ for stage in "${stages[@]}"; do
       # target's, and asking for them changes no token; penalties and logit bias: the
       # reference's tokens, and on the shipped pair penalized speculative == plain with
       # drafts accepted (the GPU's own rounding of the one penalty expression); min_tokens
-      # bans, speculative == plain; prompt log-probabilities, the target's across chunks
+      # bans, speculative == plain; prompt log-probabilities, the target's across chunks;
+      # every step, export and import call updates the caches in place (no second copy)
       run 400 pytest_lossless env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q \
         -p no:cacheprovider -n 4 --dist load \
         tests/drafter/test_lossless.py tests/drafter/test_precision.py \
@@ -148,7 +149,9 @@ for stage in "${stages[@]}"; do
         "tests/drafter/test_engine_sampling.py::test_logit_bias_forces_and_bans_tokens_from_the_first_one_on" \
         "tests/drafter/test_engine_sampling.py::test_min_tokens_bans_stop_and_eos_ids_from_the_first_tokens_only" \
         "tests/drafter/test_engine_sampling.py::test_prompt_logprobs_are_the_targets_own_across_chunks" \
-        "tests/drafter/test_default_pair.py::test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor" ;;
+        "tests/drafter/test_default_pair.py::test_speculative_equals_plain_on_shipped_prompts_and_acceptance_floor" \
+        "tests/drafter/test_engine.py::test_every_step_call_writes_the_cache_in_place" \
+        "tests/drafter/test_kv_io.py::test_export_and_import_calls_keep_each_cache_in_place" ;;
     attention)
       run 330 paged_attention python3 benchmarks/bench_paged_attention.py --out "$OUT" \
         "${bench_args[@]}"
