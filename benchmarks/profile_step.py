@@ -214,12 +214,14 @@ def profile(engine, steps: int, top: int, label: str, *, donate: bool) -> dict:
     # the profiled region ran the loop 1 + repeats times (the compile-and-warm run first)
     calls = (1 + repeats) * steps
     out = print_kernels(kernel_times(trace_dir, calls), top,
-                        f"{label}: device loop, {step_ms:.3f} ms a step")
+                        f"{label}: device loop, {step_ms:.3f} ms a step"
+                        + ("" if donate else " (each loop call copies the state first)"))
     gaps = kernel_gaps(trace_dir, calls)
     print(f"idle between kernels: {sum(t for _, t, _ in gaps):.3f} ms a step", flush=True)
     for name, ms, times in gaps[:15]:
         print(f"  {ms:8.3f} ms  x{times:<4d} {name}", flush=True)
-    return {"device_step_ms": step_ms, "idle_ms": sum(t for _, t, _ in gaps),
+    return {"device_step_ms": step_ms, "state_donated": donate,
+            "idle_ms": sum(t for _, t, _ in gaps),
             "idle": [{"between": n, "ms": t, "times": c} for n, t, c in gaps[:15]], **out}
 
 
