@@ -90,6 +90,11 @@ def head_bytes(target) -> int:
     return param_bytes(target.get("lm_head", target["embed"]))
 
 
+def pool_addresses(engine) -> list[int]:
+    """Where each of `engine`'s KV pools lives on its device."""
+    return [p.unsafe_buffer_pointer() for p in engine.state.kv.pools]
+
+
 def kv_bytes_per_token(layers) -> int:
     """K and V of one token in every layer."""
     return sum(2 * l.num_kv_heads * l.head_dim * jnp.dtype(l.dtype).itemsize for l in layers)
@@ -113,7 +118,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
         # Cold: the batch's prompts prefilled (every prefill and decode variant they
         # use compiles), then cancelled. Warm: the same prompts again, compiled.
         times = []
-        pools = [p.unsafe_buffer_pointer() for p in eng.state.kv.pools]
+        pools = pool_addresses(eng)
         for round_ in ("cold", "warm"):
             start = time.perf_counter()
             for i in range(batch):
@@ -127,7 +132,7 @@ def measure(params, tcfg, dcfg, batch: int, context: int, steps: int, bw: float,
         cold, warm = times
         # Every prefill call updates the cache in its own buffers (donated): a call that
         # copied it would hold two caches, which large batch x context cannot afford.
-        in_place = pools == [p.unsafe_buffer_pointer() for p in eng.state.kv.pools]
+        in_place = pools == pool_addresses(eng)
         if not in_place:
             print(f"  b{batch} ctx {context} {name}: a prefill call COPIED the KV cache "
                   f"instead of updating it in place", flush=True)

@@ -27,6 +27,13 @@ def assert_same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+def pool_addresses(engine):
+    """Where each of `engine`'s KV pools lives on its device (equal across calls: the
+    calls update the cache in place)."""
+    jax.block_until_ready(engine.state)
+    return [p.unsafe_buffer_pointer() for p in engine.state.kv.pools]
+
+
 def assert_all_free(engine):
     """Nothing held: every pool's pages free, no reservation, every slot free, no request
     active or running (after an engine's last step, and after each fault)."""

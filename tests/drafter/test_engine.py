@@ -10,7 +10,7 @@ from drafter.engine import Engine
 from drafter.request import RequestError, SamplingParams
 from tests.compile_log import compiled_in
 from tests.drafter import engine_pair
-from tests.drafter.engine_pair import assert_all_free, assert_same, snapshot
+from tests.drafter.engine_pair import assert_all_free, assert_same, pool_addresses, snapshot
 from tests.drafter.tiny import tiny_pair
 from unified_kv import AdmissionError
 
@@ -374,12 +374,11 @@ def test_every_step_call_writes_the_cache_in_place(pair):
     at once, and an engine sized to the device's memory would run out of it."""
     params, speculative_cfg, _ = pair
     engine = Engine(params, speculative_cfg)
-    pointers = [p.unsafe_buffer_pointer() for p in engine.state.kv.pools]
+    pointers = pool_addresses(engine)
     chunk = engine.spec.max_step_tokens
     engine.add_request("long", [5 + i % 50 for i in range(3 * chunk + 7)], 12)
     engine.add_request("short", [7, 8, 9], 12)
     while engine.has_work:
         engine.step()
-        jax.block_until_ready(engine.state)
-        assert [p.unsafe_buffer_pointer() for p in engine.state.kv.pools] == pointers
+        assert pool_addresses(engine) == pointers
     assert engine.executor.calls["prefill"] >= 3 and engine.executor.calls["decode"] >= 2

@@ -20,6 +20,7 @@ from drafter.scheduler import padded_rows, row_shapes
 from drafter.steps import empty_slots
 from pallas_kernels.testing import whole_pool_conversions
 from tests.compile_log import compiled_in
+from tests.drafter.engine_pair import pool_addresses
 from tests.drafter.tiny import tiny_pair
 from unified_kv import BAD_PAGE_INDEX
 
@@ -435,22 +436,20 @@ def test_export_and_import_calls_keep_each_cache_in_place(pair):
                for i, n in enumerate((9, 40, 90))}
     for mode in ("shared", "private"):
         sender = Engine(params, cfg, export=True, speculative=False, mode=mode)
-        sent = [p.unsafe_buffer_pointer() for p in sender.state.kv.pools]
+        sent = pool_addresses(sender)
         for rid, prompt in prompts.items():
             sender.add_request(rid, prompt, 4)
         exports = []
         while len(exports) < len(prompts):
             sender.step()
             exports += sender.take_exports()
-            jax.block_until_ready(sender.state)
-            assert [p.unsafe_buffer_pointer() for p in sender.state.kv.pools] == sent
+            assert pool_addresses(sender) == sent
         payloads = {e.request.request_id: e.payload for e in exports}
         receiver = Engine(params, cfg, kv_source=OneShot(payloads), mode=mode)
-        received = [p.unsafe_buffer_pointer() for p in receiver.state.kv.pools]
+        received = pool_addresses(receiver)
         for rid, prompt in prompts.items():
             receiver.add_request(rid, prompt, 6)
         while receiver.has_work:
             receiver.step()
-            jax.block_until_ready(receiver.state)
-            assert [p.unsafe_buffer_pointer() for p in receiver.state.kv.pools] == received
+            assert pool_addresses(receiver) == received
         assert sender.executor.calls["export"] >= 1 and receiver.executor.calls["import"] >= 1
