@@ -119,7 +119,8 @@ class Campaign:
         self.env = {"JAX_COMPILATION_CACHE_DIR": str(self.workdir / "jax_cache"),
                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2"}
         self.params, self.cfg = self.pair.load()
-        self.kv_format, self.weights = KVFormat.of(self.cfg.spec, "shared"), Weights.of(self.params)
+        self.kv_format = KVFormat.of(self.cfg.spec, "shared")
+        self.weights = Weights.of(self.params, self.cfg)
         self.mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
         self.events: list[dict] = []
         self.generation_checks: list[int] = []   # pages leaked after each serve

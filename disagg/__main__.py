@@ -89,6 +89,7 @@ def serve(args) -> None:
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
                      max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
                      kv_memory_fraction=args.kv_memory_fraction, layer_loop=args.layer_loop,
+                     dtype=args.dtype,
                      caches_per_device=caches_per_device(args.draft_kv))
     weights = sum(x.nbytes for x in jax.tree.leaves(pair.params))
     print(f"serve: weights {weights / 2**30:.2f} GiB; "
@@ -125,6 +126,7 @@ def demo(args) -> None:
     pair = load_pair(args.target, args.drafter, num_slots=args.num_slots,
                      max_seq_len=args.max_seq_len, kv_memory_mib=args.kv_memory_mib,
                      kv_memory_fraction=args.kv_memory_fraction, layer_loop=args.layer_loop,
+                     dtype=args.dtype,
                      caches_per_device=caches_per_device("shared"))
     report = run_demo(pair, cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     report["compile_cache"] = {"dir": args.cache_dir, "programs_compiled": args.counter.compiled,

@@ -28,7 +28,9 @@ from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
 from drafter.request import SamplingParams
 from drafter.scheduler import row_shapes
+from drafter.steps import scans_layers
 from drafter.tokenizer import TokenizerError, load_tokenizer
+from models.layers import step_params
 from unified_kv import CacheSpecError
 
 MODES = ("aggregated", "shared", "private")
@@ -62,7 +64,10 @@ def add_model_args(p) -> None:
     p.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unrolled"),
                    help="scan: one compiled body per run of alike layers (fast compiles of "
                         "deep models); unrolled: each layer traced (fastest steps on GPUs); "
-                        "auto: unrolled on GPUs, scan elsewhere")
+                        "auto: unrolled on GPUs up to 8 layers, scan otherwise")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="the weights' dtype on the device (with --target); auto: the "
+                        "checkpoint's own, bf16 when every weight is stored in bf16, else f32")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent compilation cache (also: "
                         "DFLASH_COMPILE_CACHE=0)")
@@ -70,10 +75,13 @@ def add_model_args(p) -> None:
 
 def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int = 9216,
               kv_memory_mib: int | None = None, kv_memory_fraction: float | None = None,
-              caches_per_device: int = 1, layer_loop: str = "auto") -> ModelPair:
-    """The pair at `target` / `drafter`, or the embedded one when both are None, with a
-    KV cache of `kv_memory_mib`, or of what `kv_memory_fraction` of the device memory
-    leaves once the weights are loaded, shared by `caches_per_device` caches."""
+              caches_per_device: int = 1, layer_loop: str = "auto",
+              dtype: str = "auto") -> ModelPair:
+    """The pair at `target` / `drafter` (weights in `dtype`: "auto", "bfloat16" or
+    "float32"), or the embedded one when both are None, with a KV cache of
+    `kv_memory_mib`, or of what `kv_memory_fraction` of the device memory leaves once
+    the weights are loaded, shared by `caches_per_device` caches. The weights are on
+    the device once, in the form the steps read (`device_step_params`)."""
     from drafter.checkpoint import load_dflash
     from drafter.default import load_default
     from models.checkpoint import load_qwen3
@@ -93,12 +101,13 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
                                  f"directory")
         from drafter.inspect import pair_checks
         from models.config import CheckpointError
+        dtype = {"bfloat16": jax.numpy.bfloat16, "float32": jax.numpy.float32}.get(dtype, dtype)
         try:
-            tcfg, target_params = load_qwen3(target)
+            tcfg, target_params = load_qwen3(target, dtype, on_host=True)
         except CheckpointError as e:
             raise SystemExit(f"--target: {e}") from None
         try:
-            dcfg, draft_params = load_dflash(drafter)
+            dcfg, draft_params = load_dflash(drafter, dtype, on_host=True)
         except CheckpointError as e:
             raise SystemExit(f"--drafter: {e}") from None
         if problems := pair_checks(tcfg, dcfg):
@@ -107,10 +116,21 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
         params = {"target": target_params, "draft": draft_params}
         name = Path(target).resolve().name
     tokenizer = checkpoint_tokenizer(target, tcfg.vocab_size)
+    params = device_step_params(params, scans_layers(layer_loop, tcfg, dcfg))
     budget = kv_budget_bytes(kv_memory_mib, kv_memory_fraction, caches_per_device)
     cfg = served_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len,
                              memory_budget_bytes=budget, layer_loop=layer_loop)
     return ModelPair(params, cfg, tokenizer, name)
+
+
+def device_step_params(params: dict, scans: bool) -> dict:
+    """`params` in the form the steps read (`models.layers.step_params`: layers stacked
+    when `scans`, projections fused) on the default device. Host (numpy) weights convert
+    on the host and reach the device once, so it never holds a checkpoint's form beside
+    the step form, and they sit in one piece, below the KV cache allocated after them.
+    Every engine made from the result reads these arrays: an executor leaves step-form
+    weights as they are, so the workers of a pair on one device share one copy."""
+    return jax.device_put(step_params(params, scans))
 
 
 def served_step_config(tcfg, dcfg, **cache):

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from disagg.kv_format import KVFormat, PairMismatch, check_kv_formats
 from disagg.transfer import TransferError
 from disagg.wire import kv_format_from_wire, kv_format_to_wire
 from models.checkpoint import fingerprint
-from models.layers import fused_parts
+from models.layers import FUSED_PROJECTIONS, fused_parts
 
 
 class ModelMismatch(PairMismatch):
@@ -46,7 +48,13 @@ class Weights:
     @classmethod
     def of(cls, params, cfg=None) -> "Weights":
         """Of checkpoint-form `params`, or with `cfg` (their StepConfig) of the step form
-        an engine holds (projections fused): the same weights fingerprint alike."""
+        an engine holds (projections fused): the same weights fingerprint alike. Fused
+        params without `cfg` are refused: their parts' widths are the config's."""
+        if cfg is None and any(getattr(path[-1], "key", None) in FUSED_PROJECTIONS
+                               for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
+            raise ValueError("Weights.of: these params hold fused projections (the step "
+                             "form); give their StepConfig too")
+
         def of_model(name, model_cfg):
             return fingerprint(params[name],
                                fused=fused_parts(model_cfg) if model_cfg is not None else None)

@@ -51,19 +51,22 @@ class PairSource:
     def load(self):
         """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV;
         without the drafter, target KV only)."""
-        from disagg.frontend import kv_budget_bytes, served_step_config
+        from disagg.frontend import device_step_params, kv_budget_bytes, served_step_config
+        from drafter.steps import scans_layers
         from drafter.checkpoint import load_dflash
         from drafter.default import load_default
         from models.checkpoint import load_qwen3
         if self.pair_dir is None:
             params, tcfg, dcfg = load_default()
         else:
-            tcfg, target = load_qwen3(Path(self.pair_dir) / "target")
+            tcfg, target = load_qwen3(Path(self.pair_dir) / "target", "auto", on_host=True)
             params, dcfg = {"target": target}, None
             if self.drafter:
-                dcfg, params["draft"] = load_dflash(Path(self.pair_dir) / "draft")
+                dcfg, params["draft"] = load_dflash(Path(self.pair_dir) / "draft", "auto",
+                                                    on_host=True)
         if not self.drafter:
             params, dcfg = {"target": params["target"]}, None
+        params = device_step_params(params, scans_layers("auto", tcfg, dcfg))
         budget = kv_budget_bytes(self.kv_memory_mib, self.kv_memory_fraction)
         return params, served_step_config(tcfg, dcfg, num_slots=self.num_slots,
                                           max_seq_len=self.max_seq_len,
@@ -238,7 +241,7 @@ def run(args) -> None:
     tokenizer = source.tokenizer(cfg.target.vocab_size)
     try:
         remote = RemoteSource(args.address, KVFormat.of(cfg.spec, mode), mesh=mesh,
-                              weights=Weights.of(params), transfer_host=args.transfer_host,
+                              weights=Weights.of(params, cfg), transfer_host=args.transfer_host,
                               timeout=args.timeout, eos_token_ids=tokenizer.eos_token_ids)
     except (TransferError, PairMismatch) as e:   # each names the peer and the fix
         raise SystemExit(f"serve-remote --role generation: {e}") from None

@@ -90,7 +90,7 @@ class RemoteSource:
     Args:
       address: the context server's control address.
       kv_format: this generation worker's KV format (checked at every handshake).
-      weights: fingerprints of this worker's weights (`Weights.of(params)`); the
+      weights: fingerprints of this worker's weights (`Weights.of(params, cfg)`); the
         context's must match as the KV format's mode needs (disagg.handshake).
       eos_token_ids: this worker's end-of-sequence ids; the context's must be the same.
       mesh: the generation engine's mesh; KV is pulled onto its first device

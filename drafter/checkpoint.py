@@ -119,10 +119,12 @@ def load_dflash_config(path) -> DFlashConfig:
     return dflash_config_from_hf(read_config(file), file)
 
 
-def load_dflash(path, dtype=jnp.float32):
-    """(DFlashConfig, params) from a z-lab DFlash drafter checkpoint directory."""
+def load_dflash(path, dtype=jnp.float32, *, on_host: bool = False):
+    """(DFlashConfig, params) from a z-lab DFlash drafter checkpoint directory
+    (`models.checkpoint.params_from_tensors`' dtype and on_host)."""
     cfg = load_dflash_config(path)
-    return cfg, load_safetensors_params(path, cfg, init_params, dflash_key_map, dtype)
+    return cfg, load_safetensors_params(path, cfg, init_params, dflash_key_map, dtype,
+                                        on_host=on_host)
 
 
 def save_dflash(path, cfg, params, num_shards: int = 1):

@@ -31,6 +31,26 @@ from models.layers import step_params
 from unified_kv import bucket_width, init_state
 
 
+class CacheMemoryError(MemoryError):
+    """The device could not hold a worker's KV cache."""
+
+
+def cache_memory_message(spec, error, device=None) -> str:
+    """What a failed cache allocation says: the pools' sizes, the device's memory in use
+    (where it reports it), and what to change."""
+    sizes = [pool.nbytes for pool in spec.pools]
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    held = (f"; {stats['bytes_in_use'] / 2**30:.2f} of the device's "
+            f"{stats['bytes_limit'] / 2**30:.2f} GiB were in use (weights and other arrays)"
+            if "bytes_limit" in stats else "")
+    return (f"the KV cache does not fit on the device: its {len(sizes)} pools take "
+            f"{sum(sizes) / 2**30:.2f} GiB, the largest {max(sizes) / 2**30:.2f} GiB in one "
+            f"piece{held}. Give it less memory (memory_budget_bytes; serve: --kv-memory-mib "
+            f"or a lower --kv-memory-fraction), fewer slots or a shorter max_seq_len; where "
+            f"enough memory is free but not in one piece, make the engine before other large "
+            f"arrays, or set TF_GPU_ALLOCATOR=cuda_malloc_async. ({str(error)[:300]})")
+
+
 class Executor(KVCalls):
     """Args: params, cfg, mesh (None: the default device), speculative, mode
     ("shared" / "private": which pools an export sends and an import expects),
@@ -43,10 +63,13 @@ class Executor(KVCalls):
         self.cfg, self.spec, self.mesh = cfg, cfg.spec, mesh
         self.transfer_rows = transfer_rows
         self.speculative, self.mode = speculative, mode
+        # The cache first: each pool is one array, so it needs one free block of its
+        # size, which converting the weights below (copies, then frees) would break up.
+        self.state = self._allocate_state()
         # Layers as the steps run them (stacked for a scan, else one dict per layer;
-        # projections fused), converted once: it copies every layer weight.
+        # projections fused), converted once: it copies every layer weight (step-form
+        # weights stay as they are, shared with whoever passed them).
         self.params = self._place(step_params(params, cfg.scans_layers))
-        self.state = self._place_state(init_step_state(cfg, init_state(cfg.spec, mesh=mesh)))
         on_mesh = functools.partial(traced_on_mesh, mesh)
         if cfg.graph_copies < 1:
             raise ValueError(f"graph_copies is {cfg.graph_copies}; it must be at least 1")
@@ -74,6 +97,17 @@ class Executor(KVCalls):
         self._empty_payloads: dict = {}
         self._no_drafts = jax.device_put(np.zeros(self.state.drafts.shape[1:], np.int32),
                                          self._scalar_sharding)
+
+    def _allocate_state(self):
+        """The fresh state, allocated now (not at a later step's first read), or a
+        CacheMemoryError naming the cache's size and what to change."""
+        try:
+            return jax.block_until_ready(self._place_state(
+                init_step_state(self.cfg, init_state(self.spec, mesh=self.mesh))))
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise CacheMemoryError(cache_memory_message(self.spec, e)) from e
 
     def _place(self, params):
         if self.mesh is None:

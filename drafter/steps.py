@@ -123,13 +123,7 @@ class StepConfig:
 
     @property
     def scans_layers(self) -> bool:
-        if self.layer_loop not in ("auto", "scan", "unrolled"):
-            raise ValueError(f"layer_loop {self.layer_loop!r} is unknown; use 'auto', 'scan' "
-                             "or 'unrolled'")
-        if self.layer_loop == "auto":
-            depth = max(self.target.num_layers, self.draft.num_layers if self.draft else 0)
-            return jax.default_backend() != "gpu" or depth > MAX_UNROLLED_GPU_LAYERS
-        return self.layer_loop == "scan"
+        return scans_layers(self.layer_loop, self.target, self.draft)
 
     @property
     def compiler_options(self) -> dict:
@@ -173,6 +167,20 @@ class StepConfig:
                                                 table_width=table_width, scales=scales)
         return build_batch_tables(slot_ids, kv.page_tables, table_width=table_width,
                                   scales=scales, interpret=impl == "interpret")
+
+
+def scans_layers(layer_loop: str, target, draft=None) -> bool:
+    """Whether steps of `layer_loop` ("auto", "scan" or "unrolled") scan the layers of
+    `target` (and `draft`, configs or None): "auto" scans except shallow models on GPUs
+    (MAX_UNROLLED_GPU_LAYERS). Also what form a loader puts the weights in
+    (`models.layers.step_params`) before any StepConfig exists."""
+    if layer_loop not in ("auto", "scan", "unrolled"):
+        raise ValueError(f"layer_loop {layer_loop!r} is unknown; use 'auto', 'scan' or "
+                         "'unrolled'")
+    if layer_loop == "auto":
+        depth = max(target.num_layers, draft.num_layers if draft is not None else 0)
+        return jax.default_backend() != "gpu" or depth > MAX_UNROLLED_GPU_LAYERS
+    return layer_loop == "scan"
 
 
 def matmul_precision_for(params, requested: str = "auto") -> str:

@@ -293,16 +293,29 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
+def stored_dtype(tensors, keys):
+    """The dtype a checkpoint's weights serve in when asked for "auto": bf16 when every
+    tensor of `keys` is stored in bf16 (an 8B model then takes half the memory and
+    reads of f32), else f32."""
+    return (jnp.bfloat16 if all(str(tensors[k].dtype) == "bfloat16" for k in keys if k in tensors)
+            else jnp.float32)
+
+
 def params_from_tensors(tensors, key_map, template, dtype=jnp.float32, *, where=None,
-                        source="checkpoint", tied=None):
+                        source="checkpoint", tied=None, on_host: bool = False):
     """Fill a params pytree shaped like `template` (from init_params/eval_shape).
 
     Refuses a missing key, a wrong shape, NaN / inf, and any tensor the key map
     does not use (all of them listed). `where(key)` names a tensor's file;
     `tied=(head, embed)` accepts a tied checkpoint's redundant head when it
-    equals the embedding.
+    equals the embedding. `dtype` "auto": `stored_dtype`. `on_host`: numpy arrays,
+    for a caller that converts them before they reach a device.
     """
     where = where or (lambda key: None)
+    if isinstance(dtype, str):
+        if dtype != "auto":
+            raise ValueError(f"dtype {dtype!r}: give a dtype or 'auto'")
+        dtype = stored_dtype(tensors, [key for key, _, _ in key_map])
     params = jax.tree.map(lambda _: None, template)
     for key, path, transposed in key_map:
         if key not in tensors:
@@ -319,7 +332,8 @@ def params_from_tensors(tensors, key_map, template, dtype=jnp.float32, *, where=
                                   f"floating point (bf16, f16 or f32): quantized checkpoints "
                                   f"are not supported")
         check_finite(key, tensors[key], file)
-        _set(params, path, jnp.asarray(value, dtype))
+        _set(params, path, np.ascontiguousarray(value, dtype) if on_host
+             else jnp.asarray(value, dtype))
     used = {key for key, _, _ in key_map}
     unused = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
     if tied is not None and tied[0] in unused:
@@ -368,22 +382,26 @@ def write_safetensors(path, tensors: dict[str, np.ndarray], config: dict, num_sh
     write_manifest(path, tensors, params_fingerprint, files)
 
 
-def load_safetensors_params(path, cfg, init_params, key_map, dtype, *, tied=None):
-    """Params for `cfg` from the safetensors of checkpoint directory `path`."""
+def load_safetensors_params(path, cfg, init_params, key_map, dtype, *, tied=None,
+                            on_host: bool = False):
+    """Params for `cfg` from the safetensors of checkpoint directory `path`
+    (`params_from_tensors`' dtype and on_host)."""
     template = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     tensors, sources = read_safetensors_with_files(path)
     return params_from_tensors(tensors, key_map(cfg), template, dtype, where=sources.get,
-                               source=Path(path), tied=tied)
+                               source=Path(path), tied=tied, on_host=on_host)
 
 
-def load_qwen3(path, dtype=jnp.float32):
-    """(Qwen3Config, params) from an HF Qwen3 checkpoint directory."""
+def load_qwen3(path, dtype=jnp.float32, *, on_host: bool = False):
+    """(Qwen3Config, params) from an HF Qwen3 checkpoint directory (`params_from_tensors`'
+    dtype and on_host)."""
     from models.config import load_qwen3_config
     from models.qwen3 import init_params
     cfg = load_qwen3_config(path)
     tied = (("lm_head.weight", "model.embed_tokens.weight") if cfg.tie_word_embeddings
             else None)
-    return cfg, load_safetensors_params(path, cfg, init_params, qwen3_key_map, dtype, tied=tied)
+    return cfg, load_safetensors_params(path, cfg, init_params, qwen3_key_map, dtype, tied=tied,
+                                        on_host=on_host)
 
 
 def save_qwen3(path, cfg, params, num_shards: int = 1):

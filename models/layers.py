@@ -9,7 +9,9 @@ Layers are held in one of two forms, and the form picks how a step runs them:
 Checkpoints and training hold the first. `stack_params` / `unstack_params` turn
 one into the other; executors call `step_params` once at load (StepConfig.layer_loop),
 which also fuses the projections that share an input (q|k|v, gate|up), since
-stacking and fusing copy every weight.
+stacking and fusing copy every weight. Host (numpy) weights convert on the host, so a
+server can put the step form on the device once, in one piece, instead of holding a
+checkpoint's form and its step form there together (`disagg.frontend.device_step_params`).
 
 A layer's static needs are its pool, window, KV dtype and fp8 scales (its *kind*);
 its offset inside the pool is data. `layer_runs` cuts a role's layers into runs
@@ -42,11 +44,16 @@ from unified_kv import CacheSpec, LayerSpec
 MAX_PERIOD = 4  # longest repeating pattern of layer kinds one scan body holds
 
 
+def _xnp(*arrays):
+    """numpy for host arrays (the conversion stays on the host), else jax.numpy."""
+    return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+
+
 def stack_layers(layers) -> dict:
     """Per-layer dicts -> one dict of [num_layers, ...] arrays (already stacked: as is)."""
     if isinstance(layers, dict):
         return layers
-    return jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+    return jax.tree.map(lambda *ws: _xnp(*ws).stack(ws), *layers)
 
 
 def unstack_layers(layers) -> list[dict]:
@@ -84,7 +91,8 @@ def fuse_projections(layer: dict) -> dict:
     out = dict(layer)
     for fused, parts in FUSED_PROJECTIONS.items():
         if all(name in out for name in parts):
-            out[fused] = jnp.concatenate([out.pop(name) for name in parts], axis=-1)
+            ws = [out.pop(name) for name in parts]
+            out[fused] = _xnp(*ws).concatenate(ws, axis=-1)
     return out
 
 

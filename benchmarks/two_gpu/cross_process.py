@@ -48,7 +48,7 @@ def remote_engine(address: str, params, cfg, mesh, timeout: float, **engine_kwar
     from disagg.kv_format import KVFormat
     from disagg.remote import RemoteSource
     from drafter.engine import Engine
-    source = RemoteSource(address, KVFormat.of(cfg.spec, "shared"), weights=Weights.of(params),
+    source = RemoteSource(address, KVFormat.of(cfg.spec, "shared"), weights=Weights.of(params, cfg),
                           mesh=mesh, timeout=timeout)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode="shared",
                   kv_timeout_s=source.engine_timeout_s, **engine_kwargs)

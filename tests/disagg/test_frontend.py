@@ -2,6 +2,7 @@
 `serve --http` as a user runs it: a pair by path, the ready line, --default-max-tokens,
 Ctrl-C, and the persistent compilation cache reused by a fresh process."""
 
+import functools
 import json
 import os
 import re
@@ -458,3 +459,50 @@ def test_a_damaged_or_mismatched_pair_is_refused_in_one_line(tmp_path, damage, w
     with pytest.raises(SystemExit, match=re.escape(words)):
         load_pair(str(pair / "target"), str(pair / "draft"), num_slots=2, max_seq_len=64,
                   kv_memory_mib=16)
+
+
+def test_a_served_pair_holds_its_weights_once_in_the_checkpoints_dtype(tmp_path, monkeypatch):
+    """`load_pair` puts a checkpoint's weights on the device once, in the step form
+    (stacked and fused on the host), and every engine made from the pair reads those
+    arrays: a disaggregated pair on one device holds one copy, not one per worker
+    beside the checkpoint's. `--dtype auto` keeps the stored dtype (bf16 stays bf16,
+    f32 stays f32); an explicit dtype converts."""
+    import jax
+    import jax.numpy as jnp
+
+    from disagg import frontend
+    from disagg.frontend import load_pair, make_engine
+    from disagg.handshake import Weights
+    from drafter.checkpoint import load_dflash, save_dflash
+    from models.checkpoint import load_qwen3, save_qwen3
+    root = copy_pair_with_text(tmp_path / "pair")
+    pair = load_pair(str(root / "target"), str(root / "draft"), num_slots=2, max_seq_len=64,
+                     kv_memory_mib=16)
+    leaves = jax.tree.leaves(pair.params)
+    assert all(isinstance(x, jax.Array) and x.dtype == jnp.float32 for x in leaves)
+    layers = pair.params["target"]["layers"]       # the step form: stacked (CPU), fused
+    assert isinstance(layers, dict) and "qkv" in layers and "q" not in layers
+    monkeypatch.setattr(frontend, "split_meshes", lambda: (None, None))   # one device
+    for mode in ("aggregated", "shared"):
+        engine = make_engine(mode, pair)
+        workers = [engine] + [c.engine for c in getattr(engine.kv_source, "contexts", ())]
+        for worker in workers:
+            held = jax.tree.leaves(worker.executor.params)
+            assert len(held) == len(leaves) and all(a is b for a, b in zip(held, leaves))
+    tcfg, target = load_qwen3(root / "target")
+    dcfg, draft = load_dflash(root / "draft")
+    # a peer's fingerprint of the checkpoint equals the served step form's, given its config
+    assert (Weights.of(pair.params, pair.step_config)
+            == Weights.of({"target": target, "draft": draft}))
+    with pytest.raises(ValueError, match="fused projections .* give their StepConfig"):
+        Weights.of(pair.params)
+    half = tmp_path / "bf16"                       # the same pair stored in bf16
+    shutil.copytree(root, half)
+    to_bf16 = functools.partial(jax.tree.map, lambda x: x.astype(jnp.bfloat16))
+    save_qwen3(half / "target", tcfg, to_bf16(target))
+    save_dflash(half / "draft", dcfg, to_bf16(draft))
+    for dtype, want in (("auto", jnp.bfloat16), ("float32", jnp.float32)):
+        got = load_pair(str(half / "target"), str(half / "draft"), num_slots=2,
+                        max_seq_len=64, kv_memory_mib=16, dtype=dtype)
+        assert {x.dtype for x in jax.tree.leaves(got.params)} == {jnp.dtype(want)}, dtype
+    assert build_parser().parse_args(["serve", "--dtype", "bfloat16"]).dtype == "bfloat16"

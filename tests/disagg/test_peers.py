@@ -35,7 +35,7 @@ MAX_NEW = 8
 @pytest.fixture(scope="module")
 def pair():
     params, cfg = SOURCE.load()
-    return params, cfg, Weights.of(params)
+    return params, cfg, Weights.of(params, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def perturbed(tree):
 def test_different_weights_are_refused_at_connect_naming_both_fingerprints(pair, meshes):
     params, cfg, mine = pair
     other_draft = {"target": params["target"], "draft": perturbed(params["draft"])}
-    theirs = Weights.of(other_draft)
+    theirs = Weights.of(other_draft, cfg)
     assert theirs.target == mine.target and theirs.draft != mine.draft
     with context_server(ContextWorker(other_draft, cfg, mesh=meshes[1]), timeout=10.0) as server:
         start = time.monotonic()

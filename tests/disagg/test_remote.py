@@ -38,7 +38,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def weights(pair):
-    return Weights.of(pair[0])
+    return Weights.of(*pair)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def mesh():
 
 
 def remote_engine(address, cfg, params, mesh, *, mode="shared", timeout=30.0):
-    source = RemoteSource(address, KVFormat.of(cfg.spec, mode), weights=Weights.of(params),
+    source = RemoteSource(address, KVFormat.of(cfg.spec, mode), weights=Weights.of(params, cfg),
                           mesh=mesh, timeout=timeout)
     return Engine(params, cfg, mesh=mesh, kv_source=source, mode=mode,
                   kv_timeout_s=source.engine_timeout_s)

@@ -382,3 +382,27 @@ def test_every_step_call_writes_the_cache_in_place(pair):
         engine.step()
         assert pool_addresses(engine) == pointers
     assert engine.executor.calls["prefill"] >= 3 and engine.executor.calls["decode"] >= 2
+
+
+def test_a_cache_the_device_cannot_hold_fails_at_construction_naming_its_size(monkeypatch):
+    """The cache is allocated when the engine is made (not at its first step's read), and
+    a device out of memory for it raises CacheMemoryError naming the pools' total and
+    largest size and what to change; other runtime errors pass as they are."""
+    from drafter import executor
+    params, cfg, _ = tiny_pair(num_slots=2, max_seq_len=64)
+
+    def out_of_memory(spec, mesh=None):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying "
+                                         "to allocate 23.20GiB")
+    monkeypatch.setattr(executor, "init_state", out_of_memory)
+    total = sum(pool.nbytes for pool in cfg.spec.pools) / 2**30
+    with pytest.raises(executor.CacheMemoryError,
+                       match=rf"pools take {total:.2f} GiB, the largest .* GiB in one piece.*"
+                             r"--kv-memory-mib.*TF_GPU_ALLOCATOR=cuda_malloc_async.*23\.20GiB"):
+        Engine(params, cfg)
+
+    def other_failure(spec, mesh=None):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+    monkeypatch.setattr(executor, "init_state", other_failure)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        Engine(params, cfg)
