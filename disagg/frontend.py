@@ -81,7 +81,7 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
     "float32"), or the embedded one when both are None, with a KV cache of
     `kv_memory_mib`, or of what `kv_memory_fraction` of the device memory leaves once
     the weights are loaded, shared by `caches_per_device` caches. The weights are on
-    the device once, in the form the steps read (`device_step_params`)."""
+    the device once, in the form the steps read (`served_step_params`)."""
     from drafter.checkpoint import load_dflash
     from drafter.default import load_default
     from models.checkpoint import load_qwen3
@@ -116,21 +116,30 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
         params = {"target": target_params, "draft": draft_params}
         name = Path(target).resolve().name
     tokenizer = checkpoint_tokenizer(target, tcfg.vocab_size)
-    params = device_step_params(params, scans_layers(layer_loop, tcfg, dcfg))
-    budget = kv_budget_bytes(kv_memory_mib, kv_memory_fraction, caches_per_device)
+    # One device: the step form goes there once and every worker reads it. Several (a
+    # mesh per worker, split_meshes): it stays on the host and each worker's executor
+    # puts its replica on its own mesh, which the fraction's budget counts.
+    on_device = split_meshes()[0] is None
+    params = served_step_params(params, scans_layers(layer_loop, tcfg, dcfg),
+                                on_device=on_device)
+    budget = kv_budget_bytes(kv_memory_mib, kv_memory_fraction, caches_per_device,
+                             pending_bytes=0 if on_device else
+                             sum(x.nbytes for x in jax.tree.leaves(params)))
     cfg = served_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len,
                              memory_budget_bytes=budget, layer_loop=layer_loop)
     return ModelPair(params, cfg, tokenizer, name)
 
 
-def device_step_params(params: dict, scans: bool) -> dict:
+def served_step_params(params: dict, scans: bool, *, on_device: bool = True) -> dict:
     """`params` in the form the steps read (`models.layers.step_params`: layers stacked
-    when `scans`, projections fused) on the default device. Host (numpy) weights convert
-    on the host and reach the device once, so it never holds a checkpoint's form beside
-    the step form, and they sit in one piece, below the KV cache allocated after them.
-    Every engine made from the result reads these arrays: an executor leaves step-form
-    weights as they are, so the workers of a pair on one device share one copy."""
-    return jax.device_put(step_params(params, scans))
+    when `scans`, projections fused), converted on the host, then put on the default
+    device once (`on_device`; else left on the host for executors to place on their
+    meshes). The device never holds a checkpoint's form beside the step form, and the
+    weights sit in one piece, below the KV cache allocated after them. Every engine made
+    from the result reads these arrays: an executor leaves step-form weights as they
+    are, so the workers of a pair on one device share one copy."""
+    step = step_params(jax.tree.map(np.asarray, params), scans)   # host arrays: no copy
+    return jax.device_put(step) if on_device else step
 
 
 def served_step_config(tcfg, dcfg, **cache):
@@ -156,9 +165,10 @@ def served_step_config(tcfg, dcfg, **cache):
 
 
 def kv_budget_bytes(mib: int | None, fraction: float | None, caches_per_device: int = 1,
-                    device=None) -> int:
+                    device=None, *, pending_bytes: int = 0) -> int:
     """One cache's memory_budget_bytes: `mib` MiB, or `fraction` of `device`'s memory
-    limit less what is in use (the weights), split over `caches_per_device` caches
+    limit less what is in use (the weights) and `pending_bytes` still to come (weights
+    each worker places on its own mesh), split over `caches_per_device` caches
     (neither: DEFAULT_KV_MIB). SystemExit naming the flag when it cannot be met."""
     if mib is not None and fraction is not None:
         raise SystemExit("give --kv-memory-mib or --kv-memory-fraction, not both")
@@ -174,12 +184,13 @@ def kv_budget_bytes(mib: int | None, fraction: float | None, caches_per_device: 
     if "bytes_limit" not in stats:
         raise SystemExit(f"--kv-memory-fraction: {device.platform} device {device.id} does "
                          f"not report its memory; give --kv-memory-mib instead")
-    free = fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    held = stats.get("bytes_in_use", 0) + pending_bytes
+    free = fraction * stats["bytes_limit"] - held
     if free < 1 << 20:
         raise SystemExit(
-            f"--kv-memory-fraction {fraction}: {stats.get('bytes_in_use', 0) / 2**30:.2f} GiB "
-            f"of the device's {stats['bytes_limit'] / 2**30:.2f} GiB are in use already (the "
-            f"weights); raise the fraction or give --kv-memory-mib")
+            f"--kv-memory-fraction {fraction}: {held / 2**30:.2f} GiB of the device's "
+            f"{stats['bytes_limit'] / 2**30:.2f} GiB are taken already (the weights); raise "
+            f"the fraction or give --kv-memory-mib")
     return int(free // caches_per_device)
 
 

@@ -11,7 +11,7 @@ one into the other; executors call `step_params` once at load (StepConfig.layer_
 which also fuses the projections that share an input (q|k|v, gate|up), since
 stacking and fusing copy every weight. Host (numpy) weights convert on the host, so a
 server can put the step form on the device once, in one piece, instead of holding a
-checkpoint's form and its step form there together (`disagg.frontend.device_step_params`).
+checkpoint's form and its step form there together (`disagg.frontend.served_step_params`).
 
 A layer's static needs are its pool, window, KV dtype and fp8 scales (its *kind*);
 its offset inside the pool is data. `layer_runs` cuts a role's layers into runs

@@ -465,10 +465,11 @@ def test_a_served_pair_holds_its_weights_once_in_the_checkpoints_dtype(tmp_path,
     """`load_pair` puts a checkpoint's weights on the device once, in the step form
     (stacked and fused on the host), and every engine made from the pair reads those
     arrays: a disaggregated pair on one device holds one copy, not one per worker
-    beside the checkpoint's. `--dtype auto` keeps the stored dtype (bf16 stays bf16,
+    beside the checkpoint's; on several devices each worker's mesh holds one. `--dtype auto` keeps the stored dtype (bf16 stays bf16,
     f32 stays f32); an explicit dtype converts."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from disagg import frontend
     from disagg.frontend import load_pair, make_engine
@@ -476,13 +477,23 @@ def test_a_served_pair_holds_its_weights_once_in_the_checkpoints_dtype(tmp_path,
     from drafter.checkpoint import load_dflash, save_dflash
     from models.checkpoint import load_qwen3, save_qwen3
     root = copy_pair_with_text(tmp_path / "pair")
-    pair = load_pair(str(root / "target"), str(root / "draft"), num_slots=2, max_seq_len=64,
-                     kv_memory_mib=16)
-    leaves = jax.tree.leaves(pair.params)
-    assert all(isinstance(x, jax.Array) and x.dtype == jnp.float32 for x in leaves)
+    load = functools.partial(load_pair, str(root / "target"), str(root / "draft"),
+                             num_slots=2, max_seq_len=64, kv_memory_mib=16)
+    # several devices (this suite's 4 host devices: a mesh per worker): the step form
+    # stays on the host, and each worker holds one replica, on its own mesh
+    meshes = frontend.split_meshes()
+    assert meshes[0] is not None
+    pair = load()
     layers = pair.params["target"]["layers"]       # the step form: stacked (CPU), fused
     assert isinstance(layers, dict) and "qkv" in layers and "q" not in layers
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(pair.params))
+    engine = make_engine("shared", pair)
+    for worker, mesh in ((engine, meshes[1]), (engine.kv_source.contexts[0].engine, meshes[0])):
+        assert {x.sharding.mesh for x in jax.tree.leaves(worker.executor.params)} == {mesh}
     monkeypatch.setattr(frontend, "split_meshes", lambda: (None, None))   # one device
+    pair = load()
+    leaves = jax.tree.leaves(pair.params)
+    assert all(isinstance(x, jax.Array) and x.dtype == jnp.float32 for x in leaves)
     for mode in ("aggregated", "shared"):
         engine = make_engine(mode, pair)
         workers = [engine] + [c.engine for c in getattr(engine.kv_source, "contexts", ())]

@@ -27,13 +27,15 @@ def test_a_fraction_bounds_the_weights_and_the_caches_together_split_over_the_ca
     assert kv_budget_bytes(None, 0.9, 2, device) == 35 * GIB
     assert kv_budget_bytes(None, None) == DEFAULT_KV_MIB << 20
     assert kv_budget_bytes(300, None) == 300 << 20
+    # weights each worker will place on its own mesh count as if they were there
+    assert kv_budget_bytes(None, 0.9, 1, device, pending_bytes=10 * GIB) == 60 * GIB
 
 
 @pytest.mark.parametrize("mib, fraction, device, match", [
     (100, 0.5, None, "not both"),
     (None, 1.5, None, r"must be in \(0, 1\]"),
     (0, None, None, "positive integer"),
-    (None, 0.5, Device(100 * GIB, 60 * GIB), "in use already"),
+    (None, 0.5, Device(100 * GIB, 60 * GIB), "taken already"),
 ])
 def test_kv_memory_flags_that_cannot_be_met_name_the_flag(mib, fraction, device, match):
     with pytest.raises(SystemExit, match=match):
