@@ -73,11 +73,10 @@ def build_parser():
 
 
 def serve(args) -> None:
-    import jax
-
     from disagg.accounting import page_report
     from disagg.frontend import caches_per_device, load_pair, make_engine, serve_http, warm_up
     from disagg.serving import serve_json_lines
+    from drafter.shapes import param_bytes
     from unified_kv import capacity
     if args.input != "-":   # checked before the minutes of loading and compiling
         if args.http is not None:
@@ -91,7 +90,7 @@ def serve(args) -> None:
                      kv_memory_fraction=args.kv_memory_fraction, layer_loop=args.layer_loop,
                      dtype=args.dtype,
                      caches_per_device=caches_per_device(args.draft_kv))
-    weights = sum(x.nbytes for x in jax.tree.leaves(pair.params))
+    weights = param_bytes(pair.params)
     print(f"serve: weights {weights / 2**30:.2f} GiB; "
           f"{capacity(pair.step_config.spec).describe()}", file=sys.stderr, flush=True)
     try:

@@ -28,6 +28,7 @@ from disagg.sources import disaggregated_engine
 from drafter.engine import Engine
 from drafter.request import SamplingParams
 from drafter.scheduler import row_shapes
+from drafter.shapes import param_bytes
 from drafter.steps import scans_layers
 from drafter.tokenizer import TokenizerError, load_tokenizer
 from models.layers import step_params
@@ -101,7 +102,6 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
                                  f"directory")
         from drafter.inspect import pair_checks
         from models.config import CheckpointError
-        dtype = {"bfloat16": jax.numpy.bfloat16, "float32": jax.numpy.float32}.get(dtype, dtype)
         try:
             tcfg, target_params = load_qwen3(target, dtype, on_host=True)
         except CheckpointError as e:
@@ -123,8 +123,7 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
     params = served_step_params(params, scans_layers(layer_loop, tcfg, dcfg),
                                 on_device=on_device)
     budget = kv_budget_bytes(kv_memory_mib, kv_memory_fraction, caches_per_device,
-                             pending_bytes=0 if on_device else
-                             sum(x.nbytes for x in jax.tree.leaves(params)))
+                             pending_bytes=0 if on_device else param_bytes(params))
     cfg = served_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len,
                              memory_budget_bytes=budget, layer_loop=layer_loop)
     return ModelPair(params, cfg, tokenizer, name)

@@ -52,12 +52,11 @@ class PairSource:
         """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV;
         without the drafter, target KV only). The params are the step form on the host:
         a worker's executor puts its one replica on its mesh (`local_mesh`)."""
-        import jax
-
         from disagg.frontend import kv_budget_bytes, served_step_config, served_step_params
         from drafter.checkpoint import load_dflash
-        from drafter.steps import scans_layers
         from drafter.default import load_default
+        from drafter.shapes import param_bytes
+        from drafter.steps import scans_layers
         from models.checkpoint import load_qwen3
         if self.pair_dir is None:
             params, tcfg, dcfg = load_default()
@@ -70,8 +69,8 @@ class PairSource:
         if not self.drafter:
             params, dcfg = {"target": params["target"]}, None
         params = served_step_params(params, scans_layers("auto", tcfg, dcfg), on_device=False)
-        budget = kv_budget_bytes(self.kv_memory_mib, self.kv_memory_fraction, pending_bytes=sum(
-            x.nbytes for x in jax.tree.leaves(params)))
+        budget = kv_budget_bytes(self.kv_memory_mib, self.kv_memory_fraction,
+                                 pending_bytes=param_bytes(params))
         return params, served_step_config(tcfg, dcfg, num_slots=self.num_slots,
                                           max_seq_len=self.max_seq_len,
                                           memory_budget_bytes=budget)

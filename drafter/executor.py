@@ -35,11 +35,11 @@ class CacheMemoryError(MemoryError):
     """The device could not hold a worker's KV cache."""
 
 
-def cache_memory_message(spec, error, device=None) -> str:
+def cache_memory_message(spec, error) -> str:
     """What a failed cache allocation says: the pools' sizes, the device's memory in use
     (where it reports it), and what to change."""
     sizes = [pool.nbytes for pool in spec.pools]
-    stats = (device or jax.devices()[0]).memory_stats() or {}
+    stats = jax.devices()[0].memory_stats() or {}
     held = (f"; {stats['bytes_in_use'] / 2**30:.2f} of the device's "
             f"{stats['bytes_limit'] / 2**30:.2f} GiB were in use (weights and other arrays)"
             if "bytes_limit" in stats else "")

@@ -308,14 +308,12 @@ def params_from_tensors(tensors, key_map, template, dtype=jnp.float32, *, where=
     Refuses a missing key, a wrong shape, NaN / inf, and any tensor the key map
     does not use (all of them listed). `where(key)` names a tensor's file;
     `tied=(head, embed)` accepts a tied checkpoint's redundant head when it
-    equals the embedding. `dtype` "auto": `stored_dtype`. `on_host`: numpy arrays,
-    for a caller that converts them before they reach a device.
+    equals the embedding. `dtype`: a dtype or its name, or "auto" (`stored_dtype`).
+    `on_host`: numpy arrays, for a caller that converts them before they reach a device.
     """
     where = where or (lambda key: None)
-    if isinstance(dtype, str):
-        if dtype != "auto":
-            raise ValueError(f"dtype {dtype!r}: give a dtype or 'auto'")
-        dtype = stored_dtype(tensors, [key for key, _, _ in key_map])
+    dtype = (stored_dtype(tensors, [key for key, _, _ in key_map]) if dtype == "auto"
+             else jnp.dtype(dtype))
     params = jax.tree.map(lambda _: None, template)
     for key, path, transposed in key_map:
         if key not in tensors:

@@ -465,8 +465,9 @@ def test_a_served_pair_holds_its_weights_once_in_the_checkpoints_dtype(tmp_path,
     """`load_pair` puts a checkpoint's weights on the device once, in the step form
     (stacked and fused on the host), and every engine made from the pair reads those
     arrays: a disaggregated pair on one device holds one copy, not one per worker
-    beside the checkpoint's; on several devices each worker's mesh holds one. `--dtype auto` keeps the stored dtype (bf16 stays bf16,
-    f32 stays f32); an explicit dtype converts."""
+    beside the checkpoint's; on several devices each worker's mesh holds one.
+    `--dtype auto` keeps the stored dtype (bf16 stays bf16, f32 stays f32); an explicit
+    dtype converts."""
     import jax
     import jax.numpy as jnp
     import numpy as np
