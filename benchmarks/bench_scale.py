@@ -39,8 +39,7 @@ from benchmarks.timing import (device_copy_bandwidth, device_matmul_peak, report
                                write_results)
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
-from drafter.shapes import param_bytes, qwen3_8b_pair, random_params
-from models.layers import step_params
+from drafter.shapes import param_bytes, qwen3_8b_pair, random_step_params
 from pallas_kernels import launch_plan
 from drafter.steps import StepConfig
 from disagg.frontend import kv_budget_bytes
@@ -263,7 +262,7 @@ def main(argv=None) -> dict:
     # once, in the form the steps run (the engines then take them as they are)
     probe = step_config(tcfg, dcfg, 1, 1024, args.layer_loop)
     start = time.perf_counter()
-    params = step_params(random_params(tcfg, dcfg), probe.scans_layers)
+    params = random_step_params(tcfg, dcfg, probe.scans_layers)
     jax.block_until_ready(params)
     # progress: a run that stalls before its first row shows where
     print(f"random weights in step form: {time.perf_counter() - start:.1f} s", flush=True)

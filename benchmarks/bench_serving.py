@@ -64,7 +64,7 @@ from disagg.transfer import move_payload
 from drafter.default import default_step_config, load_default, load_prompts
 from drafter.engine import Engine
 from drafter.evaluate import device_rate, prefilled_engine
-from drafter.shapes import qwen3_8b_pair, random_params
+from drafter.shapes import qwen3_8b_pair, random_step_params
 from drafter.steps import CALL_KINDS
 
 GOAL_KEYS = ("disagg_shared_over_aggregated", "disagg_shared_threaded_over_aggregated",
@@ -299,7 +299,6 @@ def main(argv=None) -> dict:
         if not set(args.parts) <= {"demo", "handoff"}:
             ap.error("--pair 8b runs the demo and handoff parts: give --parts demo handoff")
         tcfg, dcfg = qwen3_8b_pair()
-        params = random_params(tcfg, dcfg)
         # 8 slots (the demo's six prompts and the dummy): at 1K contexts the fp8 pool stays
         # under 2^31 elements, which the fused Pallas K/V store addresses
         # (pallas_kernels/rope_store); the handoff's longest prompt sets the context
@@ -307,6 +306,8 @@ def main(argv=None) -> dict:
         context = max(1024, longest if "handoff" in args.parts else 0)
         cfg = dataclasses.replace(scale_step_config(tcfg, dcfg, 7, context),
                                   graph_loops=args.graph_loops, graph_copies=args.graph_copies)
+        # in step form, in one piece below the caches (drafter.shapes.random_step_params)
+        params = random_step_params(tcfg, dcfg, cfg.scans_layers)
     else:
         params, tcfg, dcfg = load_default()
         cfg = default_step_config(tcfg, dcfg, num_slots=4 if args.quick else 16,

@@ -42,8 +42,7 @@ from benchmarks.timing import device_copy_bandwidth
 from drafter.default import default_step_config, load_default
 from drafter.engine import Engine
 from drafter.evaluate import device_rate
-from drafter.shapes import qwen3_8b_pair, random_params
-from models.layers import step_params
+from drafter.shapes import qwen3_8b_pair, random_step_params
 from pallas_kernels import launch_plan
 
 # launches that are the profiler's own or the host's, not the step's kernels
@@ -256,8 +255,7 @@ def load_pair(args):
                                num_draft_layers=5 if args.layers >= 8 else 1,
                                **({"vocab_size": 4096} if args.quick else {}))
     probe = step_config(tcfg, dcfg, args.batch, args.context, args.layer_loop)
-    params = random_params(tcfg, dcfg)
-    params = step_params(params, probe.scans_layers)
+    params = random_step_params(tcfg, dcfg, probe.scans_layers)
     return params, tcfg, dcfg, lambda draft: dataclasses.replace(
         step_config(tcfg, draft, args.batch, args.context, args.layer_loop),
         matmul_precision=args.precision)

@@ -83,50 +83,81 @@ def load_pair(target=None, drafter=None, *, num_slots: int = 4, max_seq_len: int
     `kv_memory_mib`, or of what `kv_memory_fraction` of the device memory leaves once
     the weights are loaded, shared by `caches_per_device` caches. The weights are on
     the device once, in the form the steps read (`served_step_params`)."""
-    from drafter.checkpoint import load_dflash
-    from drafter.default import load_default
-    from models.checkpoint import load_qwen3
     if (target is None) != (drafter is None):
         raise SystemExit("give both --target DIR and --drafter DIR, or neither (the "
                          "embedded pair)")
-    if num_slots < 1 or max_seq_len < 1:
-        raise SystemExit(f"--num-slots and --max-seq-len must be >= 1, got {num_slots}, "
-                         f"{max_seq_len}")
-    if target is None:
-        params, tcfg, dcfg = load_default()
-        name = DEFAULT_MODEL_NAME
-    else:
-        for flag, path in (("--target", target), ("--drafter", drafter)):
-            if not Path(path, "config.json").is_file():
-                raise SystemExit(f"{flag} {path}: no config.json there; give a checkpoint "
-                                 f"directory")
-        from drafter.inspect import pair_checks
-        from models.config import CheckpointError
-        try:
-            tcfg, target_params = load_qwen3(target, dtype, on_host=True)
-        except CheckpointError as e:
-            raise SystemExit(f"--target: {e}") from None
-        try:
-            dcfg, draft_params = load_dflash(drafter, dtype, on_host=True)
-        except CheckpointError as e:
-            raise SystemExit(f"--drafter: {e}") from None
-        if problems := pair_checks(tcfg, dcfg):
-            raise SystemExit(f"--drafter {drafter} does not fit --target {target}: "
-                             f"{'; '.join(problems)}; give the drafter trained for this target")
-        params = {"target": target_params, "draft": draft_params}
-        name = Path(target).resolve().name
+    check_cache_flags(num_slots, max_seq_len)
+    params, tcfg, dcfg = load_weights(target, drafter, dtype)
     tokenizer = checkpoint_tokenizer(target, tcfg.vocab_size)
     # One device: the step form goes there once and every worker reads it. Several (a
     # mesh per worker, split_meshes): it stays on the host and each worker's executor
     # puts its replica on its own mesh, which the fraction's budget counts.
-    on_device = split_meshes()[0] is None
+    params, cfg = served_params_and_config(
+        params, tcfg, dcfg, on_device=split_meshes()[0] is None, num_slots=num_slots,
+        max_seq_len=max_seq_len, kv_memory_mib=kv_memory_mib,
+        kv_memory_fraction=kv_memory_fraction, caches_per_device=caches_per_device,
+        layer_loop=layer_loop)
+    name = DEFAULT_MODEL_NAME if target is None else Path(target).resolve().name
+    return ModelPair(params, cfg, tokenizer, name)
+
+
+def check_cache_flags(num_slots: int, max_seq_len: int) -> None:
+    """SystemExit naming the flags, before any weights load, for a cache of no slots
+    or no length."""
+    if num_slots < 1 or max_seq_len < 1:
+        raise SystemExit(f"--num-slots and --max-seq-len must be >= 1, got {num_slots}, "
+                         f"{max_seq_len}")
+
+
+def load_weights(target=None, drafter=None, dtype: str = "auto", *,
+                 flags: tuple[str, str] = ("--target", "--drafter")):
+    """(params on the host, target config, drafter config): the checkpoints at
+    `target` / `drafter` (drafter None with a target: the target alone, its drafter
+    config None), or the embedded pair when `target` is None. SystemExit naming the
+    `flags` (the command's options for the two paths) when a checkpoint cannot be read
+    or the drafter does not belong to the target."""
+    from drafter.checkpoint import load_dflash
+    from drafter.default import load_default
+    from drafter.inspect import pair_checks
+    from models.checkpoint import load_qwen3
+    from models.config import CheckpointError
+    if target is None:
+        return load_default()
+    for flag, path in zip(flags, (target, drafter)):
+        if path is not None and not Path(path, "config.json").is_file():
+            raise SystemExit(f"{flag} {path}: no config.json there; give a checkpoint "
+                             f"directory")
+    try:
+        tcfg, target_params = load_qwen3(target, dtype, on_host=True)
+    except CheckpointError as e:
+        raise SystemExit(f"{flags[0]} {target}: {e}") from None
+    if drafter is None:
+        return {"target": target_params}, tcfg, None
+    try:
+        dcfg, draft_params = load_dflash(drafter, dtype, on_host=True)
+    except CheckpointError as e:
+        raise SystemExit(f"{flags[1]} {drafter}: {e}") from None
+    if problems := pair_checks(tcfg, dcfg):
+        raise SystemExit(f"{flags[1]} {drafter} does not fit {flags[0]} {target}: "
+                         f"{'; '.join(problems)}; give the drafter trained for this target")
+    return {"target": target_params, "draft": draft_params}, tcfg, dcfg
+
+
+def served_params_and_config(params: dict, tcfg, dcfg, *, on_device: bool, num_slots: int,
+                             max_seq_len: int, kv_memory_mib: int | None,
+                             kv_memory_fraction: float | None, caches_per_device: int = 1,
+                             layer_loop: str = "auto"):
+    """(step-form params, StepConfig) of a served pair: the weights converted once
+    (`served_step_params`; placed on the default device when `on_device`, else left
+    for each executor to put on its mesh), then a default cache sized by the KV flags
+    against the memory the weights leave (`kv_budget_bytes`, `served_step_config`)."""
     params = served_step_params(params, scans_layers(layer_loop, tcfg, dcfg),
                                 on_device=on_device)
     budget = kv_budget_bytes(kv_memory_mib, kv_memory_fraction, caches_per_device,
                              pending_bytes=0 if on_device else param_bytes(params))
-    cfg = served_step_config(tcfg, dcfg, num_slots=num_slots, max_seq_len=max_seq_len,
-                             memory_budget_bytes=budget, layer_loop=layer_loop)
-    return ModelPair(params, cfg, tokenizer, name)
+    return params, served_step_config(tcfg, dcfg, num_slots=num_slots,
+                                      max_seq_len=max_seq_len, memory_budget_bytes=budget,
+                                      layer_loop=layer_loop)
 
 
 def served_step_params(params: dict, scans: bool, *, on_device: bool = True) -> dict:

@@ -52,28 +52,19 @@ class PairSource:
         """(params, StepConfig) with the default cache (fp8 target KV, bf16 draft KV;
         without the drafter, target KV only). The params are the step form on the host:
         a worker's executor puts its one replica on its mesh (`local_mesh`)."""
-        from disagg.frontend import kv_budget_bytes, served_step_config, served_step_params
-        from drafter.checkpoint import load_dflash
-        from drafter.default import load_default
-        from drafter.shapes import param_bytes
-        from drafter.steps import scans_layers
-        from models.checkpoint import load_qwen3
-        if self.pair_dir is None:
-            params, tcfg, dcfg = load_default()
-        else:
-            tcfg, target = load_qwen3(Path(self.pair_dir) / "target", "auto", on_host=True)
-            params, dcfg = {"target": target}, None
-            if self.drafter:
-                dcfg, params["draft"] = load_dflash(Path(self.pair_dir) / "draft", "auto",
-                                                    on_host=True)
+        from disagg.frontend import check_cache_flags, load_weights, served_params_and_config
+        check_cache_flags(self.num_slots, self.max_seq_len)
+        target = drafter = None
+        if self.pair_dir is not None:
+            target = Path(self.pair_dir) / "target"
+            drafter = Path(self.pair_dir) / "draft" if self.drafter else None
+        params, tcfg, dcfg = load_weights(target, drafter, flags=("--pair",) * 2)
         if not self.drafter:
             params, dcfg = {"target": params["target"]}, None
-        params = served_step_params(params, scans_layers("auto", tcfg, dcfg), on_device=False)
-        budget = kv_budget_bytes(self.kv_memory_mib, self.kv_memory_fraction,
-                                 pending_bytes=param_bytes(params))
-        return params, served_step_config(tcfg, dcfg, num_slots=self.num_slots,
-                                          max_seq_len=self.max_seq_len,
-                                          memory_budget_bytes=budget)
+        return served_params_and_config(
+            params, tcfg, dcfg, on_device=False, num_slots=self.num_slots,
+            max_seq_len=self.max_seq_len, kv_memory_mib=self.kv_memory_mib,
+            kv_memory_fraction=self.kv_memory_fraction)
 
     def tokenizer(self, model_vocab_size: int):
         """The target's tokenizer (its tokenizer.json; the embedded pair: bytes), as

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from drafter.dflash import DFlashConfig, init_params as init_draft
+from models.layers import fuse_projections
 from models.qwen3 import Qwen3Config, init_params as init_target
 
 QWEN3_VOCAB = 151_936
@@ -51,17 +52,49 @@ def random_params(tcfg: Qwen3Config, dcfg: DFlashConfig | None, *, seed: int = 0
     return params
 
 
-def _layer_by_layer(init, cfg, key, dtype) -> dict:
-    """`init(cfg, key, dtype)`'s tree, its layers drawn by one program called per layer."""
+def random_step_params(tcfg: Qwen3Config, dcfg: DFlashConfig | None, scan: bool, *,
+                       seed: int = 0, dtype=jnp.bfloat16) -> dict:
+    """`step_params(random_params(...), scan)`, drawn in step form: each layer comes out of
+    its program with its projections fused, and a scan's stacked leaves are allocated
+    whole before any layer and written one layer a call in place (donated). The device
+    never holds the checkpoint form beside the step form, so the weights sit in one
+    piece and a cache allocated after them finds the rest of the memory unbroken."""
+    kt, kd = jax.random.split(jax.random.key(seed))
+    params = {"target": _layer_by_layer(init_target, tcfg, kt, dtype, step_form=True,
+                                        scan=scan)}
+    if dcfg is not None:
+        params["draft"] = _layer_by_layer(init_draft, dcfg, kd, dtype, step_form=True,
+                                          scan=scan)
+    return params
+
+
+def _layer_by_layer(init, cfg, key, dtype, *, step_form: bool = False,
+                    scan: bool = False) -> dict:
+    """`init(cfg, key, dtype)`'s tree, its layers drawn by one program called per layer
+    (`step_form`: each layer fused, and stacked when `scan`, as `step_params` makes them)."""
     k_rest, k_layers = jax.random.split(key)
     # every layer's weights have one shape (windows change only which keys it reads)
     types = getattr(cfg, "layer_types", None)
     one = dataclasses.replace(cfg, num_layers=1, **({"layer_types": types[:1]} if types else {}))
-    one_layer = jax.jit(lambda k: init(one, k, dtype)["layers"][0])
+
+    def draw(k):
+        layer = init(one, k, dtype)["layers"][0]
+        return fuse_projections(layer) if step_form else layer
+
     rest = jax.jit(lambda k: {name: x for name, x in init(one, k, dtype).items()
                               if name != "layers"})
-    return {**rest(k_rest),
-            "layers": [one_layer(k) for k in jax.random.split(k_layers, cfg.num_layers)]}
+    keys = jax.random.split(k_layers, cfg.num_layers)
+    if not scan:
+        one_layer = jax.jit(draw)
+        return {**rest(k_rest), "layers": [one_layer(k) for k in keys]}
+    shapes = jax.eval_shape(draw, keys[0])
+    stacked = jax.jit(lambda: jax.tree.map(
+        lambda s: jnp.zeros((cfg.num_layers, *s.shape), s.dtype), shapes))()
+    put = jax.jit(lambda st, k, i: jax.tree.map(
+        lambda whole, x: whole.at[i].set(x), st, draw(k)), donate_argnums=0)
+    for i, k in enumerate(keys):
+        stacked = put(stacked, k, i)
+    return {**rest(k_rest), "layers": stacked}
 
 
 def param_bytes(tree) -> int:

@@ -1,6 +1,10 @@
 """How much KV memory a worker takes (--kv-memory-mib, --kv-memory-fraction) and the
 line that says what it holds."""
 
+from pathlib import Path
+
+import jax
+import numpy as np
 import pytest
 
 from disagg.__main__ import main
@@ -78,3 +82,23 @@ def test_more_slots_than_the_cache_could_ever_fill_are_refused_before_allocating
     most = int(re.search(r"give --num-slots (\d+)", str(e.value)).group(1))
     assert 1 <= most < 100000
     assert load_pair(num_slots=most, kv_memory_mib=64).step_config.spec.num_slots == most
+
+
+def test_a_process_pair_loads_through_the_served_loader_naming_its_flag(tmp_path):
+    """PairSource reads checkpoints as serve's --target/--drafter do: step form on the
+    host for the worker's mesh, the drafter left out for a target-only context, and
+    errors that name --pair."""
+    from disagg.processes import PairSource
+    pair = Path(__file__).parent.parent / "fixtures" / "copy_pair"
+    params, cfg = PairSource(str(pair), num_slots=2, max_seq_len=64,
+                             kv_memory_mib=8).load()
+    assert set(params) == {"target", "draft"} and cfg.spec.num_slots == 2
+    assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(params))
+    alone, cfg_alone = PairSource(str(pair), num_slots=2, max_seq_len=64, kv_memory_mib=8,
+                                  drafter=False).load()
+    assert set(alone) == {"target"}
+    assert len(cfg_alone.spec.layers) < len(cfg.spec.layers)
+    with pytest.raises(SystemExit, match=r"--pair .*target: no config.json there"):
+        PairSource(str(tmp_path), kv_memory_mib=8).load()
+    with pytest.raises(SystemExit, match="--num-slots and --max-seq-len must be >= 1"):
+        PairSource(str(pair), num_slots=0).load()

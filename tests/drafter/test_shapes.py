@@ -6,7 +6,8 @@ import jax
 import numpy as np
 
 from drafter.dflash import init_params as init_draft
-from drafter.shapes import qwen3_8b_pair, random_params
+from drafter.shapes import qwen3_8b_pair, random_params, random_step_params
+from models.layers import step_params
 from models.qwen3 import init_params as init_target
 
 
@@ -23,3 +24,18 @@ def test_random_params_have_the_init_trees_shapes_and_distinct_layers():
         first, second = ([np.asarray(x, np.float32) for x in jax.tree.leaves(layer)]
                          for layer in got[name]["layers"][:2])
         assert not all(np.array_equal(a, b) for a, b in zip(first, second))  # keys differ
+
+
+def test_random_step_params_are_the_step_form_of_random_params():
+    """Drawn fused (and stacked in place for a scan), the weights equal the step form
+    converted from the checkpoint form, leaf for leaf."""
+    tcfg, dcfg = qwen3_8b_pair(num_target_layers=3, num_draft_layers=2, vocab_size=256)
+    small = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16}
+    tcfg, dcfg = (dataclasses.replace(c, **small) for c in (tcfg, dcfg))
+    for scan in (True, False):
+        want = step_params(random_params(tcfg, dcfg, seed=5), scan)
+        got = random_step_params(tcfg, dcfg, scan, seed=5)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
