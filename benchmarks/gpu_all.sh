@@ -27,6 +27,7 @@
 # scale_lone (not in the default list): the batch-1 8B-shaped steps at 1K, then one
 # speculative request on a 33-slot engine with decode calls padded to its rows beside a
 # row per slot, into scale_lone.json.
+# scale_b32_8k (not in the default list): batch 32 x 8K prompts, into scale_b32_8k.json.
 # scale_batches, scale_32k (not in the default list): the 8B-shaped steps at batches 8 and
 # 64 (1K), and at 32K contexts for batches 1 and 8, into scale_batches.json and
 # scale_32k.json (a run cut at its limit keeps the rows it finished).
@@ -93,7 +94,7 @@ OUT=${OUT:-benchmarks/results}
 stages=() bench_args=()
 for a in "$@"; do
   case $a in
-    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|scale_lone|serving_process|scale_batches|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_target|train_draft|eval_candidate)
+    tests|lossless|attention|attention_b16|serving_8b|graph_loops_serving|graph_loops_scale|scale_b1|scale_lone|serving_process|scale_batches|scale_b32_8k|scale_32k|attention_small|decode|eval|transfer|serving|serving_profile|handoff_timeline|graph_records|graph_copies|graph_calls|engine|load|scale|scale_unroll|scale_splits|scale_long|scale_profile|two_gpu|two_gpu_e2e|two_gpu_scale|train_target|train_draft|eval_candidate)
       stages+=("$a") ;;
     *) bench_args+=("$a") ;;
   esac
@@ -333,6 +334,11 @@ for stage in "${stages[@]}"; do
     scale_batches)
       run 560 scale_batches python3 benchmarks/bench_scale.py --out "$OUT" --batches 8 64 \
         --layer-loop scan --steps 8 --tag _batches ;;
+    scale_b32_8k)
+      # batch 32 x 8K prompts: the weights drawn in step form, in one piece below a 23 GiB
+      # cache (an H100 held both only that way), then batched 8K prefill and the steps
+      run 560 scale_b32_8k python3 benchmarks/bench_scale.py --out "$OUT" --batches 32 \
+        --contexts 8192 --layer-loop scan --steps 8 --tag _b32_8k ;;
     scale_32k)
       run 560 scale_32k python3 benchmarks/bench_scale.py --out "$OUT" --batches 1 8 \
         --contexts 32768 --layer-loop scan --steps 8 --tag _32k ;;
