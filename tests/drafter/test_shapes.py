@@ -27,15 +27,19 @@ def test_random_params_have_the_init_trees_shapes_and_distinct_layers():
 
 
 def test_random_step_params_are_the_step_form_of_random_params():
-    """Drawn fused (and stacked in place for a scan), the weights equal the step form
-    converted from the checkpoint form, leaf for leaf."""
+    """Drawn fused and stacked in place for a scan, the weights equal the step form
+    converted from the checkpoint form, leaf for leaf (the unrolled form draws each layer
+    with the same fused program, one layer a list entry)."""
     tcfg, dcfg = qwen3_8b_pair(num_target_layers=3, num_draft_layers=2, vocab_size=256)
     small = {"hidden_size": 64, "intermediate_size": 96, "head_dim": 16}
     tcfg, dcfg = (dataclasses.replace(c, **small) for c in (tcfg, dcfg))
-    for scan in (True, False):
-        want = step_params(random_params(tcfg, dcfg, seed=5), scan)
-        got = random_step_params(tcfg, dcfg, scan, seed=5)
-        assert jax.tree.structure(got) == jax.tree.structure(want)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            assert a.shape == b.shape and a.dtype == b.dtype
-            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    want = step_params(random_params(tcfg, dcfg, seed=5), True)
+    got = random_step_params(tcfg, dcfg, True, seed=5)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # unrolled: the same tree of per-layer dicts (traced, not compiled)
+    unrolled = jax.eval_shape(lambda: random_step_params(tcfg, dcfg, False, seed=5))
+    assert unrolled == jax.eval_shape(lambda: step_params(random_params(tcfg, dcfg), False))
+    assert len(unrolled["target"]["layers"]) == 3
