@@ -6,7 +6,9 @@ A step call of the embedded pair takes about 110 arrays (93 weights, 15 of state
 packed batch). This times a call doing almost nothing on the device (each input's first
 element summed) that takes 1 to 256 small arrays, each passed as is or donated and
 returned, and reports host microseconds per call (dispatch alone, and dispatch to a
-finished call) beside the 1-array call of the same run. Writes dispatch.json.
+finished call) beside the 1-array call of the same run; and a call that reads one array
+and returns 1 to 256 fresh ones (an export call returns six a request). Writes
+dispatch.json.
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ def _donated(n: int, calls: int) -> tuple[float, float]:
     return _timed(call, calls)
 
 
+def _outputs(n: int, calls: int) -> tuple[float, float]:
+    """A call that reads one array and returns n new ones (each a buffer of its own)."""
+    x = jnp.zeros((256,), jnp.float32)
+    fn = jax.jit(lambda a: tuple(a + i for i in range(n)))
+    jax.block_until_ready(fn(x))
+    return _timed(lambda: fn(x), calls)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -71,13 +81,16 @@ def main(argv=None) -> None:
     rows = []
     for n in args.counts:
         read, donated = _read(n, args.calls), _donated(n, args.calls)
+        made = _outputs(n, args.calls)
         rows.append(dict(arrays=n, read_dispatch_us=read[0], read_finished_us=read[1],
-                         donated_dispatch_us=donated[0], donated_finished_us=donated[1]))
+                         donated_dispatch_us=donated[0], donated_finished_us=donated[1],
+                         outputs_dispatch_us=made[0], outputs_finished_us=made[1]))
         print(f"{n:4d} arrays: read {read[0]:7.1f} us to return, {read[1]:7.1f} us to done; "
-              f"donated {donated[0]:7.1f} / {donated[1]:7.1f} us", flush=True)
+              f"donated {donated[0]:7.1f} / {donated[1]:7.1f} us; returned "
+              f"{made[0]:7.1f} / {made[1]:7.1f} us", flush=True)
     base = rows[0]
     for row in rows:
-        for key in ("read_dispatch_us", "donated_dispatch_us"):
+        for key in ("read_dispatch_us", "donated_dispatch_us", "outputs_dispatch_us"):
             row[key.replace("_us", "_over_one_array")] = row[key] / base[key]
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, calls=args.calls,
                   rows=rows)

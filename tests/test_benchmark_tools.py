@@ -86,3 +86,4 @@ def test_dispatch_costs_are_reported_per_array_count_beside_one_array(tmp_path):
     assert rows[0]["read_dispatch_over_one_array"] == 1.0
     # 256 arrays cost more host time to pass than one, on any backend
     assert rows[1]["donated_dispatch_us"] > rows[0]["donated_dispatch_us"]
+    assert rows[1]["outputs_dispatch_us"] > rows[0]["outputs_dispatch_us"]
