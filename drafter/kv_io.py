@@ -154,16 +154,20 @@ def export_step(state: StepState, index, *, pool_ids: tuple[int, ...],
       drafts: i32[block_size - 1] (the slot's anchor and draft block, which its
       prefill's last chunk set)).
     """
-    kv, out = state.kv, []
-    for row in index:
-        slot, *logical_pages = _split(row, (1, *buckets))
-        slot = slot[0]
-        buffers = tuple(from_byte_view(jnp.take(
-            byte_view(kv.pools[i]), _physical(kv.page_tables[i][slot], logical), axis=1),
-            kv.pools[i].dtype) for i, logical in zip(pool_ids, logical_pages))
-        out.append((buffers, jnp.stack([checksum_of(b) for b in buffers]),
-                    state.anchors[slot], state.drafts[slot]))
-    return tuple(out)
+    # One gather and one checksum reduction a pool for every row (the call's kernels, which
+    # bound its host launch time, do not grow with its rows), then each row's share.
+    kv, slots = state.kv, index[:, 0]
+    gathered, sums = [], []
+    for i, logical in zip(pool_ids, _split(index[:, 1:].T, buckets)):      # [n, R]
+        pages = jax.vmap(_physical, in_axes=(0, 1))(kv.page_tables[i][slots], logical)
+        g = jnp.take(byte_view(kv.pools[i]), pages.reshape(-1), axis=1)
+        g = from_byte_view(g.reshape(g.shape[0], len(slots), -1, *g.shape[2:]),
+                           kv.pools[i].dtype)                               # [H, R, n, ...]
+        gathered.append(g)
+        sums.append(jax.vmap(checksum_of, in_axes=1)(g))
+    sums = jnp.stack(sums, axis=1)
+    return tuple((tuple(g[:, r] for g in gathered), sums[r], state.anchors[slot],
+                  state.drafts[slot]) for r, slot in enumerate(slots))
 
 
 def _pages_match(row, logical, num_pages: int):
@@ -198,8 +202,8 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
     buckets = tuple(b.shape[1] for b in payloads[0][2])
     rows = index[spec.num_slots:].reshape(len(payloads), 3 + sum(buckets))
     state = empty_slots(cfg, state, index[:spec.num_slots])
-    # Every row at once (one allocation, one release): the call's kernels, which bound
-    # its host launch time, grow with its rows only by their scatters and checksums.
+    # Every row at once (one allocation, one checksum and one scatter a pool): the call's
+    # kernels, which bound its host launch time, do not grow with its rows.
     ids, target_lens, draft_ctx_lens = rows[:, 0], rows[:, 1], rows[:, 2]
     logical_pages = dict(zip(pool_ids, _split(rows[:, 3:].T, buckets)))  # pool -> [n, R]
     real = ids != spec.dummy_slot
@@ -212,19 +216,24 @@ def import_step(state: StepState, index, payloads, *, cfg: StepConfig,
     for i, logical in logical_pages.items():
         ok &= jax.vmap(_pages_match, in_axes=(0, 1, None))(
             kv.page_tables[i][ids], logical, spec.pools[i].max_pages_per_seq)
-    ok &= jnp.stack([jnp.all(jnp.stack([checksum_of(b) for b in buffers]) == sums)
-                     for _, _, buffers, sums in payloads])
+    # Per sent pool, every row's buffer side by side ([H, R, n, L, 2, ps, D]): one checksum
+    # reduction and one scatter a pool, however many rows the call takes.
+    received = {i: jnp.stack([buffers[k] for _, _, buffers, _ in payloads], axis=1)
+                for k, i in enumerate(pool_ids)}
+    sent_sums = jnp.stack([sums for _, _, _, sums in payloads])      # [R, len(pool_ids)]
+    ok &= jnp.all(jnp.stack([jax.vmap(checksum_of, in_axes=1)(received[i]) for i in pool_ids],
+                            axis=1) == sent_sums, axis=1)
     pools = [byte_view(x) for x in kv.pools]   # moved as bytes (pool_layout.byte_view)
     for pool in spec.pools:
         i = pool.pool_id
         table_rows = kv.page_tables[i][ids]
         if i in pool_ids:
-            for r, (_, _, buffers, _) in enumerate(payloads):
-                logical = logical_pages[i][:, r]
-                pages = jnp.where((logical >= 0) & ok[r], _physical(table_rows[r], logical),
-                                  pool.num_pages)
-                pools[i] = pools[i].at[:, pages].set(byte_view(
-                    buffers[pool_ids.index(i)].astype(kv.pools[i].dtype)), mode="drop")
+            logical = logical_pages[i].T                                   # [R, n]
+            pages = jnp.where((logical >= 0) & ok[:, None],
+                              jax.vmap(_physical)(table_rows, logical), pool.num_pages)
+            updates = byte_view(received[i].astype(kv.pools[i].dtype))
+            pools[i] = pools[i].at[:, pages.reshape(-1)].set(
+                updates.reshape(updates.shape[0], -1, *updates.shape[3:]), mode="drop")
         draft_offsets = [o for o, name in enumerate(pool.layer_names)
                          if spec.layer(name).role == "draft"]
         if mode == "private" and draft_offsets:  # the drafter starts without the prompt

@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -453,3 +454,43 @@ def test_export_and_import_calls_keep_each_cache_in_place(pair):
             receiver.step()
             assert pool_addresses(receiver) == received
         assert sender.executor.calls["export"] >= 1 and receiver.executor.calls["import"] >= 1
+
+
+def _primitive_counts(jaxpr, names=("gather", "scatter", "reduce_sum")) -> dict:
+    """How often each primitive of `names` appears in a jaxpr, its sub-jaxprs included."""
+    counts = dict.fromkeys(names, 0)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in counts:
+            counts[eqn.primitive.name] += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for k, v in _primitive_counts(sub, names).items():
+                counts[k] += v
+    return counts
+
+
+def test_a_transfer_calls_gathers_scatters_and_checksums_do_not_grow_with_its_rows(pair):
+    """An export call gathers and sums each sent pool once for all its rows, and an import
+    call sums and scatters each once: the kernels a call launches (its host launch time)
+    stay the same from 1 row to 4."""
+    params, cfg, _ = pair
+    sender = Engine(params, cfg, export=True, speculative=False)
+    sender.add_request("r", list(range(1, 41)), 4)
+    (export,) = _exports(sender, 1)
+    payload, dummy = export.payload, cfg.spec.dummy_slot
+    buckets = tuple(len(p) for p in payload.logical_pages)
+    row = (payload.first_token, payload.drafts, payload.buffers, payload.checksums)
+    counts = {}
+    for n in (1, 4):
+        sent = jax.make_jaxpr(lambda s, i: export_step(
+            s, i, pool_ids=payload.pool_ids, buckets=buckets))(
+                sender.state, pack_export_index([(dummy, payload.logical_pages)] * n))
+        index = pack_import_index(np.full(cfg.spec.num_slots, dummy, np.int32), [
+            (dummy, payload.target_len, payload.draft_ctx_len, payload.logical_pages)] * n)
+        received = jax.make_jaxpr(lambda s, i, p: import_step(
+            s, i, p, cfg=cfg, pool_ids=payload.pool_ids, mode="shared"))(
+                sender.state, index, (row,) * n)
+        counts[n] = (_primitive_counts(sent.jaxpr), _primitive_counts(received.jaxpr))
+    assert counts[4] == counts[1], counts
+    assert counts[1][0]["gather"] >= len(payload.pool_ids)
+    assert counts[1][1]["scatter"] >= len(payload.pool_ids)
+    sender.run()
