@@ -35,7 +35,8 @@ this machine's first device (as the demo does on one GPU). Parts:
             `compiles` lists what the stream still compiled (nothing, when the
             warm-up covers every shape the stream runs).
 
-Writes serving.json (keys in `GOAL_KEYS` first). `--pair 8b` runs the demo and handoff
+Writes serving.json (keys in `GOAL_KEYS` first; `host_launch_us`, a trivial call's launch on
+this host, beside them). `--pair 8b` runs the demo and handoff
 parts on the Qwen3-8B-shaped pair of benchmarks/bench_scale.py (random weights:
 acceptance stays near 1, so every request decodes about one token a step) and writes
 serving_8b.json: how much of the small pair's host-bound gap is left when steps take a
@@ -66,6 +67,7 @@ from drafter.engine import Engine
 from drafter.evaluate import device_rate, prefilled_engine
 from drafter.shapes import qwen3_8b_pair, random_step_params
 from drafter.steps import CALL_KINDS
+from drafter.timing import host_cpu, launch_us
 
 GOAL_KEYS = ("disagg_shared_over_aggregated", "disagg_shared_threaded_over_aggregated",
              "handoff_overhead_ms_p50", "engine_over_device_b1", "engine_over_device_b16",
@@ -319,7 +321,11 @@ def main(argv=None) -> dict:
     report = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()),
               "pair": args.pair,
               "graph_loops": args.graph_loops, "graph_copies": args.graph_copies,
-              "graph_calls": list(cfg.graph_calls)}
+              "graph_calls": list(cfg.graph_calls),
+              # the host's fixed cost a call, beside which the host-bound ratios are read
+              "host_launch_us": launch_us()}
+    print(f"host: {report['host_launch_us']:.1f} us to launch a trivial jitted call "
+          f"({host_cpu()})", flush=True)
     if args.quick:
         short = [q["tokens"][:40] for q in held_out[:4]]
         demo_tokens, handoff_prompts, load_prompts_ = short, {24: short[0][:24]}, short

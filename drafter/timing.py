@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import statistics
 import time
 
 import jax
@@ -38,6 +40,37 @@ def time_step_loop(step, params, state, *, steps: int, repeats: int, donate: boo
 
 
 def machine() -> dict:
+    """What a figure was measured on: the device, and the host that drives it (a serving
+    figure bound by host launches follows the host's CPU as much as the device)."""
     dev = jax.devices()[0]
     return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-            "host": platform.node()}
+            "host": platform.node(), "cpu": host_cpu(), "cpus": os.cpu_count()}
+
+
+def host_cpu() -> str:
+    """The host CPU's model name ("unknown" where the OS does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def launch_us(calls: int = 200) -> float:
+    """Host microseconds to launch a jitted call that reads one small array and does
+    almost nothing (median of 5 runs of `calls`): the fixed cost of every call on this
+    host and device, beside which host-bound figures are read."""
+    x = jax.numpy.zeros((256,), jax.numpy.float32)
+    fn = jax.jit(lambda a: a[0] + 1)
+    jax.block_until_ready(fn(x))
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(x)
+        runs.append((time.perf_counter() - start) / calls * 1e6)
+        jax.block_until_ready(out)
+    return statistics.median(runs)

@@ -87,3 +87,12 @@ def test_dispatch_costs_are_reported_per_array_count_beside_one_array(tmp_path):
     # 256 arrays cost more host time to pass than one, on any backend
     assert rows[1]["donated_dispatch_us"] > rows[0]["donated_dispatch_us"]
     assert rows[1]["outputs_dispatch_us"] > rows[0]["outputs_dispatch_us"]
+
+
+def test_a_machine_record_names_the_host_cpu_and_a_calls_launch_cost_is_measured():
+    """Host-bound figures (serving on one GPU) follow the host: every results file names
+    its CPU, and bench_serving records a trivial call's launch time in the same run."""
+    from drafter import timing
+    record = timing.machine()
+    assert record["cpu"] and record["cpu"] != "unknown" and record["cpus"] >= 1
+    assert 0 < timing.launch_us(calls=20) < 100_000
