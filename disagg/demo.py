@@ -10,7 +10,9 @@ and, with --json, written:
   * per prompt length: AL aggregated / shared / private and the loss private
     mode costs (the loss the shared draft KV removes);
   * the KV memory of each pool; whether shared output equals aggregated
-    (it must: the demo fails otherwise).
+    (it must: the demo fails otherwise);
+  * the host's CPU and what a jitted call costs it to launch: the small pair's
+    tok/s, and the disaggregated-over-aggregated ratio, follow the host.
 
 On a CPU the attention kernels run in Pallas interpret mode: times there say
 nothing about a GPU's, and long prompts are slow, so prompts are limited to
@@ -28,6 +30,7 @@ import numpy as np
 
 from disagg.frontend import DEFAULT_MODEL_NAME, MODES, ModelPair, make_engine
 from drafter.default import load_prompts
+from drafter.timing import host_cpu, launch_us
 from unified_kv import bytes_per_pool
 
 CPU_MAX_PROMPT_LEN = 512
@@ -54,7 +57,9 @@ class DemoConfig:
                    args.move_path, args.json)
 
 
-def explanation(block_size: int, on_cpu: bool, limit_note: str | None) -> list[str]:
+def explanation(block_size: int, on_cpu: bool, limit_note: str | None,
+                host: dict | None = None) -> list[str]:
+    """The demo's explanation lines. `host`: {"cpu", "launch_us"} of this run (`run_demo`)."""
     lines = [
         f"AL (acceptance length): tokens a request keeps per decode step (the drafter's "
         f"accepted tokens + 1 from the target). 1.0 = no draft accepted; best = "
@@ -77,6 +82,13 @@ def explanation(block_size: int, on_cpu: bool, limit_note: str | None) -> list[s
         lines.append("CPU: attention runs in Pallas interpret mode, so tok/s and TTFT here "
                      "say nothing about GPU speed; AL, tokens and bytes are the same on any "
                      "device.")
+    elif host:
+        lines.append(f"GPU: a small pair's steps are short, so tok/s follows the host as "
+                     f"much as the GPU: each jitted call costs the host about "
+                     f"{host['launch_us']:.0f} us to launch here ({host['cpu']}), and "
+                     f"disagg-shared runs two engines' loops on it where aggregated runs one; "
+                     f"its tok/s ratio to aggregated differs from host to host (BENCHMARKS.md, "
+                     f"Serving).")
     if limit_note:
         lines.append(limit_note)
     return lines
@@ -155,6 +167,7 @@ def run_demo(pair: ModelPair, cfg: DemoConfig, log=print) -> dict:
         f"held-out prompts of {sorted(set(lengths))} tokens, {cfg.max_new_tokens} new tokens "
         f"each, {cfg.repeats} timed runs per mode")
     rows = [run_mode(mode, pair, prompts, cfg, log) for mode in MODES]
+    host = {"cpu": host_cpu(), "launch_us": launch_us()}
     pools = [{"pool": p.pool_id, "kv_dtype": p.kv_dtype, "window": p.sliding_window,
               "layers": list(p.layer_names), "MiB": b / 2**20}
              for p, b in zip(step_cfg.spec.pools, bytes_per_pool(step_cfg.spec).values())]
@@ -167,8 +180,8 @@ def run_demo(pair: ModelPair, cfg: DemoConfig, log=print) -> dict:
             "max_new_tokens": cfg.max_new_tokens, "model": pair.name,
             "device": {"platform": jax.default_backend(), "count": len(jax.devices()),
                        "kind": jax.devices()[0].device_kind},
-            "prompts_left_out": note,
-            "explanation": explanation(step_cfg.block_size, on_cpu, note)}
+            "prompts_left_out": note, "host": host,
+            "explanation": explanation(step_cfg.block_size, on_cpu, note, host)}
 
 
 def print_table(report: dict) -> None:

@@ -3,8 +3,8 @@
 Loads the shipped byte-level code model and its DFlash drafter, builds the
 unified cache (fp8 target pools, bf16 draft pool), generates for held-out
 prompts with the drafter and without, checks the outputs match, and prints
-acceptance length and tokens/s. (The disaggregated serving demo will take
-this place once `disagg` lands.)
+acceptance length and tokens/s. The disaggregated serving demo is
+`python -m disagg demo`.
 """
 
 from __future__ import annotations

@@ -43,8 +43,19 @@ def test_demo_writes_the_table_and_explains_it(tmp_path, capsys):
     assert "best = 8" in text and "higher is better" in text
     assert "python -m drafter.evaluate` measures that over 16 held-out prompts" in text
     assert "tok/s: generated tokens per wall-clock second" in text
+    assert report["host"]["cpu"] and report["host"]["launch_us"] > 0
     assert "CPU: attention runs in Pallas interpret mode" in text
     assert "programs compiled" in text
+
+
+def test_the_demo_says_on_a_gpu_that_its_tok_s_follows_the_host():
+    from disagg.demo import explanation
+    host = {"cpu": "Some CPU", "launch_us": 41.7}
+    gpu = explanation(8, on_cpu=False, limit_note=None, host=host)
+    assert any("42 us to launch here (Some CPU)" in line and "follows the host" in line
+               for line in gpu)
+    cpu = explanation(8, on_cpu=True, limit_note=None, host=host)
+    assert not any("follows the host" in line for line in cpu)
 
 
 BAD_LINES = [
