@@ -9,11 +9,13 @@ _CPU_ONLY = os.environ.get("JAX_PLATFORMS") == "cpu" or not any(
 # Where jax can only run on the CPU, its programs are compiled without LLVM's
 # optimisation (-O0): compiling is most of the suite's time, and a step program compiles
 # in about 2.4 s at -O0 against 3.4 s at -O1 (tests/disagg/test_disagg.py with
-# tests/drafter/test_kv_io.py: 328 s against 442 s), though its code runs slower. Not on
-# a GPU machine: its kernels and timings keep the default. Child processes
-# (tests/disagg) inherit the flags.
+# tests/drafter/test_kv_io.py: 328 s against 442 s), though its code runs slower. LLVM's
+# expensive passes are off too (tests/drafter/test_lossless.py 71 s against 75 s,
+# test_engine_sampling.py 79 s against 83 s). Not on a GPU machine: its kernels and
+# timings keep the default. Child processes (tests/disagg) inherit the flags.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4" + (
-    " --xla_backend_optimization_level=0" if _CPU_ONLY else ""))
+    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    if _CPU_ONLY else ""))
 # One persistent compilation cache for the run, shared by both xdist workers and the
 # child processes: each test module drops its compiled programs when it ends (below),
 # and many modules (and children) compile the same steps again.
