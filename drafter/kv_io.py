@@ -165,9 +165,9 @@ def export_step(state: StepState, index, *, pool_ids: tuple[int, ...],
                            kv.pools[i].dtype)                               # [H, R, n, ...]
         gathered.append(g)
         sums.append(jax.vmap(checksum_of, in_axes=1)(g))
-    sums = jnp.stack(sums, axis=1)
-    return tuple((tuple(g[:, r] for g in gathered), sums[r], state.anchors[slot],
-                  state.drafts[slot]) for r, slot in enumerate(slots))
+    sums, anchors, drafts = jnp.stack(sums, axis=1), state.anchors[slots], state.drafts[slots]
+    return tuple((tuple(g[:, r] for g in gathered), sums[r], anchors[r], drafts[r])
+                 for r in range(len(slots)))
 
 
 def _pages_match(row, logical, num_pages: int):
