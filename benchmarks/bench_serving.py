@@ -35,9 +35,9 @@ this machine's first device (as the demo does on one GPU). Parts:
             `compiles` lists what the stream still compiled (nothing, when the
             warm-up covers every shape the stream runs).
 
-Writes serving.json (keys in `GOAL_KEYS` first; `host_launch_us`, a trivial call's launch on
-this host, beside them). `--pair 8b` runs the demo and handoff
-parts on the Qwen3-8B-shaped pair of benchmarks/bench_scale.py (random weights:
+Writes serving.json (keys in `GOAL_KEYS` first; `host_launch_us`, a trivial call's launch
+on this host, beside them). `--pair 8b` runs the demo and handoff parts on the
+Qwen3-8B-shaped pair of benchmarks/bench_scale.py (random weights:
 acceptance stays near 1, so every request decodes about one token a step) and writes
 serving_8b.json: how much of the small pair's host-bound gap is left when steps take a
 real model's time.
